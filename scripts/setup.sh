@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv if missing and installs everything the project needs into it.
+# torch is pinned to 2.13.0 here on purpose: on these machines a CPU wheel of exactly that
+# version lies on local disk, while an unpinned torch would pull a multi-GB CUDA build.
+# (The package itself declares torch>=2.13 so cluster users keep their own CUDA build.)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$py" -m venv .venv
+fi
+stamp=.venv/.credit-parallel-installed
+want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet torch==2.13.0 numpy
+    .venv/bin/python -m pip install --quiet -e ".[dev]"
+    echo "$want" > "$stamp"
+fi

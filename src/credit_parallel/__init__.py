@@ -1,0 +1,69 @@
+"""credit-parallel: exact data, tensor and domain (latitude) parallelism for weather models.
+
+Every public name is importable from here.  Names are resolved lazily (PEP 562) so that
+``import credit_parallel`` stays cheap and the layers below never import the layers above.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    # configuration, layout, mesh
+    "parse_parallelism_conf": "config",
+    "load_config": "config",
+    "ParallelDims": "config",
+    "RankLayout": "layout",
+    "build_device_mesh": "mesh",
+    "dp_world_size": "mesh",
+    "data_parallel_coords": "mesh",
+    # domain parallelism
+    "DomainParallelManager": "domain.manager",
+    "initialize_domain_parallel": "domain.manager",
+    "get_domain_parallel_manager": "domain.manager",
+    "HaloExchange": "domain.exchange",
+    "DomainParallelConv2d": "domain.conv",
+    "DomainParallelConv3d": "domain.conv",
+    "DomainParallelConvTranspose2d": "domain.conv",
+    "DomainParallelConvTranspose3d": "domain.conv",
+    "DomainParallelPeriodicConv2d": "domain.conv",
+    "DomainParallelGroupNorm": "domain.norm",
+    "DomainParallelInterpolate": "domain.resample",
+    "DomainParallelPixelShuffle": "domain.resample",
+    "DomainParallelPixelUnshuffle": "domain.resample",
+    "DomainParallelPad": "domain.padding",
+    "convert_to_domain_parallel": "domain.convert",
+    "validate_sharding_constraints": "domain.convert",
+    "shard_tensor": "domain.sharding",
+    "gather_tensor": "domain.sharding",
+    "shard_batch": "domain.sharding",
+    "shard_spatial": "domain.sharding",
+    "unpad_shard_interp": "domain.sharding",
+    # tensor parallel, data parallel, collectives, composition
+    "apply_tensor_parallel": "tensor_parallel",
+    "apply_fsdp2": "fsdp",
+    "apply_ddp": "fsdp",
+    "allreduce_grads_avg": "collectives",
+    "sync_domain_gradients": "collectives",
+    "clip_grad_norm_": "collectives",
+    "parallelize": "parallelize",
+    "get_domain_manager": "parallelize",
+    "get_raw_model": "parallelize",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'credit_parallel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
