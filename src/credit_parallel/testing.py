@@ -26,7 +26,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-__all__ = ["RankFailure", "fake_process_group", "free_port", "run_on_ranks"]
+__all__ = [
+    "RankFailure",
+    "assert_parity",
+    "domain_parity_errors",
+    "fake_process_group",
+    "free_port",
+    "run_on_ranks",
+]
 
 
 class RankFailure(RuntimeError):
@@ -164,3 +171,100 @@ def fake_process_group(rank: int, world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def _as_tuple(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
+def domain_parity_errors(
+    build, inputs, manager, *, convert=None, dim: int = -2, seed: int = 0, grad_seed: int = 1234
+):
+    """Compare a domain-parallel copy of ``build()`` with the single-process module, on this rank.
+
+    ``inputs``: the GLOBAL input tensor (or a tuple of them), identical on every rank.  The
+    reference runs unsharded in this process; the copy is converted (default:
+    ``convert_to_domain_parallel``), fed this rank's shards, and its loss is
+    ``sum(output * G)`` over this rank's rows for a fixed random ``G``, so input and parameter
+    gradients are the sharded/summed versions of the reference ones.  Returns a dict of
+    ``{"output": err, "input_grad": err, "param:<name>": err, ...}`` where each err is
+    ``(max_abs_error, max_abs_reference)`` — identical on every rank.
+    """
+    import copy
+
+    from .domain.rows import shard_range
+    from .domain.sharding import gather_tensor
+
+    torch.manual_seed(seed)
+    ref = build()
+    par = copy.deepcopy(ref)
+    if convert is None:
+        from .domain.convert import convert_to_domain_parallel
+
+        par = convert_to_domain_parallel(par, manager)
+    else:
+        par = convert(par, manager) or par
+    xs = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in _as_tuple(inputs))
+    y_ref = _as_tuple(ref(*xs))
+    gen = torch.Generator().manual_seed(grad_seed)
+    weights = tuple(torch.randn(y.shape, generator=gen, dtype=y.dtype) for y in y_ref)
+    sum((y * w).sum() for y, w in zip(y_ref, weights)).backward()
+
+    n, r = manager.domain_world_size, manager.domain_rank
+
+    def local(t):
+        d = dim % t.dim()
+        a, b = shard_range(t.shape[d], n, r)
+        return t.narrow(d, a, b - a)
+
+    manager.begin_forward(("parity", tuple(tuple(t.shape) for t in xs)))
+    xl = tuple(local(t.detach()).clone().requires_grad_(t.is_floating_point()) for t in xs)
+    y_par = _as_tuple(par(*xl))
+    sum((y * local(w)).sum() for y, w in zip(y_par, weights)).backward()
+
+    errors = {}
+    for i, (yp, yr) in enumerate(zip(y_par, y_ref)):
+        full = gather_tensor(yp.detach(), dim, manager)
+        if full.shape != yr.shape:
+            raise AssertionError(
+                f"output {i}: gathered shape {tuple(full.shape)} != reference {tuple(yr.shape)}"
+            )
+        errors[f"output{i}" if len(y_ref) > 1 else "output"] = _err(full, yr)
+    for i, (xp, xr) in enumerate(zip(xl, xs)):
+        if xr.grad is None:
+            continue
+        full = gather_tensor(xp.grad, dim, manager)
+        errors[f"input_grad{i}" if len(xs) > 1 else "input_grad"] = _err(full, xr.grad)
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        g = p.grad
+        rg = ref_params[name].grad
+        if rg is None and g is None:
+            continue
+        g = torch.zeros_like(ref_params[name]) if g is None else g.detach().clone()
+        if n > 1:
+            dist.all_reduce(g, group=manager.domain_group)
+        errors[f"param:{name}"] = _err(g, rg if rg is not None else torch.zeros_like(g))
+    return errors
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max()), float(b.abs().max())
+
+
+def assert_parity(
+    errors: dict, dtype=torch.float64, *, abs_tol=1e-10, rel_out=1e-5, rel_param=1e-4
+) -> None:
+    """Apply the project's tolerances to :func:`domain_parity_errors` output."""
+    bad = []
+    for key, (err, scale) in errors.items():
+        if dtype == torch.float64:
+            ok = err <= abs_tol
+        else:
+            tol = rel_param if key.startswith("param:") else rel_out
+            ok = err <= tol * max(scale, 1e-30)
+        if not ok:
+            bad.append(f"{key}: max abs err {err:.3e} (reference max {scale:.3e})")
+    if bad:
+        raise AssertionError("domain parity failed:\n  " + "\n  ".join(bad))

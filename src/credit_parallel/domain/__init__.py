@@ -1,0 +1,1 @@
+"""Domain (latitude) parallelism: row algebra, exchange, layers, conversion and sharding."""

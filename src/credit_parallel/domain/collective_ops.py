@@ -1,0 +1,96 @@
+"""Differentiable collectives over the domain group (the only domain code, besides
+``exchange.py``, that communicates).
+
+* :func:`all_gather_rows` — uneven all-gather along a dim; backward = all-reduce of the full
+  gradient, then each rank keeps its rows (so each rank gets the sum over ranks of the
+  gradients computed for its rows).
+* :func:`scatter_rows` — keep this rank's rows of a replicated tensor; backward = all-gather.
+* :func:`all_gather_stacked` — stack one equally shaped tensor per rank (norm statistics);
+  backward = all-reduce of the stacked gradient, each rank keeps its slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .rows import shard_range, shard_sizes
+
+__all__ = ["all_gather_rows", "all_gather_stacked", "scatter_rows"]
+
+
+def _gather_padded(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
+    n = len(sizes)
+    biggest = max(sizes)
+    if x.shape[dim] < biggest:
+        pad_shape = list(x.shape)
+        pad_shape[dim] = biggest - x.shape[dim]
+        x = torch.cat([x, x.new_zeros(pad_shape)], dim)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((n * biggest, *x.shape[1:]))
+    dist.all_gather_single(out, x, group=group)
+    parts = [out.narrow(0, r * biggest, s) for r, s in enumerate(sizes)]
+    return torch.cat(parts, 0).movedim(0, dim)
+
+
+class _AllGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, length, rank, group):
+        n = dist.get_world_size(group)
+        ctx.dim, ctx.length, ctx.rank, ctx.group, ctx.n = dim, length, rank, group, n
+        return _gather_padded(x, dim, shard_sizes(length, n), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        start, stop = shard_range(ctx.length, ctx.n, ctx.rank)
+        return grad.narrow(ctx.dim, start, stop - start).contiguous(), None, None, None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, rank, group):
+        n = dist.get_world_size(group)
+        length = x.shape[dim]
+        ctx.dim, ctx.length, ctx.group = dim, length, group
+        start, stop = shard_range(length, n, rank)
+        return x.narrow(dim, start, stop - start).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = dist.get_world_size(ctx.group)
+        return (
+            _gather_padded(grad.contiguous(), ctx.dim, shard_sizes(ctx.length, n), ctx.group),
+            None,
+            None,
+            None,
+        )
+
+
+class _AllGatherStacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rank, group):
+        n = dist.get_world_size(group)
+        ctx.rank, ctx.group = rank, group
+        out = x.new_empty((n, *x.shape))
+        dist.all_gather_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None, None
+
+
+def all_gather_rows(x: torch.Tensor, dim: int, length: int, manager) -> torch.Tensor:
+    return _AllGatherRows.apply(x, dim, length, manager.domain_rank, manager.domain_group)
+
+
+def scatter_rows(x: torch.Tensor, dim: int, manager) -> torch.Tensor:
+    return _ScatterRows.apply(x, dim, manager.domain_rank, manager.domain_group)
+
+
+def all_gather_stacked(x: torch.Tensor, manager) -> torch.Tensor:
+    return _AllGatherStacked.apply(x, manager.domain_rank, manager.domain_group)

@@ -1,0 +1,360 @@
+"""Domain-parallel convolutions and transposed convolutions (any kernel, stride, padding,
+dilation, groups, output_padding, padding_mode), and the periodic (lat-reflect / lon-circular)
+convolution of the reference models.
+
+Each rank computes exactly the output rows the balanced layout assigns to it: it assembles the
+input rows those outputs read (own rows, rows of other ranks, and rows beyond the poles mapped by
+the layer's padding rule) with one exchange, then runs the plain op with no padding along the
+sharded dim.  Nothing is padded inside the globe and nothing is trimmed approximately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .exchange import exchange_rows
+from .manager import resolve_manager
+from .rows import (
+    check_min_rows,
+    conv_output_length,
+    conv_transpose_input_range,
+    conv_transpose_output_length,
+    conv_window,
+    edge_source_row,
+    same_padding,
+    shard_range,
+)
+from .wrap import DomainWrapper
+
+__all__ = [
+    "ConvGeometry",
+    "DomainParallelConv2d",
+    "DomainParallelConv3d",
+    "DomainParallelConvTranspose2d",
+    "DomainParallelConvTranspose3d",
+    "DomainParallelPeriodicConv2d",
+    "conv_needs_domain_wrapper",
+]
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Everything about a conv along all spatial dims, with padding resolved to (before, after)."""
+
+    transposed: bool
+    kernel: tuple
+    stride: tuple
+    dilation: tuple
+    pads: tuple  # ((before, after), ...) per spatial dim
+    output_padding: tuple
+    groups: int
+    edge_mode: str  # boundary rule along the sharded dim
+    other_mode: str  # padding mode of the other spatial dims
+
+    @classmethod
+    def of(cls, conv: nn.Module) -> ConvGeometry:
+        nd = len(conv.kernel_size)
+        transposed = isinstance(conv, nn.modules.conv._ConvTransposeNd)
+        if isinstance(conv.padding, str):
+            if conv.padding == "valid":
+                pads = tuple((0, 0) for _ in range(nd))
+            else:  # "same"
+                pads = tuple(same_padding(k, d) for k, d in zip(conv.kernel_size, conv.dilation))
+        else:
+            pads = tuple((p, p) for p in conv.padding)
+        mode = conv.padding_mode
+        return cls(
+            transposed,
+            tuple(conv.kernel_size),
+            tuple(conv.stride),
+            tuple(conv.dilation),
+            pads,
+            tuple(getattr(conv, "output_padding", (0,) * nd)),
+            conv.groups,
+            mode,
+            mode,
+        )
+
+    def output_length(self, length: int, i: int) -> int:
+        if self.transposed:
+            return conv_transpose_output_length(
+                length,
+                self.kernel[i],
+                self.stride[i],
+                self.pads[i][0],
+                self.output_padding[i],
+                self.dilation[i],
+            )
+        return conv_output_length(
+            length, self.kernel[i], self.stride[i], *self.pads[i], self.dilation[i]
+        )
+
+    def is_row_local(self, i: int) -> bool:
+        """True when output row r is computed from input row r alone (no exchange needed)."""
+        return (
+            self.kernel[i] == 1
+            and self.stride[i] == 1
+            and self.pads[i] == (0, 0)
+            and self.output_padding[i] == 0
+        )
+
+
+def conv_needs_domain_wrapper(conv: nn.Module, spatial_index: int) -> bool:
+    return not ConvGeometry.of(conv).is_row_local(spatial_index)
+
+
+def _conv_windows(geo: ConvGeometry, i: int, length: int, n: int) -> tuple:
+    out_len = geo.output_length(length, i)
+    check_min_rows(out_len, n, "output")
+    windows = []
+    for r in range(n):
+        o0, o1 = shard_range(out_len, n, r)
+        lo, hi = conv_window(
+            o0,
+            o1,
+            kernel=geo.kernel[i],
+            stride=geo.stride[i],
+            dilation=geo.dilation[i],
+            pad_before=geo.pads[i][0],
+        )
+        windows.append(tuple(edge_source_row(p, length, geo.edge_mode) for p in range(lo, hi)))
+    return tuple(windows), out_len
+
+
+def _convt_windows(geo: ConvGeometry, i: int, length: int, n: int) -> tuple:
+    out_len = geo.output_length(length, i)
+    check_min_rows(out_len, n, "output")
+    windows = []
+    for r in range(n):
+        o0, o1 = shard_range(out_len, n, r)
+        lo, hi = conv_transpose_input_range(
+            o0,
+            o1,
+            length,
+            kernel=geo.kernel[i],
+            stride=geo.stride[i],
+            padding=geo.pads[i][0],
+            dilation=geo.dilation[i],
+        )
+        windows.append(tuple(range(lo, hi)))
+    return tuple(windows), out_len
+
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+class _DomainParallelConvNd(DomainWrapper):
+    """Shared implementation; ``shard_dim`` is the tensor dim holding latitude."""
+
+    _expected: tuple = ()
+
+    def __init__(
+        self, conv: nn.Module, shard_dim: int, *, manager=None, geometry: ConvGeometry | None = None
+    ):
+        if self._expected and not isinstance(conv, self._expected):
+            raise TypeError(
+                f"{type(self).__name__} wraps {self._expected[0].__name__}, got {type(conv).__name__}"
+            )
+        super().__init__(conv)
+        self.nd = len(conv.kernel_size)
+        rank = self.nd + 2
+        if not -rank <= shard_dim < rank or shard_dim % rank < 2:
+            raise ValueError(f"shard_dim {shard_dim} is not a spatial dim of a {rank}-D input")
+        self.shard_dim = shard_dim
+        self.spatial_index = shard_dim % rank - 2
+        self.geometry = geometry if geometry is not None else ConvGeometry.of(conv)
+        self.manager = manager
+        if self.geometry.transposed and self.geometry.edge_mode != "zeros":
+            raise ValueError(f"{type(conv).__name__} only supports padding_mode='zeros'")
+
+    @property
+    def conv(self):
+        return self.wrapped
+
+    def _weight_and_bias(self, x):
+        conv = self.wrapped_weights(x)
+        return conv.weight, conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != self.nd + 2:
+            raise ValueError(
+                f"{type(self).__name__} expects a {self.nd + 2}-D input, got shape {tuple(x.shape)}"
+            )
+        mgr = resolve_manager(self.manager, type(self).__name__)
+        weight, bias = self._weight_and_bias(x)
+        geo, i = self.geometry, self.spatial_index
+        dim = i + 2
+        n = mgr.domain_world_size
+        length = mgr.global_length(self, x.shape[dim])
+        if geo.transposed:
+            return self._forward_transposed(x, weight, bias, mgr, length, n, dim)
+        cache = self.__dict__.setdefault("_cp_windows", {})
+        key = (length, n)
+        if key not in cache:
+            cache[key] = _conv_windows(geo, i, length, n)
+        windows, _ = cache[key]
+        window = exchange_rows(x, windows, length, dim, mgr)
+        return self._conv_window(window, weight, bias)
+
+    def _conv_window(self, window, weight, bias):
+        geo, i = self.geometry, self.spatial_index
+        # padding of the other spatial dims exactly as the wrapped conv would do it
+        pads = [p if j != i else (0, 0) for j, p in enumerate(geo.pads)]
+        symmetric = all(a == b for a, b in pads)
+        if geo.other_mode == "zeros" and symmetric:
+            return _CONV[self.nd](
+                window,
+                weight,
+                bias,
+                geo.stride,
+                tuple(a for a, _ in pads),
+                geo.dilation,
+                geo.groups,
+            )
+        flat = []
+        for a, b in reversed(pads):
+            flat += [a, b]
+        mode = "constant" if geo.other_mode == "zeros" else geo.other_mode
+        window = F.pad(window, flat, mode=mode)
+        return _CONV[self.nd](window, weight, bias, geo.stride, 0, geo.dilation, geo.groups)
+
+    def _forward_transposed(self, x, weight, bias, mgr, length, n, dim):
+        geo, i = self.geometry, self.spatial_index
+        cache = self.__dict__.setdefault("_cp_windows", {})
+        key = (length, n)
+        if key not in cache:
+            cache[key] = _convt_windows(geo, i, length, n)
+        windows, out_len = cache[key]
+        lo_hi = windows[mgr.domain_rank]
+        if not lo_hi:
+            raise ValueError(
+                f"{type(self).__name__}: the output rows of domain rank {mgr.domain_rank} receive no "
+                f"input (kernel {geo.kernel[i]} x dilation {geo.dilation[i]} < stride {geo.stride[i]}); "
+                "this layer cannot be sharded over this many ranks"
+            )
+        window = exchange_rows(x, windows, length, dim, mgr)
+        pads = tuple(p[0] if j != i else 0 for j, p in enumerate(geo.pads))
+        out_pad = tuple(p if j != i else 0 for j, p in enumerate(geo.output_padding))
+        y = _CONVT[self.nd](
+            window, weight, None, geo.stride, pads, out_pad, geo.groups, geo.dilation
+        )
+        # y's rows along dim are the un-cropped positions lo*s + t; keep our output rows
+        o0, o1 = shard_range(out_len, n, mgr.domain_rank)
+        first = o0 + geo.pads[i][0] - lo_hi[0] * geo.stride[i]
+        last = o1 + geo.pads[i][0] - lo_hi[0] * geo.stride[i]
+        before, after = max(0, -first), max(0, last - y.shape[dim])
+        if before or after:  # rows no input reaches (output_padding, kernel*dilation < stride)
+            flat = [0, 0] * (self.nd - 1 - i) + [before, after]
+            y = F.pad(y, flat)
+            first += before
+            last += before
+        y = y.narrow(dim, first, last - first)
+        if bias is not None:
+            y = y + bias.view(1, -1, *([1] * self.nd))
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.wrapped!r}, shard_dim={self.shard_dim}"
+
+
+class DomainParallelConv2d(_DomainParallelConvNd):
+    """Domain-parallel ``nn.Conv2d``; shares the conv's parameters and state_dict keys."""
+
+    _expected = (nn.Conv2d,)
+
+    def __init__(self, conv: nn.Conv2d, shard_dim: int = -2, *, manager=None):
+        super().__init__(conv, shard_dim, manager=manager)
+
+
+class DomainParallelConv3d(_DomainParallelConvNd):
+    """Domain-parallel ``nn.Conv3d`` (latitude is dim 3 of B,C,T,H,W by default)."""
+
+    _expected = (nn.Conv3d,)
+
+    def __init__(self, conv: nn.Conv3d, shard_dim: int = 3, *, manager=None):
+        super().__init__(conv, shard_dim, manager=manager)
+
+
+class DomainParallelConvTranspose2d(_DomainParallelConvNd):
+    """Domain-parallel ``nn.ConvTranspose2d`` (any kernel, stride, padding, output_padding)."""
+
+    _expected = (nn.ConvTranspose2d,)
+
+    def __init__(self, conv: nn.ConvTranspose2d, shard_dim: int = -2, *, manager=None):
+        super().__init__(conv, shard_dim, manager=manager)
+
+
+class DomainParallelConvTranspose3d(_DomainParallelConvNd):
+    """Domain-parallel ``nn.ConvTranspose3d`` (latitude is dim 3 of B,C,Z,H,W by default)."""
+
+    _expected = (nn.ConvTranspose3d,)
+
+    def __init__(self, conv: nn.ConvTranspose3d, shard_dim: int = 3, *, manager=None):
+        super().__init__(conv, shard_dim, manager=manager)
+
+
+class DomainParallelPeriodicConv2d(_DomainParallelConvNd):
+    """Domain-parallel periodic conv: reflect at the poles (H), circular in longitude (W).
+
+    Wraps any module with ``.conv`` (an ``nn.Conv2d`` with padding 0) and ``.padding`` (int)
+    that pads W circularly and H by reflection before the conv, e.g.
+    ``credit_parallel.models.PeriodicConv2d``.  State dict keys stay ``conv.weight``/``conv.bias``.
+    """
+
+    def __init__(self, periodic_conv: nn.Module, shard_dim: int = -2, *, manager=None):
+        inner = getattr(periodic_conv, "conv", None)
+        p = getattr(periodic_conv, "padding", None)
+        if not isinstance(inner, nn.Conv2d) or not isinstance(p, int):
+            raise TypeError(
+                "DomainParallelPeriodicConv2d wraps a module with .conv (nn.Conv2d) and .padding (int); "
+                f"got {type(periodic_conv).__name__}"
+            )
+        if any(v != 0 for v in (inner.padding if not isinstance(inner.padding, str) else (1,))):
+            raise ValueError("the inner .conv of a periodic conv must have padding 0")
+        if shard_dim % 4 != 2:
+            raise ValueError("DomainParallelPeriodicConv2d shards latitude (dim -2 of B,C,H,W)")
+        base = ConvGeometry.of(inner)
+        geo = ConvGeometry(
+            False,
+            base.kernel,
+            base.stride,
+            base.dilation,
+            ((p, p), (p, p)),
+            (0, 0),
+            base.groups,
+            "reflect",
+            "circular",
+        )
+        super().__init__(inner, shard_dim, manager=manager, geometry=geo)
+        # share the periodic module's own dicts (keys "conv.weight"), not the inner conv's
+        self._parameters = periodic_conv._parameters
+        self._buffers = periodic_conv._buffers
+        self._modules = periodic_conv._modules
+        self._non_persistent_buffers_set = periodic_conv._non_persistent_buffers_set
+        object.__setattr__(self, "periodic", periodic_conv)
+        self.padding = p
+
+    def _weight_and_bias(self, x):
+        from .wrap import run_forward_pre_hooks
+
+        run_forward_pre_hooks(self.periodic, (x,))
+        conv = self._modules["conv"]
+        run_forward_pre_hooks(conv, (x,))
+        return conv.weight, conv.bias
+
+    @property
+    def conv(self):
+        return self._modules["conv"]
+
+    @property
+    def weight(self):
+        return self.conv.weight
+
+    @property
+    def bias(self):
+        return self.conv.bias

@@ -1,0 +1,285 @@
+"""Converting a model for domain parallelism: one rule per module type, one walker.
+
+The walker replaces every module whose result along latitude depends on rows it does not own
+(convolutions that are not row-local, GroupNorm, Upsample, periodic convs, padding over H,
+PixelShuffle/Unshuffle) by its domain-parallel layer, leaves point-wise and channel-wise modules
+alone, and REFUSES modules that would compute something silently different on a shard
+(BatchNorm, pooling, attention over H, flattening over H, LayerNorm over H): a ``ValueError``
+listing every offending path, unless ``allow_unsafe=True`` (then a warning lists them).
+A module class may declare ``_domain_local = True`` (each output row depends only on its own
+input row, e.g. window attention whose windows stay inside a shard) or ``False``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+from torch import nn
+
+from .conv import (
+    DomainParallelConv2d,
+    DomainParallelConv3d,
+    DomainParallelConvTranspose2d,
+    DomainParallelConvTranspose3d,
+    DomainParallelPeriodicConv2d,
+    conv_needs_domain_wrapper,
+)
+
+__all__ = ["convert_to_domain_parallel", "find_unsafe_modules", "validate_sharding_constraints"]
+
+_PAD_TYPES = (
+    nn.ZeroPad2d,
+    nn.ConstantPad2d,
+    nn.ReflectionPad2d,
+    nn.ReplicationPad2d,
+    nn.CircularPad2d,
+)
+_UNSAFE_TYPES = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+    nn.modules.pooling._LPPoolNd,
+    nn.MultiheadAttention,
+    nn.Flatten,
+    nn.Unflatten,
+    nn.SyncBatchNorm,
+    nn.LocalResponseNorm,
+)
+
+
+def _unsafe_reason(module: nn.Module) -> str | None:
+    declared = getattr(module, "_domain_local", None)
+    if declared is True:
+        return None
+    if declared is False:
+        return "declares _domain_local = False"
+    name = type(module).__name__
+    if isinstance(module, _UNSAFE_TYPES):
+        return f"{name} mixes rows across latitude"
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) >= 2:
+        return f"LayerNorm over {tuple(module.normalized_shape)} normalises across latitude"
+    for word in ("Attention", "Pool", "BatchNorm"):
+        if word in name:
+            return f"{name} may mix rows across latitude ({word}); declare _domain_local = True if it does not"
+    return None
+
+
+def _display(path: str) -> str:
+    return "<root>" if path == "root" else path.removeprefix("root.")
+
+
+def _is_domain_parallel(module: nn.Module) -> bool:
+    return bool(getattr(module, "_domain_parallel", False))
+
+
+def _is_periodic_conv(module: nn.Module) -> bool:
+    return (
+        type(module).__name__ == "PeriodicConv2d"
+        and isinstance(getattr(module, "conv", None), nn.Conv2d)
+        and isinstance(getattr(module, "padding", None), int)
+    )
+
+
+def _builtin_rule(module: nn.Module, manager, shard_dim: int):
+    """The replacement for ``module``, or None when it is row-local (left alone)."""
+    if _is_periodic_conv(module):
+        return DomainParallelPeriodicConv2d(module, shard_dim, manager=manager)
+    conv_rules = (
+        (nn.ConvTranspose3d, DomainParallelConvTranspose3d, 5),
+        (nn.ConvTranspose2d, DomainParallelConvTranspose2d, 4),
+        (nn.Conv3d, DomainParallelConv3d, 5),
+        (nn.Conv2d, DomainParallelConv2d, 4),
+    )
+    for base, layer, rank in conv_rules:
+        if type(module) is base or (
+            isinstance(module, base) and type(module).forward is base.forward
+        ):
+            spatial = shard_dim % rank - 2
+            if conv_needs_domain_wrapper(module, spatial):
+                return layer(module, shard_dim, manager=manager)
+            return None
+    if isinstance(module, nn.GroupNorm):
+        from .norm import DomainParallelGroupNorm
+
+        return DomainParallelGroupNorm(module, manager=manager)
+    if isinstance(module, nn.Upsample):
+        from .resample import DomainParallelInterpolate
+
+        return DomainParallelInterpolate(
+            size=module.size,
+            scale_factor=module.scale_factor,
+            mode=module.mode,
+            align_corners=module.align_corners,
+            shard_dim=shard_dim,
+            manager=manager,
+        )
+    if isinstance(module, (nn.PixelShuffle, nn.PixelUnshuffle)):
+        from .resample import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
+
+        cls = (
+            DomainParallelPixelShuffle
+            if isinstance(module, nn.PixelShuffle)
+            else DomainParallelPixelUnshuffle
+        )
+        return cls(module, manager=manager)
+    if isinstance(module, _PAD_TYPES):
+        from .padding import DomainParallelPad
+
+        top, bottom = module.padding[2], module.padding[3]
+        if top == 0 and bottom == 0:
+            return None  # longitude-only padding is row-local
+        return DomainParallelPad(module, manager=manager)
+    return None
+
+
+def find_unsafe_modules(model: nn.Module) -> list[tuple[str, str]]:
+    """(path, reason) of every module the converter would refuse (not descending into them)."""
+    found = []
+
+    def walk(module, prefix):
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if _is_domain_parallel(child):
+                continue
+            reason = _unsafe_reason(child)
+            if reason is not None:
+                found.append((path, reason))
+                continue
+            if getattr(child, "_domain_local", None) is True:
+                continue
+            walk(child, path)
+
+    walk(model, "")
+    return found
+
+
+def convert_to_domain_parallel(
+    model: nn.Module,
+    manager,
+    shard_dim: int = -2,
+    custom_converters: dict[type, Callable] | None = None,
+    allow_unsafe: bool = False,
+) -> nn.Module:
+    """Replace, in place, the modules of ``model`` that need neighbouring rows by their
+    domain-parallel layers; returns the model (also attached as ``model._domain_manager``).
+
+    ``custom_converters`` maps a module type to ``callable(module) -> replacement``; it is
+    checked before the built-in rules and the children of a replaced module are not visited.
+    Modules that would be silently wrong under H-sharding raise ``ValueError`` listing their
+    paths, unless ``allow_unsafe=True`` (then a warning lists them).
+    """
+    if shard_dim >= 0 or shard_dim < -3:
+        raise ValueError(
+            f"shard_dim must be given from the end (-2 is latitude in B,C,H,W and B,C,T,H,W), got {shard_dim}"
+        )
+    custom = dict(custom_converters or {})
+    for key, fn in custom.items():
+        if not isinstance(key, type) or not callable(fn):
+            raise TypeError(
+                f"custom_converters must map module types to callables, got {key!r}: {fn!r}"
+            )
+    if manager is None:
+        raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
+
+    unsafe: list[tuple[str, str]] = []
+
+    def convert(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            path = f"{prefix}.{name}" if prefix else name
+            if _is_domain_parallel(child):
+                continue
+            replacement = None
+            matched = False
+            for typ, fn in custom.items():
+                if isinstance(child, typ):
+                    replacement, matched = fn(child), True
+                    break
+            if matched:
+                if replacement is not None and replacement is not child:
+                    module._modules[name] = replacement
+                continue
+            reason = _unsafe_reason(child)
+            if reason is not None:
+                unsafe.append((path, reason))
+                continue
+            if getattr(child, "_domain_local", None) is True:
+                continue
+            replacement = _builtin_rule(child, manager, shard_dim)
+            if replacement is not None:
+                module._modules[name] = replacement
+            else:
+                convert(child, path)
+
+    # The root itself may be a single layer (e.g. a bare Conv2d): walk it through a holder.
+    holder = nn.Module()
+    holder._modules["root"] = model
+    convert(holder, "")
+    if unsafe:
+        listing = "\n  ".join(f"{_display(p)}: {r}" for p, r in unsafe)
+        message = (
+            "modules that would be silently wrong under latitude (H) sharding:\n  "
+            + listing
+            + "\nReplace them, declare `_domain_local = True` on a class that truly is row-local, "
+            "pass custom_converters, or pass allow_unsafe=True to keep them anyway "
+            "(then verify with `credit-parallel verify`)."
+        )
+        if not allow_unsafe:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=2)
+    model = holder._modules["root"]
+    try:
+        object.__setattr__(model, "_domain_manager", manager)
+    except AttributeError:
+        pass
+    return model
+
+
+def validate_sharding_constraints(model: nn.Module, local_h: int, window_sizes=None) -> list[str]:
+    """Warnings (empty when fine): ``local_h`` not divisible by the window size at each encoder
+    level after downsampling.
+
+    Window sizes come from ``window_sizes`` or the model's ``window_sizes`` attribute; the
+    cumulative downsampling factor of each level from the model's ``level_strides`` attribute
+    (default ``2**level``).  Both may also be found on a submodule.
+    """
+    if isinstance(local_h, bool) or not isinstance(local_h, int) or local_h < 1:
+        raise ValueError(f"local_h must be an integer >= 1, got {local_h!r}")
+
+    def find(attr):
+        for m in model.modules():
+            v = getattr(m, attr, None)
+            if v is not None:
+                return v
+        return None
+
+    if window_sizes is None:
+        window_sizes = find("window_sizes")
+        if window_sizes is None:
+            return []
+    if isinstance(window_sizes, int):
+        window_sizes = [window_sizes]
+    strides = find("level_strides")
+    if strides is None:
+        strides = [2**i for i in range(len(window_sizes))]
+    if len(strides) < len(window_sizes):
+        raise ValueError(
+            f"model.level_strides {list(strides)} has fewer levels than window_sizes {list(window_sizes)}"
+        )
+    warnings_out = []
+    for level, (w, s) in enumerate(zip(window_sizes, strides)):
+        w = w[0] if isinstance(w, (tuple, list)) else w
+        if local_h % s:
+            warnings_out.append(
+                f"level {level}: local height {local_h} is not divisible by the downsampling factor {s}"
+            )
+            continue
+        h = local_h // s
+        if h % w:
+            warnings_out.append(
+                f"level {level}: local height {h} (= {local_h} / {s}) is not divisible by the window size {w}; "
+                "windows would cross shard boundaries"
+            )
+    return warnings_out

@@ -1,0 +1,260 @@
+"""DomainParallelManager: the process groups of domain parallelism and global-height bookkeeping.
+
+Domain groups are runs of consecutive global ranks (domain is the innermost mesh axis, SPEC §2).
+The manager also answers the one question every layer has: the GLOBAL height of the tensor it
+was handed.  A local height alone does not determine it (5 local rows on rank 0 of 2 can be a
+global 9 or 10), so the answer is learned once per (layer, call, input token) with a tiny
+all_gather and cached under a key every rank shares: the global shapes registered by
+``shard_tensor``/``shard_batch`` for the current forward, plus the call's position within it.
+All ranks therefore miss the cache together and never deadlock on a collective only some take.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DomainParallelManager",
+    "get_domain_parallel_manager",
+    "initialize_domain_parallel",
+    "set_domain_parallel_manager",
+]
+
+_MANAGER = None
+
+
+def _require_pg(what):
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{what} needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group or torchrun)"
+        )
+
+
+class DomainParallelManager:
+    """Process groups for domain parallelism (consecutive ranks) and data parallelism."""
+
+    def __init__(
+        self, world_size: int, domain_parallel_size: int, shard_dim: int = -2, *, _groups=None
+    ):
+        for name, v in (("world_size", world_size), ("domain_parallel_size", domain_parallel_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if world_size % domain_parallel_size:
+            raise ValueError(
+                f"world_size {world_size} is not divisible by domain_parallel_size {domain_parallel_size}"
+            )
+        self.world_size = world_size
+        self.domain_parallel_size = domain_parallel_size
+        self.data_parallel_size = world_size // domain_parallel_size
+        self.shard_dim = shard_dim
+        self._epoch = 0
+        self._token = None
+        if _groups is not None:
+            (self._domain_group, self._domain_ranks, self._dp_group, self._dp_ranks, rank) = _groups
+        else:
+            _require_pg("DomainParallelManager")
+            if dist.get_world_size() != world_size:
+                raise ValueError(
+                    f"world_size {world_size} does not match the process group size {dist.get_world_size()}"
+                )
+            rank = dist.get_rank()
+            d = domain_parallel_size
+            self._domain_group = self._dp_group = None
+            self._domain_ranks = [rank]
+            self._dp_ranks = [rank]
+            # every rank must create every group, in the same order
+            if d > 1:
+                for k in range(world_size // d):
+                    ranks = list(range(k * d, (k + 1) * d))
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        self._domain_group, self._domain_ranks = g, ranks
+            if self.data_parallel_size > 1:
+                for c in range(d):
+                    ranks = list(range(c, world_size, d))
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        self._dp_group, self._dp_ranks = g, ranks
+        self._rank = rank
+        self._domain_rank = self._domain_ranks.index(rank)
+        self._dp_rank = self._dp_ranks.index(rank)
+
+    @classmethod
+    def from_device_mesh(cls, mesh, shard_dim: int = -2) -> DomainParallelManager:
+        """Build from the mesh of ``build_device_mesh`` (its "domain" and "dp" axes), so the
+        groups agree with the mesh also when tensor > 1."""
+        _require_pg("DomainParallelManager.from_device_mesh")
+        rank = dist.get_rank()
+        names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+        if mesh is not None and "domain" in names and mesh["domain"].size() > 1:
+            dg = mesh["domain"].get_group()
+            dranks = dist.get_process_group_ranks(dg)
+        else:
+            dg, dranks = None, [rank]
+        if mesh is not None and "dp" in names and mesh["dp"].size() > 1:
+            pg = mesh["dp"].get_group()
+            pranks = dist.get_process_group_ranks(pg)
+        else:
+            pg, pranks = None, [rank]
+        world = dist.get_world_size()
+        mgr = cls.__new__(cls)
+        # world_size of the manager is (dp x domain) as seen by this rank's groups
+        cls.__init__(
+            mgr,
+            len(dranks) * len(pranks),
+            len(dranks),
+            shard_dim,
+            _groups=(dg, dranks, pg, pranks, rank),
+        )
+        mgr.world_size = world
+        return mgr
+
+    # ------------------------------------------------------------------ groups and ranks
+    @property
+    def domain_group(self):
+        return self._domain_group
+
+    @property
+    def data_parallel_group(self):
+        return self._dp_group
+
+    @property
+    def domain_rank(self) -> int:
+        return self._domain_rank
+
+    @property
+    def domain_world_size(self) -> int:
+        return len(self._domain_ranks)
+
+    @property
+    def domain_ranks(self) -> list[int]:
+        """Global ranks of this rank's domain group, in domain order."""
+        return list(self._domain_ranks)
+
+    @property
+    def dp_rank(self) -> int:
+        return self._dp_rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return len(self._dp_ranks)
+
+    @property
+    def is_first_domain_rank(self) -> bool:
+        return self._domain_rank == 0
+
+    @property
+    def is_last_domain_rank(self) -> bool:
+        return self._domain_rank == self.domain_world_size - 1
+
+    def neighbor_ranks(self) -> tuple[int | None, int | None]:
+        """(previous, next) global ranks along the domain (north, south); None at the edges."""
+        r = self._domain_rank
+        prev = self._domain_ranks[r - 1] if r > 0 else None
+        nxt = self._domain_ranks[r + 1] if r + 1 < self.domain_world_size else None
+        return prev, nxt
+
+    @property
+    def device(self) -> torch.device:
+        """Device for communication buffers: CUDA under NCCL, else CPU."""
+        group = self._domain_group
+        backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
+        if "nccl" in str(backend):
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # ------------------------------------------------------------------ global heights
+    def begin_forward(self, token) -> None:
+        """Register the global input shape(s) of the coming forward (done by shard_tensor /
+        shard_batch); layers key their cached global heights by it."""
+        self._token = token
+        self._epoch += 1
+
+    def global_length(self, owner, local_length: int) -> int:
+        """The global length along the shard dim of the tensor ``owner`` (a layer) was handed.
+
+        Cached per (registered token, call index of ``owner`` in this forward); on a miss, one
+        all_gather of the local lengths on the domain group (every rank misses together).
+        """
+        if self.domain_world_size == 1:
+            return local_length
+        if self._token is None:
+            return self._gather_length(owner, local_length)
+        state = owner.__dict__.setdefault(
+            "_cp_height_state", {"epoch": None, "calls": 0, "cache": {}}
+        )
+        if state["epoch"] != self._epoch:
+            state["epoch"], state["calls"] = self._epoch, 0
+        key = (self._token, state["calls"])
+        state["calls"] += 1
+        hit = state["cache"].get(key)
+        if hit is not None:
+            if hit[0] != local_length:
+                raise RuntimeError(
+                    f"{type(owner).__name__}: local height {local_length} differs from the "
+                    f"{hit[0]} seen at the same call for the same input shape; the forward's "
+                    "control flow changed between steps (call manager.begin_forward(None) to "
+                    "disable height caching)"
+                )
+            return hit[1]
+        length = self._gather_length(owner, local_length)
+        if len(state["cache"]) > 256:
+            state["cache"].clear()
+        state["cache"][key] = (local_length, length)
+        return length
+
+    def _gather_length(self, owner, local_length: int) -> int:
+        from .rows import shard_sizes
+
+        sizes = torch.zeros(self.domain_world_size, dtype=torch.int64, device=self.device)
+        mine = torch.tensor([local_length], dtype=torch.int64, device=self.device)
+        dist.all_gather_single(sizes, mine, group=self._domain_group)
+        sizes = [int(v) for v in sizes.tolist()]
+        total = sum(sizes)
+        if tuple(sizes) != shard_sizes(total, self.domain_world_size):
+            raise ValueError(
+                f"{type(owner).__name__}: local heights {sizes} across the domain ranks are not "
+                f"the balanced layout of {total} rows {list(shard_sizes(total, self.domain_world_size))}; "
+                "shard inputs with credit_parallel.shard_tensor / shard_batch"
+            )
+        return total
+
+    def __deepcopy__(self, memo):
+        # process groups cannot be copied; a copied model keeps talking through the same groups
+        return self
+
+    def __repr__(self) -> str:
+        return (
+            f"DomainParallelManager(domain_rank={self.domain_rank}/{self.domain_world_size}, "
+            f"dp_rank={self.dp_rank}/{self.dp_world_size}, domain_ranks={self._domain_ranks})"
+        )
+
+
+def initialize_domain_parallel(world_size: int, domain_parallel_size: int, shard_dim: int = -2):
+    """Create the process-wide manager and return it."""
+    global _MANAGER
+    _MANAGER = DomainParallelManager(world_size, domain_parallel_size, shard_dim)
+    return _MANAGER
+
+
+def set_domain_parallel_manager(manager) -> None:
+    global _MANAGER
+    _MANAGER = manager
+
+
+def get_domain_parallel_manager():
+    """The process-wide manager, or None."""
+    return _MANAGER
+
+
+def resolve_manager(manager, what: str):
+    """``manager`` or the process-wide one; a clear error when there is neither."""
+    mgr = manager if manager is not None else _MANAGER
+    if mgr is None:
+        raise RuntimeError(
+            f"{what}: no DomainParallelManager given and none initialised; pass manager= or call "
+            "initialize_domain_parallel(...)"
+        )
+    return mgr

@@ -1,0 +1,151 @@
+"""Moving tensors between the global and the sharded view: shard/gather (exact adjoints of each
+other), whole batches, and the output un-padding of padded models.
+
+``shard_tensor``/``shard_batch`` also register the global shape of the coming forward with the
+manager, which is what lets every layer learn its input's global height without a collective in
+steady state (see ``manager.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .collective_ops import all_gather_rows, scatter_rows
+from .manager import get_domain_parallel_manager
+from .rows import shard_range
+
+__all__ = ["gather_tensor", "shard_batch", "shard_spatial", "shard_tensor", "unpad_shard_interp"]
+
+
+class _GatherOwner:
+    """Cache owner for gather_tensor's global-height lookups."""
+
+
+def _manager_or_none(manager):
+    mgr = manager if manager is not None else get_domain_parallel_manager()
+    if mgr is None or mgr.domain_world_size == 1:
+        return None
+    return mgr
+
+
+def shard_tensor(
+    x: torch.Tensor, dim: int = -2, manager=None, *, register: bool = True
+) -> torch.Tensor:
+    """This rank's balanced shard (``torch.tensor_split``) of the global tensor ``x`` along
+    ``dim``.  Differentiable; its backward all-gathers.  Identity without a manager / domain 1."""
+    mgr = _manager_or_none(manager)
+    if mgr is None:
+        return x
+    d = dim % x.dim()
+    if x.shape[d] < mgr.domain_world_size:
+        raise ValueError(
+            f"shard_tensor: dim {dim} has {x.shape[d]} rows, fewer than the {mgr.domain_world_size} domain ranks"
+        )
+    if register:
+        mgr.begin_forward(("shard_tensor", tuple(x.shape), d))
+    return scatter_rows(x, d, mgr)
+
+
+def gather_tensor(x: torch.Tensor, dim: int = -2, manager=None) -> torch.Tensor:
+    """All-gather the balanced shards back into the global tensor (uneven sizes supported).
+    Differentiable: each rank's gradient is the sum over ranks of the gradients of its rows."""
+    mgr = _manager_or_none(manager)
+    if mgr is None:
+        return x
+    d = dim % x.dim()
+    owner = mgr.__dict__.setdefault("_cp_gather_owner", _GatherOwner())
+    length = mgr.global_length(owner, x.shape[d])
+    return all_gather_rows(x, d, length, mgr)
+
+
+def shard_batch(
+    batch: dict, spatial_dims_5d: int = -2, spatial_dims_4d: int = -2, manager=None
+) -> dict:
+    """A new dict with every 4-D and 5-D tensor sharded (5-D along ``spatial_dims_5d``, 4-D along
+    ``spatial_dims_4d``); everything else is passed through untouched."""
+    mgr = _manager_or_none(manager)
+    if mgr is None:
+        return dict(batch)
+    out, token = {}, []
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() in (4, 5):
+            d = spatial_dims_5d if value.dim() == 5 else spatial_dims_4d
+            out[key] = shard_tensor(value, d, mgr, register=False)
+            token.append((str(key), tuple(value.shape), d % value.dim()))
+        else:
+            out[key] = value
+    mgr.begin_forward(("shard_batch", tuple(token)))
+    return out
+
+
+def shard_spatial(tensor: torch.Tensor, manager) -> torch.Tensor:
+    """Shard a B,C,H,W or B,C,T,H,W tensor along latitude (dim -2); identity without domain."""
+    return shard_tensor(tensor, -2, manager)
+
+
+def _pad_pair(value, key):
+    if value is None:
+        return 0, 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and v >= 0 for v in value)
+    ):
+        return int(value[0]), int(value[1])
+    raise ValueError(f"padding_opt.{key} must be an int or a pair of ints >= 0, got {value!r}")
+
+
+def unpad_shard_interp(
+    y_pred: torch.Tensor, padding_opt, manager, image_h: int, image_w: int
+) -> torch.Tensor:
+    """Strip a padded model's output back to the ``image_h`` x ``image_w`` grid, sharded.
+
+    ``padding_opt``: None, or a dict with ``pad_lat`` (north, south) and ``pad_lon`` (west,
+    east) (ints or pairs; ``activate: False`` disables it).  Longitude padding is stripped on
+    every rank, north padding from the first domain rank's rows, south padding from the last's,
+    and the rows are re-balanced so the result is exactly ``shard_tensor`` of the un-padded
+    global output (uneven shards included).  If the un-padded grid still differs from
+    ``image_h`` x ``image_w``, it is bilinearly interpolated to it (domain-parallel, exact).
+    """
+    from .exchange import exchange_rows
+    from .resample import DomainParallelInterpolate
+
+    pad_n = pad_s = pad_w = pad_e = 0
+    if padding_opt is not None:
+        if not isinstance(padding_opt, dict):
+            raise ValueError(
+                f"padding_opt must be a dict with pad_lat/pad_lon, got {type(padding_opt).__name__}"
+            )
+        if padding_opt.get("activate", True):
+            pad_n, pad_s = _pad_pair(padding_opt.get("pad_lat"), "pad_lat")
+            pad_w, pad_e = _pad_pair(padding_opt.get("pad_lon"), "pad_lon")
+    w = y_pred.shape[-1]
+    if pad_w or pad_e:
+        y_pred = y_pred[..., pad_w : w - pad_e]
+    mgr = _manager_or_none(manager)
+    dim = y_pred.dim() - 2
+    if mgr is None:
+        h = y_pred.shape[dim]
+        y = y_pred.narrow(dim, pad_n, h - pad_n - pad_s)
+    else:
+        n = mgr.domain_world_size
+        owner = mgr.__dict__.setdefault("_cp_unpad_owner", _GatherOwner())
+        length = mgr.global_length(owner, y_pred.shape[dim])
+        new_len = length - pad_n - pad_s
+        if new_len < n:
+            raise ValueError(f"unpad_shard_interp: {new_len} rows left after removing the padding")
+        windows = tuple(
+            tuple(range(a + pad_n, b + pad_n))
+            for a, b in (shard_range(new_len, n, r) for r in range(n))
+        )
+        y = exchange_rows(y_pred, windows, length, dim, mgr)
+        length = new_len
+    global_h = length if mgr is not None else y.shape[dim]
+    if (global_h, y.shape[-1]) != (image_h, image_w):
+        interp = DomainParallelInterpolate(
+            size=(image_h, image_w), mode="bilinear", manager=manager
+        )
+        y = interp(y)
+    return y
