@@ -1,11 +1,97 @@
-"""The ``credit-parallel`` command line."""
+"""The ``credit-parallel`` command line: train, verify, plan, sample-data, bench, mesh-demo.
+
+Every command has ``--help``; exit status 0 on success and non-zero with a one-line reason on
+any error.  ``train``/``verify`` start ``--nproc`` local ranks through PyTorch's elastic
+launcher (torchrun) unless they already run under one (torchrun / SLURM), in which case they
+run as the worker directly.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
+
+DEFAULT_SAMPLE_PATH = "data/sample.zarr"
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _load_and_check(config: str, nproc: int | None) -> tuple[dict, int]:
+    from .config import load_config, parse_parallelism_conf
+    from .mesh import dp_world_size
+
+    conf = load_config(config)
+    block = parse_parallelism_conf(conf)
+    n = nproc if nproc is not None else block["tensor"] * block["domain"]
+    if n < 1:
+        raise CLIError(f"--nproc must be >= 1, got {n}")
+    dp_world_size(block, n)  # ValueError naming tensor/domain when the layout does not fit
+    return conf, n
+
+
+def _run_worker(module: str, nproc: int, worker_args: list[str], conf: dict) -> int:
+    from .config import parse_parallelism_conf
+    from .launch import launch_local, under_launcher
+
+    block = parse_parallelism_conf(conf)
+    trivial = block["data"] == "none" and block["tensor"] == 1 and block["domain"] == 1
+    if under_launcher() or (nproc == 1 and trivial):
+        mod = __import__(module, fromlist=["main"])
+        return int(mod.main(worker_args) or 0)
+    return launch_local(nproc, module, worker_args)
+
+
+def _cmd_train(args) -> int:
+    conf, n = _load_and_check(args.config, args.nproc)
+    path = (conf.get("data") or {}).get("path")
+    if path and not os.path.exists(path):
+        raise CLIError(
+            f"data.path {path!r} does not exist (create the demo data with `credit-parallel sample-data`)"
+        )
+    extra = ["--config", args.config, "--output", args.output]
+    if args.steps is not None:
+        extra += ["--steps", str(args.steps)]
+    return _run_worker("credit_parallel.train.main", n, extra, conf)
+
+
+def _cmd_verify(args) -> int:
+    conf, n = _load_and_check(args.config, args.nproc)
+    extra = ["--config", args.config, "--dtype", args.dtype]
+    return _run_worker("credit_parallel.verify", n, extra, conf)
+
+
+def _cmd_plan(args) -> int:
+    from .config import load_config
+    from .plan import format_plan, make_plan
+
+    if args.world_size < 1:
+        raise CLIError(f"--world-size must be >= 1, got {args.world_size}")
+    plan = make_plan(load_config(args.config), args.world_size)
+    print(format_plan(plan))
+    return 1 if plan.violations and args.strict else 0
+
+
+def _cmd_sample_data(args) -> int:
+    from .data import write_sample_dataset
+
+    path = write_sample_dataset(
+        args.output, n_times=args.times, nlat=args.nlat, nlon=args.nlon, seed=args.seed
+    )
+    print(
+        f"wrote sample dataset {path} ({args.times} times, {args.nlat} x {args.nlon}, both poles) and its statistics"
+    )
+    return 0
+
+
+def _cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return int(run_bench(args) or 0)
 
 
 def _cmd_mesh_demo(args) -> int:
@@ -21,9 +107,50 @@ def _cmd_mesh_demo(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="credit-parallel",
-        description="Exact data, tensor and domain parallelism for weather models.",
+        description="Exact data, tensor and domain (latitude) parallelism for weather models.",
     )
-    sub = ap.add_subparsers(dest="command", required=True)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train the configured model under its parallel layout")
+    p.add_argument("--config", required=True, help="YAML config (model, data, trainer)")
+    p.add_argument(
+        "--nproc", type=int, default=None, help="local ranks to start (default tensor*domain)"
+    )
+    p.add_argument(
+        "--output", default="outputs/train", help="metrics, loss curve and checkpoints go here"
+    )
+    p.add_argument("--steps", type=int, default=None, help="override trainer.steps")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("verify", help="compare the layout with a single-process run on one batch")
+    p.add_argument("--config", required=True)
+    p.add_argument("--nproc", type=int, default=None)
+    p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser(
+        "plan", help="mesh, rows per rank, halos, memory and violations, without processes"
+    )
+    p.add_argument("--config", required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--strict", action="store_true", help="exit 1 when a constraint is violated")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser(
+        "sample-data", help="write the small ERA5-like demo dataset (33 x 64, both poles)"
+    )
+    p.add_argument("--output", default=DEFAULT_SAMPLE_PATH)
+    p.add_argument("--times", type=int, default=240)
+    p.add_argument("--nlat", type=int, default=33)
+    p.add_argument("--nlon", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_sample_data)
+
+    p = sub.add_parser("bench", help="step time, halo bytes, collectives and memory per layout")
+    p.add_argument("--quick", action="store_true", help="small sizes, a few steps (smoke run)")
+    p.add_argument("--output", default="outputs/bench", help="JSON and PNG go here")
+    p.set_defaults(func=_cmd_bench)
+
     p = sub.add_parser("mesh-demo", help="start N CPU ranks and print each rank's mesh coordinates")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--data", default="fsdp2")
@@ -37,8 +164,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"credit-parallel {args.command}: error: {exc}", file=sys.stderr)
+    except (CLIError, ValueError, FileNotFoundError, RuntimeError, KeyError, TypeError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"credit-parallel {args.command}: error: {reason}", file=sys.stderr)
         return 2
 
 

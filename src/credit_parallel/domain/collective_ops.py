@@ -73,8 +73,10 @@ class _AllGatherStacked(torch.autograd.Function):
     def forward(ctx, x, rank, group):
         n = dist.get_world_size(group)
         ctx.rank, ctx.group = rank, group
+        # all_gather_single wants the ranks concatenated along dim 0; view that as a stack
+        flat = x.reshape(1, *x.shape).contiguous()
         out = x.new_empty((n, *x.shape))
-        dist.all_gather_single(out, x.contiguous(), group=group)
+        dist.all_gather_single(out.view(n, *x.shape), flat, group=group)
         return out
 
     @staticmethod

@@ -1,0 +1,42 @@
+"""Data layer: a synthetic ERA5-like sample store, the zarr-backed dataset, dp-only sampling.
+
+- ``sample``: ``write_sample_dataset`` (zarr store + statistics store), ``zonal_angular_speed``;
+- ``dataset``: ``ERA5Dataset``, ``latitude_weights``, ``compute_normalization_stats``,
+  ``default_stats_path``;
+- ``sampler``: ``DistributedDPSampler``, ``make_dataloader`` (shards over data parallelism only).
+
+Names resolve lazily so that importing the sampler does not import xarray.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "write_sample_dataset": "sample",
+    "zonal_angular_speed": "sample",
+    "SAMPLE_UPPER_AIR_VARIABLES": "sample",
+    "SAMPLE_SURFACE_VARIABLES": "sample",
+    "ERA5Dataset": "dataset",
+    "latitude_weights": "dataset",
+    "compute_normalization_stats": "dataset",
+    "default_stats_path": "dataset",
+    "DEFAULT_CACHE_LIMIT_BYTES": "dataset",
+    "DistributedDPSampler": "sampler",
+    "make_dataloader": "sampler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'credit_parallel.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

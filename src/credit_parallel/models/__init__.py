@@ -1,0 +1,71 @@
+"""Reference weather models and the config registry ``build_model``.
+
+The models know nothing of parallelism beyond class-attribute declarations the parallel layers
+read: ``_fsdp2_shard`` (FSDP2 unit), ``_tp_col`` / ``_tp_row`` / ``_tp_fused`` / ``_tp_head_dim``
+(tensor-parallel plan), ``_domain_local`` (a custom forward that computes each output row from
+rows inside its own domain shard). Their forwards use only modules the domain-parallel converter
+replaces (convs, GroupNorm, ``nn.Upsample`` with a global target size, ``PeriodicConv2d``) or
+per-pixel / row-local computation, and never read a global size from a tensor shape.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from credit_parallel.models.crossformer import CrossFormer, WindowAttention
+from credit_parallel.models.pangu import Pangu3D
+from credit_parallel.models.periodic import PeriodicConv2d
+from credit_parallel.models.unet import UNet
+
+__all__ = [
+    "MODEL_TYPES",
+    "CrossFormer",
+    "Pangu3D",
+    "PeriodicConv2d",
+    "UNet",
+    "WindowAttention",
+    "build_model",
+]
+
+MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "unet": UNet,
+    "crossformer": CrossFormer,
+    "pangu": Pangu3D,
+}
+
+
+def build_model(conf_model: dict[str, Any]) -> nn.Module:
+    """Build a model from a ``model:`` config block ``{"type": "unet", **constructor_kwargs}``.
+
+    ``ValueError`` naming ``model.type`` for a missing/unknown type (listing the known ones), and
+    naming the key for an unknown, missing or invalid argument.
+    """
+    if not isinstance(conf_model, dict):
+        raise TypeError(f"model config must be a dict, got {type(conf_model).__name__}")
+    known = ", ".join(sorted(MODEL_TYPES))
+    if "type" not in conf_model:
+        raise ValueError(f"model.type is missing; known types: {known}")
+    model_type = conf_model["type"]
+    cls = MODEL_TYPES.get(str(model_type).lower()) if isinstance(model_type, str) else None
+    if cls is None:
+        raise ValueError(f"model.type={model_type!r} is not a known model; known types: {known}")
+
+    kwargs = {k: v for k, v in conf_model.items() if k != "type"}
+    params = dict(inspect.signature(cls.__init__).parameters)
+    params.pop("self")
+    for key in kwargs:
+        if key not in params:
+            raise ValueError(
+                f"model.{key} is not an argument of {model_type!r}; "
+                f"accepted keys: {', '.join(params)}"
+            )
+    for key, param in params.items():
+        if param.default is inspect.Parameter.empty and key not in kwargs:
+            raise ValueError(f"model.{key} is required for model.type={model_type!r}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"model ({model_type}): {err}") from err
