@@ -48,9 +48,9 @@ _EXPORTS = {
     "allreduce_grads_avg": "collectives",
     "sync_domain_gradients": "collectives",
     "clip_grad_norm_": "collectives",
-    "parallelize": "parallelize",
-    "get_domain_manager": "parallelize",
-    "get_raw_model": "parallelize",
+    "parallelize": "composition",
+    "get_domain_manager": "composition",
+    "get_raw_model": "composition",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

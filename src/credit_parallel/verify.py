@@ -74,7 +74,7 @@ def verify_layout(
     from .domain.sharding import gather_tensor, shard_batch
     from .mesh import data_parallel_coords
     from .models import build_model
-    from .parallelize import get_domain_manager, parallelize
+    from .composition import get_domain_manager, parallelize
     from .train.loss import latitude_weighted_mse_share, local_lat_weights
 
     conf = copy.deepcopy(conf)
@@ -144,7 +144,7 @@ def verify_layout(
 
 
 def _dp_group(model):
-    from .parallelize import get_device_mesh
+    from .composition import get_device_mesh
 
     mesh = get_device_mesh(model)
     return (
@@ -153,7 +153,7 @@ def _dp_group(model):
 
 
 def _named_params(model):
-    from .parallelize import get_raw_model
+    from .composition import get_raw_model
 
     raw = get_raw_model(model)
     return list(raw.named_parameters())

@@ -107,9 +107,9 @@ def conv_needs_domain_wrapper(conv: nn.Module, spatial_index: int) -> bool:
     return not ConvGeometry.of(conv).is_row_local(spatial_index)
 
 
-def _conv_windows(geo: ConvGeometry, i: int, length: int, n: int) -> tuple:
+def _conv_windows(geo: ConvGeometry, i: int, length: int, n: int, what: str = "output") -> tuple:
     out_len = geo.output_length(length, i)
-    check_min_rows(out_len, n, "output")
+    check_min_rows(out_len, n, what)
     windows = []
     for r in range(n):
         o0, o1 = shard_range(out_len, n, r)
@@ -125,9 +125,9 @@ def _conv_windows(geo: ConvGeometry, i: int, length: int, n: int) -> tuple:
     return tuple(windows), out_len
 
 
-def _convt_windows(geo: ConvGeometry, i: int, length: int, n: int) -> tuple:
+def _convt_windows(geo: ConvGeometry, i: int, length: int, n: int, what: str = "output") -> tuple:
     out_len = geo.output_length(length, i)
-    check_min_rows(out_len, n, "output")
+    check_min_rows(out_len, n, what)
     windows = []
     for r in range(n):
         o0, o1 = shard_range(out_len, n, r)
@@ -176,6 +176,12 @@ class _DomainParallelConvNd(DomainWrapper):
     def conv(self):
         return self.wrapped
 
+    def _describe(self, length: int) -> str:
+        # the module path is known when the layer came from convert_to_domain_parallel
+        path = self.__dict__.get("_cp_path")
+        where = f"{path} ({type(self.wrapped).__name__})" if path else repr(self.wrapped)
+        return f"{type(self).__name__} {where}, output of an input of {length} rows"
+
     def _weight_and_bias(self, x):
         conv = self.wrapped_weights(x)
         return conv.weight, conv.bias
@@ -196,7 +202,7 @@ class _DomainParallelConvNd(DomainWrapper):
         cache = self.__dict__.setdefault("_cp_windows", {})
         key = (length, n)
         if key not in cache:
-            cache[key] = _conv_windows(geo, i, length, n)
+            cache[key] = _conv_windows(geo, i, length, n, self._describe(length))
         windows, _ = cache[key]
         window = exchange_rows(x, windows, length, dim, mgr)
         return self._conv_window(window, weight, bias)
@@ -228,23 +234,28 @@ class _DomainParallelConvNd(DomainWrapper):
         cache = self.__dict__.setdefault("_cp_windows", {})
         key = (length, n)
         if key not in cache:
-            cache[key] = _convt_windows(geo, i, length, n)
+            cache[key] = _convt_windows(geo, i, length, n, self._describe(length))
         windows, out_len = cache[key]
         lo_hi = windows[mgr.domain_rank]
-        if not lo_hi:
-            raise ValueError(
-                f"{type(self).__name__}: the output rows of domain rank {mgr.domain_rank} receive no "
-                f"input (kernel {geo.kernel[i]} x dilation {geo.dilation[i]} < stride {geo.stride[i]}); "
-                "this layer cannot be sharded over this many ranks"
-            )
+        # every rank takes part in the exchange, also one whose own window is empty
         window = exchange_rows(x, windows, length, dim, mgr)
+        o0, o1 = shard_range(out_len, n, mgr.domain_rank)
+        if not lo_hi:
+            # no input row reaches this rank's outputs (kernel*dilation gaps < stride): they are
+            # exactly the bias; keep the result attached to the graph of x and the weight
+            shape = [x.shape[0], weight.shape[1] * geo.groups]
+            for j in range(self.nd):
+                shape.append(o1 - o0 if j == i else geo.output_length(x.shape[j + 2], j))
+            y = (window.sum() + weight.sum()) * 0.0 + x.new_zeros(shape)
+            if bias is not None:
+                y = y + bias.view(1, -1, *([1] * self.nd))
+            return y
         pads = tuple(p[0] if j != i else 0 for j, p in enumerate(geo.pads))
         out_pad = tuple(p if j != i else 0 for j, p in enumerate(geo.output_padding))
         y = _CONVT[self.nd](
             window, weight, None, geo.stride, pads, out_pad, geo.groups, geo.dilation
         )
         # y's rows along dim are the un-cropped positions lo*s + t; keep our output rows
-        o0, o1 = shard_range(out_len, n, mgr.domain_rank)
         first = o0 + geo.pads[i][0] - lo_hi[0] * geo.stride[i]
         last = o1 + geo.pads[i][0] - lo_hi[0] * geo.stride[i]
         before, after = max(0, -first), max(0, last - y.shape[dim])

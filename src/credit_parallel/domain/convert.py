@@ -210,6 +210,8 @@ def convert_to_domain_parallel(
             replacement = _builtin_rule(child, manager, shard_dim)
             if replacement is not None:
                 module._modules[name] = replacement
+                # layers name their module path in errors (e.g. too few output rows)
+                replacement.__dict__["_cp_path"] = _display(path)
             else:
                 convert(child, path)
 

@@ -82,6 +82,8 @@ class _ExchangeRows(torch.autograd.Function):
                 pieces.append(x.new_full(_shape_with(x, dim, seg[2]), fill_value))
         ctx.plan, ctx.dim, ctx.peers, ctx.group = plan, dim, peers, group
         ctx.x_shape = x.shape
+        if not pieces:  # an empty window (a rank whose outputs read no input) still sends
+            return x.new_empty(_shape_with(x, dim, 0))
         return pieces[0].clone() if len(pieces) == 1 else torch.cat(pieces, dim)
 
     @staticmethod
@@ -136,6 +138,8 @@ def exchange_rows(
                 pieces.append(x.narrow(dim, seg[1], seg[2]))
             else:
                 pieces.append(x.new_full(_shape_with(x, dim, seg[2]), fill_value))
+        if not pieces:  # an empty window
+            return x.narrow(dim, 0, 0)
         if len(pieces) == 1:
             return pieces[0]
         return torch.cat(pieces, dim)

@@ -172,15 +172,19 @@ class DomainParallelManager:
         self._token = token
         self._epoch += 1
 
-    def global_length(self, owner, local_length: int) -> int:
+    def global_length(self, owner, local_length: int, *, cached: bool = True) -> int:
         """The global length along the shard dim of the tensor ``owner`` (a layer) was handed.
 
         Cached per (registered token, call index of ``owner`` in this forward); on a miss, one
-        all_gather of the local lengths on the domain group (every rank misses together).
+        all_gather of the local lengths on the domain group (every rank misses together).  The
+        cache assumes the owner sees the same heights whenever the token repeats (a layer inside
+        a model whose forward depends only on the input shapes).  ``cached=False`` always asks
+        the group: for owners such as ``gather_tensor`` that are handed unrelated tensors
+        (different models, different layers' outputs) under the same token.
         """
         if self.domain_world_size == 1:
             return local_length
-        if self._token is None:
+        if self._token is None or not cached:
             return self._gather_length(owner, local_length)
         state = owner.__dict__.setdefault(
             "_cp_height_state", {"epoch": None, "calls": 0, "cache": {}}

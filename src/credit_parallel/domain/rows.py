@@ -134,10 +134,21 @@ def conv_transpose_input_range(
     dilation: int,
 ) -> tuple[int, int]:
     """Input rows ``[lo, hi)`` contributing to output rows ``[out_start, out_stop)`` of a
-    transposed convolution (input row i writes positions ``i*s + j*d - padding``)."""
-    lo = -((-(out_start + padding - dilation * (kernel - 1))) // stride)  # ceil division
-    hi = (out_stop - 1 + padding) // stride + 1
-    return max(lo, 0), min(hi, length)
+    transposed convolution (input row i writes positions ``i*s + j*d - padding``, j < kernel).
+
+    Exact at both ends: ``lo`` and ``hi - 1`` really write into the range.  (The hull
+    ``[ceil((out_start + padding - d*(k-1)) / s), (out_stop - 1 + padding) // s + 1)`` is not:
+    with dilation > stride the taps of an end row can jump over a short output range.)  An
+    empty range (``lo == hi``) means no input reaches these outputs (they are just the bias).
+    """
+    lo, hi = length, 0
+    for j in range(kernel):
+        # rows i with out_start <= i*s + j*d - padding < out_stop
+        first = max(ceil_div(out_start + padding - j * dilation, stride), 0)
+        last = min((out_stop - 1 + padding - j * dilation) // stride, length - 1)
+        if first <= last:
+            lo, hi = min(lo, first), max(hi, last + 1)
+    return (lo, hi) if lo < hi else (0, 0)
 
 
 # --------------------------------------------------------------------------- interpolation

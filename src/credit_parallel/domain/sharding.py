@@ -54,7 +54,10 @@ def gather_tensor(x: torch.Tensor, dim: int = -2, manager=None) -> torch.Tensor:
         return x
     d = dim % x.dim()
     owner = mgr.__dict__.setdefault("_cp_gather_owner", _GatherOwner())
-    length = mgr.global_length(owner, x.shape[d])
+    # not cached: gather_tensor is handed unrelated tensors under one registered token (the
+    # outputs of different models or layers), so (token, call index) does not determine the
+    # height; it is itself a collective, and one tiny length all_gather more is cheap
+    length = mgr.global_length(owner, x.shape[d], cached=False)
     return all_gather_rows(x, d, length, mgr)
 
 
@@ -132,7 +135,7 @@ def unpad_shard_interp(
     else:
         n = mgr.domain_world_size
         owner = mgr.__dict__.setdefault("_cp_unpad_owner", _GatherOwner())
-        length = mgr.global_length(owner, y_pred.shape[dim])
+        length = mgr.global_length(owner, y_pred.shape[dim], cached=False)  # as gather_tensor
         new_len = length - pad_n - pad_s
         if new_len < n:
             raise ValueError(f"unpad_shard_interp: {new_len} rows left after removing the padding")

@@ -130,7 +130,7 @@ class Trainer:
 
     def __init__(self, conf: dict, *, dataset=None, val_dataset=None, model=None):
         from ..models import build_model
-        from ..parallelize import get_domain_manager, parallelize
+        from ..composition import get_domain_manager, parallelize
 
         self.conf = conf
         self.block = parse_parallelism_conf(conf)

@@ -1,0 +1,221 @@
+"""Data-parallel wrappers: FSDP2 (``fully_shard``) and DDP over the "dp" mesh axis.
+
+Recipe of :func:`apply_fsdp2` (the order matters):
+
+1. validate ``trainer.amp`` / ``trainer.activation_checkpoint`` (bools);
+2. activation checkpointing of the opted-in blocks (before sharding, so FSDP2's hooks wrap the
+   checkpointed forward and re-gather parameters for the recomputation);
+3. ``fully_shard`` on every submodule that opts in with ``_fsdp2_shard = True``, children before
+   parents, then on the root.
+
+Models declare only ``_fsdp2_shard``; they know nothing else about data parallelism.  Parameters
+that tensor parallelism already turned into DTensors on the "tp" axis of the same mesh are
+sharded again over "dp" by FSDP2 (FSDP2 + TP); the dp mesh must then be the 1-D "dp" submesh of
+that mesh.  :func:`no_grad_sync` is the gradient-accumulation switch for both wrappers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "apply_ddp",
+    "apply_fsdp2",
+    "fsdp2_blocks",
+    "is_activation_checkpointed",
+    "no_grad_sync",
+]
+
+_FSDP2_OPT_IN = "_fsdp2_shard"
+_AC_MARKER = "_credit_activation_checkpointed"
+
+
+def _trainer_flag(conf: dict, key: str) -> bool:
+    """``conf["trainer"][key]`` as a bool; absent -> False; anything but a bool -> ValueError."""
+    if conf is None:
+        return False
+    if not isinstance(conf, dict):
+        raise ValueError(
+            f"apply_fsdp2 expects the full config (a mapping), got {type(conf).__name__}"
+        )
+    trainer = conf.get("trainer", {})
+    if trainer is None:
+        trainer = {}
+    if not isinstance(trainer, dict):
+        raise ValueError(
+            f"trainer must be a mapping, got {trainer!r} of type {type(trainer).__name__}"
+        )
+    if key not in trainer:
+        return False
+    value = trainer[key]
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"trainer.{key} must be true or false, got {value!r} of type {type(value).__name__}"
+        )
+    return value
+
+
+def _require_1d(dp_mesh: DeviceMesh, what: str) -> None:
+    if dp_mesh.ndim != 1:
+        names = dp_mesh.mesh_dim_names
+        raise ValueError(
+            f"{what} needs the 1-D data-parallel submesh (e.g. mesh['dp']), got a {dp_mesh.ndim}-D "
+            f"mesh with axes {names}; FSDP2 would read a 2-D mesh as HSDP (replicate x shard)"
+        )
+
+
+def _world_dp_mesh(model: nn.Module) -> DeviceMesh:
+    """A 1-D "dp" mesh over the whole default process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "apply_fsdp2 with dp_mesh=None shards over the whole world and needs an initialised "
+            "torch.distributed process group; call init_process_group first or pass mesh['dp']"
+        )
+    device_type = "cpu"
+    param = next(model.parameters(), None)
+    if param is not None and param.device.type == "cuda":
+        device_type = "cuda"
+    elif "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        device_type = "cuda"
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def fsdp2_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Submodules (not the root) that opt in with ``_fsdp2_shard = True``, in pre-order."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if module is not model and getattr(module, _FSDP2_OPT_IN, False) is True
+    ]
+
+
+# Activation checkpointing swaps the block's class for a subclass whose forward runs the original
+# one under torch.utils.checkpoint.  Unlike checkpoint_wrapper (which inserts a child module and
+# renames every parameter "..._checkpoint_wrapped_module..." in named_parameters) no module is
+# added, so parameter names and state_dict keys are unchanged, isinstance checks still hold, and
+# deepcopy keeps working (FSDP2 itself uses the same class-swap technique).
+_CHECKPOINTED_CLASSES: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type) -> type:
+    if cls not in _CHECKPOINTED_CLASSES:
+
+        def forward(self, *args, **kwargs):
+            inner = super(new_cls, self).forward
+            if not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+        new_cls = type(
+            f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, _AC_MARKER: True}
+        )
+        new_cls.__module__ = cls.__module__
+        _CHECKPOINTED_CLASSES[cls] = new_cls
+    return _CHECKPOINTED_CLASSES[cls]
+
+
+def is_activation_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`apply_fsdp2` made ``module`` recompute its activations in backward."""
+    return getattr(type(module), _AC_MARKER, False) is True
+
+
+def _apply_activation_checkpointing(blocks: list[tuple[str, nn.Module]]) -> None:
+    # Only the outermost opted-in blocks: checkpointing a block inside a checkpointed block would
+    # recompute the inner one twice for nothing.
+    outer: list[str] = []
+    for name, module in blocks:
+        if any(name.startswith(prefix + ".") for prefix in outer):
+            continue
+        outer.append(name)
+        if not is_activation_checkpointed(module):
+            module.__class__ = _checkpointed_class(type(module))
+
+
+def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh | None, conf: dict) -> nn.Module:
+    """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
+
+    ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
+    parents), then to the root; ``dp_mesh=None`` shards over a 1-D mesh of the whole world.
+    ``conf["trainer"]["amp"]`` true -> bf16 parameters/compute with fp32 gradient reduction;
+    false/absent -> fp32 (no mixed precision).  ``conf["trainer"]["activation_checkpoint"]`` true
+    -> the opted-in blocks recompute their activations in backward (state_dict keys unchanged).
+    Returns the model (its class becomes an ``FSDPModule`` subclass).
+    """
+    amp = _trainer_flag(conf, "amp")
+    activation_checkpoint = _trainer_flag(conf, "activation_checkpoint")
+    if dp_mesh is None:
+        dp_mesh = _world_dp_mesh(model)
+    _require_1d(dp_mesh, "apply_fsdp2")
+    if amp:
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        mp_policy = MixedPrecisionPolicy()
+
+    blocks = fsdp2_blocks(model)
+    if activation_checkpoint:
+        if not blocks:
+            warnings.warn(
+                "trainer.activation_checkpoint is true but no submodule of "
+                f"{type(model).__name__} sets _fsdp2_shard = True; nothing is checkpointed",
+                stacklevel=2,
+            )
+        _apply_activation_checkpointing(blocks)
+    # Bottom-up: a parent's fully_shard must see its children already managed so that it only
+    # takes the parameters left over.
+    for _, block in reversed(blocks):
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    return model
+
+
+def apply_ddp(
+    model: nn.Module, dp_mesh: DeviceMesh | None, **ddp_kwargs
+) -> DistributedDataParallel:
+    """Wrap ``model`` in DistributedDataParallel over the dp group (``None`` -> default group).
+
+    ``device_ids`` is passed only for a model on CUDA (it must be ``None`` on CPU).  Extra
+    keyword arguments go to DistributedDataParallel.
+    """
+    group = None
+    if dp_mesh is not None:
+        _require_1d(dp_mesh, "apply_ddp")
+        group = dp_mesh.get_group()
+    param = next(model.parameters(), None)
+    device_ids = None
+    if param is not None and param.device.type == "cuda":
+        index = param.device.index
+        device_ids = [index if index is not None else torch.cuda.current_device()]
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=group, **ddp_kwargs)
+
+
+@contextlib.contextmanager
+def no_grad_sync(model: nn.Module) -> Iterator[None]:
+    """Suppress gradient synchronisation inside the block (gradient accumulation).
+
+    DDP: ``model.no_sync()``.  FSDP2: ``set_requires_gradient_sync(False)`` on every FSDP module
+    of the tree, back to True on exit (the next backward outside the block reduce-scatters the
+    accumulated gradients).  Any other module: no-op.  Gradients accumulate locally either way;
+    the step after the block must run its backward outside it.
+    """
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in fsdp_modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in fsdp_modules:
+            module.set_requires_gradient_sync(True, recurse=False)
