@@ -43,6 +43,7 @@ _EXPORTS = {
     "unpad_shard_interp": "domain.sharding",
     # tensor parallel, data parallel, collectives, composition
     "apply_tensor_parallel": "tensor_parallel",
+    "tp_replicated_parameters": "tensor_parallel",
     "apply_fsdp2": "fsdp",
     "apply_ddp": "fsdp",
     "allreduce_grads_avg": "collectives",

@@ -1,0 +1,534 @@
+"""Tensor parallelism (SPEC §4): the ``_tp_col`` / ``_tp_row`` plan and the projection styles.
+
+A model opts in by declaring, on any module, class (or instance) attributes
+
+* ``_tp_col`` / ``_tp_row``: a dotted path (str) or a list/tuple of dotted paths, relative to
+  the declaring module, naming an ``nn.Linear`` or a 1x1 ``nn.Conv2d`` to split column-wise
+  (output features/channels) or row-wise (input features/channels);
+* ``_tp_fused = {"to_qkv": 3}``: a column target whose output is ``parts`` equal-width blocks
+  concatenated along the output axis (q|k|v).  It is split *per part*: tp rank t computes
+  ``[q_t | k_t | v_t]`` (slice t of every part), so attention heads stay whole;
+* ``_tp_head_dim = 16`` (an int for every column target of the declaring module, or a dict
+  ``{path: head_dim}``): each part's per-rank width must hold whole heads.
+
+:func:`build_tensor_parallel_plan` turns the declarations into a plan ``{full_module_path:
+style}`` (the ``parallelize_module`` plan shape) after checking every target; it needs no process
+group.  :func:`apply_tensor_parallel` then applies the plan on a 1-D tp mesh.  Semantics are
+Megatron's: the input of a column layer is replicated and its gradient is all-reduced over tp in
+backward ("f"); the output of a row layer is all-reduced in forward ("g"), its bias added once.
+Between a column layer and its row layer activations stay local (sharded features/channels) as
+plain tensors, so pointwise ops in between work unchanged; the pair's inputs and outputs are plain
+replicated tensors.
+
+Styles: a plain column ``nn.Linear`` uses PyTorch's ``ColwiseParallel(use_local_output=True)``.
+Row layers (Linear and 1x1 conv), 1x1 column convolutions and fused column layers use
+:class:`RowwiseProjectionParallel` / :class:`ColwiseProjectionParallel`, which replace the layer
+by a :class:`TensorParallelProjection` computing on local shards.  PyTorch's ``RowwiseParallel``
+is not used: it turns the replicated bias into a ``Partial`` by giving every rank ``bias / tp``
+(``Partial._partition_value``) and sums those shares, so the bias is not added once and the
+result is not bit-equal to the single-process one at tp = 3.  Parameter names are kept and every
+split parameter is an ``nn.Parameter`` wrapping a DTensor on the tp mesh whose full shape and
+``full_tensor()`` equal the original (so FSDP2 and DCP treat all of them alike); row biases are
+``Replicate()`` DTensors.
+
+Fused projections are *stored* as plain ``Shard(0)`` DTensors and regrouped into the per-part
+layout at each forward (one all-gather of the weight over tp; its gradient goes back the same
+way).  ``_StridedShard(0, split_factor=parts)`` does express the per-part layout and its
+``full_tensor()`` / ``redistribute`` are exact on gloo, but DCP cannot save it (its local shard is
+``parts`` separate row blocks; DCP assumes one block per rank and rejects the plan as overlapping
+chunks) and FSDP2 on top of it produces a dp x tp spec whose ``full_tensor()`` is silently wrong
+(torch 2.13).  When that extra all-gather matters, declare separate q, k and v Linears instead.
+
+Attention modules that are TP-ready derive their head count from the projection output width at
+run time (``heads_local = width // head_dim``), never from a stored ``heads`` attribute: after
+conversion each tp rank sees ``heads / tp`` heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import _StridedShard
+
+__all__ = [
+    "ColwiseProjectionParallel",
+    "RowwiseProjectionParallel",
+    "TensorParallelProjection",
+    "TensorParallelTarget",
+    "apply_tensor_parallel",
+    "build_tensor_parallel_plan",
+    "collect_tensor_parallel_targets",
+    "tp_replicated_parameters",
+]
+
+COLUMN = "col"
+ROW = "row"
+_DECLARATION = {COLUMN: "_tp_col", ROW: "_tp_row"}
+# Set on the root model by apply_tensor_parallel: names of the parameters it turned into
+# DTensors on the tp mesh (read by tp_replicated_parameters).
+_TP_PARAMETERS_ATTR = "_tp_parameter_names"
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron's two conjugate operators over the tp group.
+# --------------------------------------------------------------------------------------------
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's "f": identity forward; backward all-reduces the input gradient (each tp rank
+    holds only the contribution of its own output features)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's "g": forward all-reduces the partial sums of a row layer; backward is the
+    identity (the output gradient is already replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        total = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# --------------------------------------------------------------------------------------------
+# The projection module and its two styles (row layers, 1x1 convs, fused column layers).
+# --------------------------------------------------------------------------------------------
+
+
+def _parts_placement(parts: int):
+    """Per-part layout of a fused output axis: rank t holds slice t of each of the parts."""
+    return _StridedShard(0, split_factor=parts)
+
+
+def _distribute(param, tp_mesh, placement, src_data_rank) -> nn.Parameter:
+    dtensor = distribute_tensor(param.detach(), tp_mesh, [placement], src_data_rank=src_data_rank)
+    return nn.Parameter(dtensor, requires_grad=param.requires_grad)
+
+
+class TensorParallelProjection(nn.Module):
+    """A Linear or 1x1 Conv2d split over the channel axis of a tp mesh, computed on local shards.
+
+    ``role="col"``: ``weight`` is ``Shard(0)`` (output channels), ``bias`` ``Shard(0)``; the input
+    is replicated (gradient all-reduced in backward) and the output holds this rank's channels.
+    With ``parts > 1`` the output axis is ``parts`` concatenated blocks and this rank computes
+    ``[block_0 slice t | block_1 slice t | ...]``.  ``role="row"``: ``weight`` is ``Shard(1)``
+    (input channels), ``bias`` ``Replicate()``; the input holds this rank's channels, the partial
+    outputs are all-reduced and the bias is added once, after the sum.
+
+    Parameter names (``weight``, ``bias``) and full shapes are those of the wrapped layer, so
+    ``state_dict`` keys do not change.  Linear acts on the last dim, the conv on dim -3 (C of
+    CHW/BCHW).
+    """
+
+    def __init__(
+        self,
+        layer: nn.Linear | nn.Conv2d,
+        tp_mesh: DeviceMesh,
+        role: str,
+        parts: int = 1,
+        src_data_rank: int | None = 0,
+    ):
+        super().__init__()
+        if role not in (COLUMN, ROW):
+            raise ValueError(f"role must be {COLUMN!r} or {ROW!r}, got {role!r}")
+        if role == ROW and parts != 1:
+            raise ValueError("only a column-parallel projection can be fused (parts > 1)")
+        self.kind = "linear" if isinstance(layer, nn.Linear) else "conv1x1"
+        self.role = role
+        self.parts = parts
+        if self.kind == "linear":
+            self.in_features, self.out_features = layer.in_features, layer.out_features
+        else:
+            self.in_features, self.out_features = layer.in_channels, layer.out_channels
+        self.tp_size = tp_mesh.size()
+        # The mesh is not stored: forward reads it from the weight, which under FSDP2 is the
+        # unsharded DTensor on the tp mesh.
+        weight_placement = Shard(0) if role == COLUMN else Shard(1)
+        bias_placement = Shard(0) if role == COLUMN else Replicate()
+        self.weight = _distribute(layer.weight, tp_mesh, weight_placement, src_data_rank)
+        if layer.bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = _distribute(layer.bias, tp_mesh, bias_placement, src_data_rank)
+
+    def _local(self, param: nn.Parameter | None) -> torch.Tensor | None:
+        """This rank's slice of ``param`` as a differentiable plain tensor."""
+        if param is None:
+            return None
+        if self.parts > 1:
+            # Stored as Shard(0) (DCP/FSDP2-safe); regroup to the per-part layout here.  The
+            # backward of the redistribute brings the gradient back to Shard(0).
+            param = param.redistribute(placements=[_parts_placement(self.parts)])
+        return param.to_local()
+
+    def _project(self, x, weight, bias):
+        if self.kind == "linear":
+            return F.linear(x, weight, bias)
+        return F.conv2d(x, weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.weight.device_mesh.get_group()
+        weight, bias = self._local(self.weight), self._local(self.bias)
+        if self.role == COLUMN:
+            x = _CopyToTensorParallel.apply(x, group)
+            return self._project(x, weight, bias)
+        out = _ReduceFromTensorParallel.apply(self._project(x, weight, None), group)
+        if bias is not None:
+            out = out + (bias if self.kind == "linear" else bias.view(-1, 1, 1))
+        return out
+
+    def extra_repr(self) -> str:
+        fused = f", parts={self.parts}" if self.parts > 1 else ""
+        return (
+            f"{self.kind}, role={self.role}, in={self.in_features}, out={self.out_features}, "
+            f"bias={self.bias is not None}, tp={self.tp_size}{fused}"
+        )
+
+
+class ColwiseProjectionParallel(ParallelStyle):
+    """Column style for a 1x1 ``nn.Conv2d`` or a fused ``nn.Linear``: replaces the layer by a
+    column :class:`TensorParallelProjection` (``_apply`` returns the replacement)."""
+
+    def __init__(self, parts: int = 1):
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return TensorParallelProjection(
+            module, device_mesh, COLUMN, self.parts, src_data_rank=self.src_data_rank
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(parts={self.parts})"
+
+
+class RowwiseProjectionParallel(ParallelStyle):
+    """Row style for an ``nn.Linear`` or a 1x1 ``nn.Conv2d``: replaces the layer by a row
+    :class:`TensorParallelProjection` (partial sums all-reduced, then the bias added once)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return TensorParallelProjection(module, device_mesh, ROW, src_data_rank=self.src_data_rank)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+# --------------------------------------------------------------------------------------------
+# Declarations -> targets -> checked plan.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelTarget:
+    """One declared layer: full path from the root, role, and where it was declared."""
+
+    path: str
+    role: str
+    declared_by: str
+    declared_as: str
+    parts: int = 1
+    head_dim: int | None = None
+    fused_declared: bool = False  # listed in _tp_fused (even with 1 part: "not fused, checked")
+
+    def describe(self) -> str:
+        owner = self.declared_by or "<root>"
+        attr = _DECLARATION[self.role]
+        return f"{self.path!r} (declared as {self.declared_as!r} in {attr} of {owner!r})"
+
+
+def _join(prefix: str, rel: str) -> str:
+    return f"{prefix}.{rel}" if prefix else rel
+
+
+def _where(name: str) -> str:
+    return repr(name) if name else "<root>"
+
+
+def _declared_paths(module: nn.Module, attr: str, name: str) -> list[str]:
+    value = getattr(module, attr, None)
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(
+        isinstance(p, str) and p.strip() for p in items
+    ):
+        raise TypeError(
+            f"{attr} of module {_where(name)} ({type(module).__name__}) must be a dotted path "
+            f"or a list/tuple of dotted paths, got {value!r}"
+        )
+    return list(items)
+
+
+def _positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{what} must be an int >= 1, got {value!r}")
+    return value
+
+
+def collect_tensor_parallel_targets(model: nn.Module) -> list[TensorParallelTarget]:
+    """Read every ``_tp_col`` / ``_tp_row`` / ``_tp_fused`` / ``_tp_head_dim`` declaration.
+
+    Returns the targets in ``named_modules`` order with full paths; checks the declarations
+    themselves (types, fused/head-dim entries naming declared column paths, one role per layer)
+    but not the layers they point at (see :func:`build_tensor_parallel_plan`).
+    """
+    targets: dict[str, TensorParallelTarget] = {}
+    for name, module in model.named_modules():
+        cols = _declared_paths(module, "_tp_col", name)
+        rows = _declared_paths(module, "_tp_row", name)
+        fused = getattr(module, "_tp_fused", None) or {}
+        head_dim = getattr(module, "_tp_head_dim", None)
+        if not isinstance(fused, dict):
+            raise TypeError(
+                f"_tp_fused of module {_where(name)} must be a dict {{path: parts}}, got {fused!r}"
+            )
+        for rel, parts in fused.items():
+            _positive_int(parts, f"_tp_fused[{rel!r}] of module {_where(name)}")
+            if rel not in cols:
+                raise ValueError(
+                    f"_tp_fused of module {_where(name)} names {rel!r}, which is not one of its "
+                    f"column targets (_tp_col = {cols}); only column layers can be fused"
+                )
+        if isinstance(head_dim, dict):
+            for rel, hd in head_dim.items():
+                _positive_int(hd, f"_tp_head_dim[{rel!r}] of module {_where(name)}")
+                if rel not in cols:
+                    raise ValueError(
+                        f"_tp_head_dim of module {_where(name)} names {rel!r}, which is not one "
+                        f"of its column targets (_tp_col = {cols})"
+                    )
+        elif head_dim is not None:
+            _positive_int(head_dim, f"_tp_head_dim of module {_where(name)}")
+
+        for role, rels in ((COLUMN, cols), (ROW, rows)):
+            for rel in rels:
+                if role == COLUMN:
+                    hd = head_dim.get(rel) if isinstance(head_dim, dict) else head_dim
+                    target = TensorParallelTarget(
+                        _join(name, rel), role, name, rel, fused.get(rel, 1), hd, rel in fused
+                    )
+                else:
+                    target = TensorParallelTarget(_join(name, rel), role, name, rel)
+                seen = targets.get(target.path)
+                if seen is None or (
+                    target.fused_declared
+                    and not seen.fused_declared
+                    and (seen.role, seen.parts, seen.head_dim)
+                    == (target.role, target.parts, target.head_dim)
+                ):
+                    targets[target.path] = target
+                elif (seen.role, seen.parts, seen.head_dim) != (
+                    target.role,
+                    target.parts,
+                    target.head_dim,
+                ):
+                    raise ValueError(
+                        f"tensor-parallel target {target.path!r} is declared twice with "
+                        f"different settings: {seen.describe()} [{seen.role}, parts={seen.parts}, "
+                        f"head_dim={seen.head_dim}] and {target.describe()} [{target.role}, "
+                        f"parts={target.parts}, head_dim={target.head_dim}]; keep one declaration"
+                    )
+    return list(targets.values())
+
+
+def _is_fused_name(path: str) -> bool:
+    return "kv" in path.rsplit(".", 1)[-1].lower()  # also catches "qkv"
+
+
+def _resolve(model: nn.Module, target: TensorParallelTarget) -> nn.Module:
+    try:
+        return model.get_submodule(target.path)
+    except AttributeError as err:
+        raise ValueError(
+            f"tensor-parallel target {target.describe()} does not exist in "
+            f"{type(model).__name__} ({err}); fix the dotted path, relative to the declaring module"
+        ) from None
+
+
+def _check_divisible(target, what: str, width: int, tp_size: int) -> None:
+    if width % tp_size:
+        raise ValueError(
+            f"tensor-parallel target {target.describe()}: {what} = {width} is not divisible by "
+            f"the tp size {tp_size}; choose a width that is a multiple of {tp_size} or another "
+            "tensor degree"
+        )
+
+
+def _check_layer(layer: nn.Module, target: TensorParallelTarget, tp_size: int) -> None:
+    for base in (nn.Linear, nn.Conv2d):
+        if isinstance(layer, base) and type(layer).forward is not base.forward:
+            raise TypeError(
+                f"tensor-parallel target {target.describe()} is a {type(layer).__name__} with "
+                f"its own forward; only a plain {base.__name__} can be converted"
+            )
+    if isinstance(layer, nn.Linear):
+        out_width, in_width = layer.out_features, layer.in_features
+        out_name, in_name = "out_features", "in_features"
+    elif isinstance(layer, nn.Conv2d):
+        problems = []
+        if tuple(layer.kernel_size) != (1, 1):
+            problems.append(f"kernel_size={tuple(layer.kernel_size)} (must be 1x1)")
+        if tuple(layer.stride) != (1, 1):
+            problems.append(f"stride={tuple(layer.stride)} (must be 1)")
+        padding = layer.padding
+        if not (
+            (isinstance(padding, str) and padding in ("valid", "same"))
+            or (not isinstance(padding, str) and all(p == 0 for p in padding))
+        ):
+            problems.append(f"padding={padding} (must be 0)")
+        if tuple(layer.dilation) != (1, 1):
+            problems.append(f"dilation={tuple(layer.dilation)} (must be 1)")
+        if layer.groups != 1:
+            problems.append(f"groups={layer.groups} (must be 1)")
+        if problems:
+            raise ValueError(
+                f"tensor-parallel target {target.describe()} is an nn.Conv2d with "
+                f"{', '.join(problems)}; only 1x1 convolutions (stride 1, no padding, dilation "
+                "1, groups 1) can be split over channels; remove it from the declaration"
+            )
+        out_width, in_width = layer.out_channels, layer.in_channels
+        out_name, in_name = "out_channels", "in_channels"
+    else:
+        raise TypeError(
+            f"tensor-parallel target {target.describe()} is a {type(layer).__name__}; only "
+            "nn.Linear and 1x1 nn.Conv2d can be split over tp"
+        )
+    for pname, param in layer.named_parameters(recurse=False):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"tensor-parallel target {target.describe()}: parameter {pname!r} is already a "
+                "DTensor (apply_tensor_parallel called twice?)"
+            )
+
+    if target.role == ROW:
+        _check_divisible(target, in_name, in_width, tp_size)
+        return
+    if target.parts == 1 and _is_fused_name(target.path) and not target.fused_declared:
+        raise ValueError(
+            f"tensor-parallel target {target.describe()} looks like a fused projection (its "
+            "name contains 'qkv'/'kv') but the declaring module has no _tp_fused entry for it; "
+            f"declare _tp_fused = {{{target.declared_as!r}: 3}} (q|k|v) or "
+            f"{{{target.declared_as!r}: 2}} (k|v) so that it is split per part, or "
+            f"{{{target.declared_as!r}: 1}} if it is not fused"
+        )
+    if out_width % target.parts:
+        raise ValueError(
+            f"tensor-parallel target {target.describe()}: {out_name} = {out_width} is not "
+            f"{target.parts} equal parts (_tp_fused)"
+        )
+    part_width = out_width // target.parts
+    what = f"{out_name} per part" if target.parts > 1 else out_name
+    _check_divisible(target, what, part_width, tp_size)
+    if target.head_dim is not None and (part_width // tp_size) % target.head_dim:
+        raise ValueError(
+            f"tensor-parallel target {target.describe()}: {what} = {part_width} over tp "
+            f"{tp_size} gives {part_width // tp_size} per rank, not a multiple of head_dim "
+            f"{target.head_dim}, so attention heads would be split; use a tensor degree that "
+            "divides the number of heads"
+        )
+
+
+def _style_for(layer: nn.Module, target: TensorParallelTarget) -> ParallelStyle:
+    if target.role == ROW:
+        return RowwiseProjectionParallel()
+    if isinstance(layer, nn.Linear) and target.parts == 1:
+        return ColwiseParallel(use_local_output=True)
+    return ColwiseProjectionParallel(parts=target.parts)
+
+
+def build_tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
+    """Check every declared target against ``tp_size`` and return ``{full_path: style}``.
+
+    Pure (no process group): raises ``ValueError`` / ``TypeError`` naming the full module path
+    for a missing path, a layer that is not ``nn.Linear`` / 1x1 ``nn.Conv2d``, a width not
+    divisible by ``tp_size`` (per part for fused layers), heads that would be split, or an
+    undeclared fused projection (a column target whose last name component contains "qkv"/"kv").
+    """
+    _positive_int(tp_size, "tp_size")
+    plan = {}
+    for target in collect_tensor_parallel_targets(model):
+        layer = _resolve(model, target)
+        _check_layer(layer, target, tp_size)
+        plan[target.path] = _style_for(layer, target)
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points.
+# --------------------------------------------------------------------------------------------
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | None) -> nn.Module:
+    """Split the declared layers of ``model`` over the 1-D ``tp_mesh``, in place; returns it.
+
+    ``tp_mesh`` None or of size 1: the model is returned untouched.  Every target is checked
+    before anything changes (no half-converted model).  Weights are taken from tp rank 0 of the
+    mesh (``src_data_rank=0``), so the converted model equals rank 0's original.  Call it before
+    FSDP2: parameters become ``nn.Parameter`` s wrapping DTensors on ``tp_mesh`` (a 1-D submesh of
+    the full mesh), which ``fully_shard`` shards further over dp.
+    """
+    if tp_mesh is None:
+        return model
+    if not isinstance(tp_mesh, DeviceMesh):
+        raise TypeError(f"tp_mesh must be a DeviceMesh or None, got {type(tp_mesh).__name__}")
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"tp_mesh must be 1-D, got a mesh of shape {tuple(tp_mesh.shape)} with dims "
+            f"{tp_mesh.mesh_dim_names}; pass the tp submesh (mesh['tp'])"
+        )
+    tp_size = tp_mesh.size()
+    if tp_size == 1:
+        return model
+    plan = build_tensor_parallel_plan(model, tp_size)
+    converted = set(getattr(model, _TP_PARAMETERS_ATTR, ()))
+    for path, style in plan.items():
+        layer = model.get_submodule(path)
+        converted.update(_join(path, n) for n, _ in layer.named_parameters())
+        style.src_data_rank = 0
+        replacement = style._apply(layer, tp_mesh)
+        if replacement is not layer:
+            parent_path, _, leaf = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            setattr(parent, leaf, replacement)
+    setattr(model, _TP_PARAMETERS_ATTR, frozenset(converted))
+    return model
+
+
+def tp_replicated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` for every parameter NOT split by :func:`apply_tensor_parallel`.
+
+    These stay plain tensors, identical on every tp rank (norm weights, embeddings, convolutions
+    outside the tp pairs...), and their gradients are already identical across tp ranks (the
+    column layer's "f" all-reduces the input gradient), so they need reducing over dp/domain only
+    and must be counted once, not once per tp rank, in a global norm.  Row-layer biases are not
+    listed: they are ``Replicate()`` DTensors on the tp mesh.  Names are those of ``model`` (the
+    object passed to ``apply_tensor_parallel``; FSDP2 keeps them).  On a model never converted,
+    every parameter is listed.
+    """
+    converted = getattr(model, _TP_PARAMETERS_ATTR, frozenset())
+    return [(n, p) for n, p in model.named_parameters() if n not in converted]
