@@ -113,6 +113,7 @@ def _builtin_rule(module: nn.Module, manager, shard_dim: int):
             scale_factor=module.scale_factor,
             mode=module.mode,
             align_corners=module.align_corners,
+            recompute_scale_factor=module.recompute_scale_factor,
             shard_dim=shard_dim,
             manager=manager,
         )

@@ -167,8 +167,10 @@ def interp_source_rows(
 
     ``nearest``: returns ``(idx,)``.  ``bilinear``/``linear``: returns ``(idx0, idx1, lambda1)``
     with output = (1-lambda1)*x[idx0] + lambda1*x[idx1].  The arithmetic is done in the kernels'
-    precision (float32 for float32 inputs, float64 for float64) so the integer indices agree with
-    ``F.interpolate`` exactly.
+    precision (float32 for float32 inputs, float64 for float64).  This is the portable reference
+    arithmetic; where a device's kernels round differently (fused multiply-add, float32 floor in
+    the float64 kernel, nearest ``dst >> 1`` doubling, copying an unchanged dim),
+    ``resample.interp_source_rows_exact`` applies the differences it measured on that device.
     """
     ft = np.float64 if double else np.float32
     dst = np.arange(out_start, out_stop, dtype=np.int64)

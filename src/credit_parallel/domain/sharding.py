@@ -9,6 +9,7 @@ steady state (see ``manager.py``).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .collective_ops import all_gather_rows, scatter_rows
 from .manager import get_domain_parallel_manager
@@ -147,8 +148,15 @@ def unpad_shard_interp(
         length = new_len
     global_h = length if mgr is not None else y.shape[dim]
     if (global_h, y.shape[-1]) != (image_h, image_w):
-        interp = DomainParallelInterpolate(
-            size=(image_h, image_w), mode="bilinear", manager=manager
-        )
+        if mgr is None:
+            return F.interpolate(y, size=(image_h, image_w), mode="bilinear")
+        # one interpolator per target size, so its global-height lookups stay cached
+        cache = mgr.__dict__.setdefault("_cp_unpad_interp", {})
+        interp = cache.get((image_h, image_w))
+        if interp is None:
+            interp = DomainParallelInterpolate(
+                size=(image_h, image_w), mode="bilinear", manager=mgr
+            )
+            cache[(image_h, image_w)] = interp
         y = interp(y)
     return y
