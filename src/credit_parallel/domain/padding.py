@@ -1,0 +1,126 @@
+"""Domain-parallel 2-D padding modules: padding over latitude at the global edges only.
+
+``nn.ZeroPad2d``/``ConstantPad2d``/``ReflectionPad2d``/``ReplicationPad2d``/``CircularPad2d``
+pad H by ``top``/``bottom`` rows and W by ``left``/``right`` columns.  Sharded over H, only the
+poles are edges: the output is the balanced layout of the padded GLOBAL height
+``H + top + bottom``, and each rank assembles its output rows in one :func:`exchange_rows` call
+whose window maps every output row to the global row it copies (or to a fill row of the pad
+constant).  Interior shard boundaries are never padded; circular padding wraps around the ring of
+ranks; a pad wider than a shard simply reads from further ranks.  W is not sharded, so its
+padding is applied locally with ``F.pad`` in the module's own mode.
+
+Negative padding (cropping) follows PyTorch: the crop is applied first, then the remaining rows
+are padded by the mode's rule relative to the cropped tensor (so ``CircularPad2d((0, 0, -1, 2))``
+wraps to the first KEPT row, as ``F.pad`` does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .exchange import exchange_rows
+from .manager import resolve_manager
+from .rows import FILL, check_min_rows, edge_source_row, shard_range
+from .wrap import DomainWrapper
+
+__all__ = ["DomainParallelPad", "pad_mode_of", "pad_windows"]
+
+# ZeroPad2d is a ConstantPad2d with value 0
+_PAD_MODES = (
+    (nn.ConstantPad2d, "constant"),
+    (nn.ReflectionPad2d, "reflect"),
+    (nn.ReplicationPad2d, "replicate"),
+    (nn.CircularPad2d, "circular"),
+)
+
+
+def pad_mode_of(module: nn.Module) -> str:
+    """The ``F.pad`` mode of a 2-D padding module; ``TypeError`` for anything else."""
+    for cls, mode in _PAD_MODES:
+        if isinstance(module, cls):
+            return mode
+    raise TypeError(
+        "DomainParallelPad wraps ZeroPad2d, ConstantPad2d, ReflectionPad2d, ReplicationPad2d or "
+        f"CircularPad2d, got {type(module).__name__}"
+    )
+
+
+def pad_windows(length: int, n: int, top: int, bottom: int, mode: str) -> tuple:
+    """For each of ``n`` ranks, the global input rows (or FILL) of the output rows it owns in the
+    balanced layout of the padded height ``length + top + bottom``."""
+    kept_start = max(0, -top)  # negative padding crops first ...
+    kept = length - kept_start - max(0, -bottom)
+    out_len = length + top + bottom
+    check_min_rows(out_len, n, f"padding (top={top}, bottom={bottom}) of {length} rows")
+    windows = []
+    for r in range(n):
+        o0, o1 = shard_range(out_len, n, r)
+        rows = []
+        for p in range(o0, o1):
+            # ... and the padding rule then applies relative to the kept rows
+            src = edge_source_row(p - max(0, top), kept, mode)
+            rows.append(FILL if src == FILL else kept_start + src)
+        windows.append(tuple(rows))
+    return tuple(windows)
+
+
+class DomainParallelPad(DomainWrapper):
+    """Domain-parallel 2-D padding module (latitude = dim -2 of (B,)C,H,W); see module docs."""
+
+    def __init__(self, pad_module: nn.Module, manager=None):
+        mode = pad_mode_of(pad_module)
+        super().__init__(pad_module)
+        self.mode = mode
+        self.manager = manager
+
+    @property
+    def padding(self) -> tuple:
+        """(left, right, top, bottom), as on the wrapped module."""
+        return tuple(self.wrapped.padding)
+
+    @property
+    def value(self) -> float:
+        return float(getattr(self.wrapped, "value", 0.0))
+
+    def _windows(self, length: int, n: int, top: int, bottom: int) -> tuple:
+        cache = self.__dict__.setdefault("_cp_windows", {})
+        key = (length, n, top, bottom)
+        if key not in cache:
+            # let PyTorch judge whether the GLOBAL padding is legal (reflect wider than the
+            # height, circular wrapping more than once, ...): every rank decides identically
+            # (a real one-column tensor: the first meta-device pad costs seconds of imports)
+            probe = torch.zeros((1, 1, length, 1))
+            try:
+                F.pad(probe, (0, 0, top, bottom), mode=self.mode)
+            except (RuntimeError, ValueError, NotImplementedError) as err:
+                raise ValueError(
+                    f"{type(self.wrapped).__name__}{self.padding}: invalid for the global height "
+                    f"{length}: {err}"
+                ) from None
+            cache[key] = pad_windows(length, n, top, bottom, self.mode)
+        return cache[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() not in (3, 4):
+            raise ValueError(
+                f"{type(self.wrapped).__name__} expects a 3-D or 4-D input, got shape {tuple(x.shape)}"
+            )
+        mgr = resolve_manager(self.manager, type(self).__name__)
+        n = mgr.domain_world_size
+        dim = x.dim() - 2
+        length = mgr.global_length(self, x.shape[dim])
+        if n == 1:
+            return self.wrapped(x)
+        left, right, top, bottom = self.padding
+        windows = self._windows(length, n, top, bottom)
+        rows = exchange_rows(x, windows, length, dim, mgr, fill_value=self.value)
+        if left == 0 and right == 0:
+            return rows
+        if self.mode == "constant":
+            return F.pad(rows, (left, right, 0, 0), mode="constant", value=self.value)
+        return F.pad(rows, (left, right, 0, 0), mode=self.mode)
+
+    def extra_repr(self) -> str:
+        return f"{self.wrapped!r}"
