@@ -345,36 +345,23 @@ def _build_meta_model(conf: dict) -> tuple[nn.Module, str]:
 def _domain_targets(model: nn.Module):
     """Walk the module tree exactly as ``convert_to_domain_parallel`` does (no custom converters):
     returns ``(targets, unsafe)``; ``targets`` are ``(path, module, replacement or error)``."""
-    from .domain.convert import _builtin_rule, _is_domain_parallel, _unsafe_reason
+    from .domain.convert import _builtin_rule, walk_domain_modules
 
     targets, unsafe = [], []
 
-    def walk(module: nn.Module, prefix: str) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}.{name}" if prefix else name
-            if _is_domain_parallel(child):
-                continue
-            reason = _unsafe_reason(child)
-            if reason is not None:
-                unsafe.append((path, reason))
-                continue
-            if getattr(child, "_domain_local", None) is True:
-                continue
-            try:
-                replacement = _builtin_rule(child, None, SHARD_DIM)
-            except (ValueError, TypeError) as err:
-                targets.append((path, child, err))
-                continue
-            if replacement is None:
-                walk(child, path)
-            else:
-                targets.append((path, child, replacement))
+    def candidate(parent, name, path, child) -> bool:
+        try:
+            replacement = _builtin_rule(child, None, SHARD_DIM)
+        except (ValueError, TypeError) as err:
+            targets.append((path, child, err))
+            return True
+        if replacement is None:
+            return False
+        targets.append((path, child, replacement))
+        return True
 
-    holder = nn.Module()
-    holder._modules["root"] = model
-    walk(holder, "")
-    strip = [(p.removeprefix("root.") if p != "root" else "<root>", m, r) for p, m, r in targets]
-    return strip, [(p.removeprefix("root.") if p != "root" else "<root>", r) for p, r in unsafe]
+    walk_domain_modules(model, candidate, lambda path, reason: unsafe.append((path, reason)))
+    return targets, unsafe
 
 
 def _tensors(obj):

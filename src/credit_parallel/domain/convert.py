@@ -26,7 +26,12 @@ from .conv import (
     conv_needs_domain_wrapper,
 )
 
-__all__ = ["convert_to_domain_parallel", "find_unsafe_modules", "validate_sharding_constraints"]
+__all__ = [
+    "convert_to_domain_parallel",
+    "find_unsafe_modules",
+    "validate_sharding_constraints",
+    "walk_domain_modules",
+]
 
 _PAD_TYPES = (
     nn.ZeroPad2d,
@@ -136,24 +141,50 @@ def _builtin_rule(module: nn.Module, manager, shard_dim: int):
     return None
 
 
-def find_unsafe_modules(model: nn.Module) -> list[tuple[str, str]]:
-    """(path, reason) of every module the converter would refuse (not descending into them)."""
-    found = []
+def walk_domain_modules(model: nn.Module, on_candidate, on_unsafe=None, custom=None) -> None:
+    """Walk ``model`` (the root included) exactly as the converter does.
 
-    def walk(module, prefix):
-        for name, child in module.named_children():
+    Already domain-parallel modules and ``_domain_local = True`` modules are skipped (not
+    descended into); a module of a ``custom`` type goes to ``on_custom`` semantics: the custom
+    callable's result replaces it; an unsafe module is reported to ``on_unsafe(path, reason)``;
+    every other module goes to ``on_candidate(parent, name, path, module)``, which returns True
+    when it handled (replaced) the module — otherwise its children are visited.  Paths are as
+    users see them ("<root>" for the model itself).
+    """
+    custom = custom or {}
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
             path = f"{prefix}.{name}" if prefix else name
             if _is_domain_parallel(child):
                 continue
+            typ = next((t for t in custom if isinstance(child, t)), None)
+            if typ is not None:
+                replacement = custom[typ](child)
+                if replacement is not None and replacement is not child:
+                    module._modules[name] = replacement
+                continue
             reason = _unsafe_reason(child)
             if reason is not None:
-                found.append((path, reason))
+                if on_unsafe is not None:
+                    on_unsafe(_display(path), reason)
                 continue
             if getattr(child, "_domain_local", None) is True:
                 continue
-            walk(child, path)
+            if not on_candidate(module, name, _display(path), child):
+                walk(child, path)
 
-    walk(model, "")
+    # The root itself may be a single layer (e.g. a bare Conv2d): walk it through a holder.
+    holder = nn.Module()
+    holder._modules["root"] = model
+    walk(holder, "")
+    return holder._modules["root"]
+
+
+def find_unsafe_modules(model: nn.Module) -> list[tuple[str, str]]:
+    """(path, reason) of every module the converter would refuse (not descending into them)."""
+    found = []
+    walk_domain_modules(model, lambda *_: False, lambda path, reason: found.append((path, reason)))
     return found
 
 
@@ -187,41 +218,18 @@ def convert_to_domain_parallel(
 
     unsafe: list[tuple[str, str]] = []
 
-    def convert(module: nn.Module, prefix: str) -> None:
-        for name, child in list(module.named_children()):
-            path = f"{prefix}.{name}" if prefix else name
-            if _is_domain_parallel(child):
-                continue
-            replacement = None
-            matched = False
-            for typ, fn in custom.items():
-                if isinstance(child, typ):
-                    replacement, matched = fn(child), True
-                    break
-            if matched:
-                if replacement is not None and replacement is not child:
-                    module._modules[name] = replacement
-                continue
-            reason = _unsafe_reason(child)
-            if reason is not None:
-                unsafe.append((path, reason))
-                continue
-            if getattr(child, "_domain_local", None) is True:
-                continue
-            replacement = _builtin_rule(child, manager, shard_dim)
-            if replacement is not None:
-                module._modules[name] = replacement
-                # layers name their module path in errors (e.g. too few output rows)
-                replacement.__dict__["_cp_path"] = _display(path)
-            else:
-                convert(child, path)
+    def replace(parent: nn.Module, name: str, path: str, child: nn.Module) -> bool:
+        replacement = _builtin_rule(child, manager, shard_dim)
+        if replacement is None:
+            return False
+        parent._modules[name] = replacement
+        # layers name their module path in errors (e.g. too few output rows)
+        replacement.__dict__["_cp_path"] = path
+        return True
 
-    # The root itself may be a single layer (e.g. a bare Conv2d): walk it through a holder.
-    holder = nn.Module()
-    holder._modules["root"] = model
-    convert(holder, "")
+    model = walk_domain_modules(model, replace, lambda p, r: unsafe.append((p, r)), custom)
     if unsafe:
-        listing = "\n  ".join(f"{_display(p)}: {r}" for p, r in unsafe)
+        listing = "\n  ".join(f"{p}: {r}" for p, r in unsafe)
         message = (
             "modules that would be silently wrong under latitude (H) sharding:\n  "
             + listing
@@ -232,7 +240,6 @@ def convert_to_domain_parallel(
         if not allow_unsafe:
             raise ValueError(message)
         warnings.warn(message, stacklevel=2)
-    model = holder._modules["root"]
     try:
         object.__setattr__(model, "_domain_manager", manager)
     except AttributeError:
