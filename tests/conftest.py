@@ -2,6 +2,7 @@ import os
 
 import torch
 import torch._dynamo  # noqa: F401 - DTensor imports it lazily; importing it once here lets every
+
 # forked rank inherit it instead of paying several seconds per worker
 
 # Tests compare against single-process references computed in this process; keep the parent on

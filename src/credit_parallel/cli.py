@@ -12,13 +12,39 @@ import argparse
 import os
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "resolve_config"]
 
 DEFAULT_SAMPLE_PATH = "data/sample.zarr"
 
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
+
+
+CONFIG_ALIASES = {"demo": "demo_unet"}
+CONFIG_HELP = "YAML config (model, data, trainer), or a bundled one by name: demo, demo_unet, ..."
+
+
+def _bundled_configs() -> dict[str, str]:
+    from importlib.resources import files
+
+    found = {
+        p.name[: -len(".yaml")]: str(p)
+        for p in files(__package__).joinpath("configs").iterdir()
+        if p.name.endswith(".yaml")
+    }
+    for alias, name in CONFIG_ALIASES.items():
+        if name in found:
+            found[alias] = found[name]
+    return found
+
+
+def resolve_config(config: str) -> str:
+    """``config`` itself when it is a file; else a bundled config by name (``demo``,
+    ``demo_unet``, ...); else ``config`` unchanged (``load_config`` reports it missing)."""
+    if os.path.exists(config):
+        return config
+    return _bundled_configs().get(config, config)
 
 
 def _load_and_check(config: str, nproc: int | None) -> tuple[dict, int]:
@@ -47,6 +73,7 @@ def _run_worker(module: str, nproc: int, worker_args: list[str], conf: dict) -> 
 
 
 def _cmd_train(args) -> int:
+    args.config = resolve_config(args.config)
     conf, n = _load_and_check(args.config, args.nproc)
     path = (conf.get("data") or {}).get("path")
     if path and not os.path.exists(path):
@@ -60,6 +87,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_verify(args) -> int:
+    args.config = resolve_config(args.config)
     conf, n = _load_and_check(args.config, args.nproc)
     extra = ["--config", args.config, "--dtype", args.dtype]
     return _run_worker("credit_parallel.verify", n, extra, conf)
@@ -71,7 +99,7 @@ def _cmd_plan(args) -> int:
 
     if args.world_size < 1:
         raise CLIError(f"--world-size must be >= 1, got {args.world_size}")
-    plan = make_plan(load_config(args.config), args.world_size)
+    plan = make_plan(load_config(resolve_config(args.config)), args.world_size)
     print(format_plan(plan))
     return 1 if plan.violations and args.strict else 0
 
@@ -112,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="train the configured model under its parallel layout")
-    p.add_argument("--config", required=True, help="YAML config (model, data, trainer)")
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument(
         "--nproc", type=int, default=None, help="local ranks to start (default tensor*domain)"
     )
@@ -123,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("verify", help="compare the layout with a single-process run on one batch")
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     p.set_defaults(func=_cmd_verify)
@@ -131,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan", help="mesh, rows per rank, halos, memory and violations, without processes"
     )
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--strict", action="store_true", help="exit 1 when a constraint is violated")
     p.set_defaults(func=_cmd_plan)

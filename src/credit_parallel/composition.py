@@ -65,17 +65,19 @@ def parallelize(model: nn.Module, conf: dict) -> nn.Module:
             "trainer.parallelism: data 'ddp' cannot be combined with tensor > 1 (DDP does not "
             "reduce tensor-parallel DTensor gradients); use data: fsdp2"
         )
+    from .domain.manager import DomainParallelManager, set_domain_parallel_manager
     from .mesh import build_device_mesh
 
     mesh, submeshes = build_device_mesh(block, device=_mesh_device())
     manager = None
     if block["domain"] > 1:
         from .domain.convert import convert_to_domain_parallel
-        from .domain.manager import DomainParallelManager, set_domain_parallel_manager
 
         manager = DomainParallelManager.from_device_mesh(mesh)
-        set_domain_parallel_manager(manager)
         model = convert_to_domain_parallel(model, manager)
+    # the process-wide manager is this layout's (None without domain parallelism), so helpers
+    # called without manager= never use one left over from an earlier layout
+    set_domain_parallel_manager(manager)
     if block["tensor"] > 1:
         from .tensor_parallel import apply_tensor_parallel
 

@@ -71,10 +71,10 @@ def verify_layout(
     conf: dict, *, dtype=torch.float64, batch_size: int | None = None, dataset=None
 ) -> list[tuple]:
     """Rows ``(quantity, max_abs_err, max_abs_ref, tolerance_kind)``, identical on every rank."""
+    from .composition import get_domain_manager, parallelize
     from .domain.sharding import gather_tensor, shard_batch
     from .mesh import data_parallel_coords
     from .models import build_model
-    from .composition import get_domain_manager, parallelize
     from .train.loss import latitude_weighted_mse_share, local_lat_weights
 
     conf = copy.deepcopy(conf)
@@ -102,7 +102,11 @@ def verify_layout(
     par = parallelize(par, conf)
     mgr = get_domain_manager(par)
     sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    local = shard_batch({k: v[sl] for k, v in batch.items()}, manager=mgr)
+    local = {k: v[sl] for k, v in batch.items()}
+    if mgr is not None:
+        # only with the model's own manager: manager=None would fall back to a process-wide
+        # manager left over from an earlier layout in this process
+        local = shard_batch(local, manager=mgr)
     xl = [local[k].detach().clone().requires_grad_(True) for k in in_keys]
     pouts = par(*xl)
     pouts = pouts if isinstance(pouts, tuple) else (pouts,)
@@ -117,6 +121,9 @@ def verify_layout(
 
         sync_domain_gradients(par, mgr, op="sum")
 
+    def gathered(t):
+        return gather_tensor(t, -2, mgr) if mgr is not None else t
+
     def over_dp(t):
         """Concatenate the dp slices of a (domain-gathered) batch tensor."""
         if dp_size == 1:
@@ -128,10 +135,10 @@ def verify_layout(
 
     rows = []
     for i, (po, ro) in enumerate(zip(pouts, outs)):
-        full = over_dp(gather_tensor(po.detach(), -2, mgr))
+        full = over_dp(gathered(po.detach()))
         rows.append((f"output {out_keys[i]}", *_err(full, ro), "out"))
     for i, (xp, xr) in enumerate(zip(xl, xs)):
-        g = over_dp(gather_tensor(xp.grad, -2, mgr)) / dp_size
+        g = over_dp(gathered(xp.grad)) / dp_size
         rows.append((f"input grad {in_keys[i]}", *_err(g, xr.grad), "out"))
     ref_params = dict(ref.named_parameters())
     for name, p in _named_params(par):

@@ -36,7 +36,9 @@ def latitude_weighted_mse_share(
         raise ValueError(
             f"prediction shape {tuple(pred.shape)} != target shape {tuple(target.shape)}"
         )
-    diff = (pred.float() - target.float()) ** 2
+    # at least float32 (bf16 under amp is promoted), float64 stays float64 (exactness checks)
+    dtype = torch.promote_types(pred.dtype, torch.float32)
+    diff = (pred.to(dtype) - target.to(dtype)) ** 2
     w = lat_weights_local.to(diff.dtype).view(-1, 1)
     count = diff.numel() // diff.shape[-2] * global_height
     return (diff * w).sum() / count

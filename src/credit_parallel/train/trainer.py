@@ -129,8 +129,8 @@ class Trainer:
     """Builds model, data and optimizer from a config and trains under its parallel layout."""
 
     def __init__(self, conf: dict, *, dataset=None, val_dataset=None, model=None):
-        from ..models import build_model
         from ..composition import get_domain_manager, parallelize
+        from ..models import build_model
 
         self.conf = conf
         self.block = parse_parallelism_conf(conf)
@@ -143,6 +143,9 @@ class Trainer:
         self.val_dataset = val_dataset
         if self.val_dataset is None and self.tc.validate_every:
             self.val_dataset = self._build_dataset(conf, "valid")
+        from ..validate import check_run  # every problem at once, before a model is built
+
+        check_run(conf, self.world, self.dataset, model=model)
         # identical initial weights on every rank
         torch.manual_seed(self.tc.seed)
         base = model if model is not None else build_model(conf["model"])
@@ -276,7 +279,7 @@ class Trainer:
         accum = self.tc.grad_accum
         for micro in range(accum):
             batch = self._collate(self.dataset, self._batch_indices(self.step, micro, self.dataset))
-            batch = shard_batch(batch, manager=self.manager)
+            batch = self._shard(batch)
             ctx = no_grad_sync(self.model) if micro + 1 < accum else contextlib.nullcontext()
             with ctx:
                 with self._autocast():
@@ -312,6 +315,11 @@ class Trainer:
         self.history.append(record)
         return record
 
+    def _shard(self, batch: dict) -> dict:
+        """This rank's domain shard of a batch.  Only through the model's own manager:
+        ``manager=None`` would fall back to a process-wide manager left by another layout."""
+        return shard_batch(batch, manager=self.manager) if self.manager is not None else batch
+
     def _domain_size(self) -> int:
         return self.manager.domain_world_size if self.manager is not None else 1
 
@@ -326,7 +334,7 @@ class Trainer:
         count = torch.zeros((), dtype=torch.float64)
         for j in range(self.tc.val_batches):
             batch = self._collate(ds, self._batch_indices(j, 0, ds, seed_offset=10_000))
-            batch = shard_batch(batch, manager=self.manager)
+            batch = self._shard(batch)
             if "x" not in batch:
                 return {}
             pred = self.model(batch["x"]).double()
