@@ -67,6 +67,11 @@ def _run_worker(module: str, nproc: int, worker_args: list[str], conf: dict) -> 
     block = parse_parallelism_conf(conf)
     trivial = block["data"] == "none" and block["tensor"] == 1 and block["domain"] == 1
     if under_launcher() or (nproc == 1 and trivial):
+        if under_launcher():
+            from .launch import run_worker
+
+            # per-rank failure reports and a prompt exit, as under the CLI's own launcher
+            return run_worker(module, worker_args)
         mod = __import__(module, fromlist=["main"])
         return int(mod.main(worker_args) or 0)
     return launch_local(nproc, module, worker_args)
@@ -80,6 +85,15 @@ def _cmd_train(args) -> int:
         raise CLIError(
             f"data.path {path!r} does not exist (create the demo data with `credit-parallel sample-data`)"
         )
+    from .launch import under_launcher
+
+    if not under_launcher():
+        # fail in seconds, before any rank starts, with every problem at once
+        from .validate import validate_run
+
+        problems = validate_run(conf, n)
+        if problems:
+            raise CLIError(f"{len(problems)} problem(s) in {args.config}: " + " | ".join(problems))
     extra = ["--config", args.config, "--output", args.output]
     if args.steps is not None:
         extra += ["--steps", str(args.steps)]

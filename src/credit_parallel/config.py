@@ -163,6 +163,8 @@ class ParallelDims:
     @property
     def mesh_axes(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of every mesh axis kept: sizes > 1, plus "dp" whenever data != none."""
+        if self.data == DataMode.NONE and self.tp == 1 and self.domain == 1:
+            return ()  # nothing active: build_device_mesh returns (None, {}) (SPEC §2)
         axes = []
         if self.data != DataMode.NONE or self.dp > 1:
             axes.append((MeshAxis.DP.value, self.dp))

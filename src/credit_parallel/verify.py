@@ -208,27 +208,26 @@ def main(argv=None) -> int:
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if under_launcher():
-        init_distributed_from_env(
-            timeout_s=float(conf.get("trainer", {}).get("dist_timeout_s", 600))
-        )
+        from .validate import dist_timeout_s
+
+        init_distributed_from_env(timeout_s=dist_timeout_s(conf))
     dataset = None
     path = (conf.get("data") or {}).get("path")
     if path and os.path.exists(path):
         from .train.trainer import Trainer
 
         dataset = Trainer._build_dataset(conf, "train")
-    try:
-        rows = judge(
-            verify_layout(conf, dtype=dtype, batch_size=args.batch_size, dataset=dataset), dtype
-        )
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if rank == 0:
-            print(format_table(rows, parse_parallelism_conf(conf), world, dtype), flush=True)
-        failed = any(r[-1] == "FAIL" for r in rows)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    rows = judge(
+        verify_layout(conf, dtype=dtype, batch_size=args.batch_size, dataset=dataset), dtype
+    )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if rank == 0:
+        print(format_table(rows, parse_parallelism_conf(conf), world, dtype), flush=True)
+    failed = any(r[-1] == "FAIL" for r in rows)
+    # only after success (see train.main)
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 1 if failed else 0
 
 

@@ -143,14 +143,14 @@ def main(argv=None) -> int:
         conf.setdefault("trainer", {})["steps"] = args.steps
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if under_launcher():
-        init_distributed_from_env(
-            timeout_s=float(conf.get("trainer", {}).get("dist_timeout_s", 600))
-        )
-    try:
-        run_training(conf, Path(args.output))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from ..validate import dist_timeout_s
+
+        init_distributed_from_env(timeout_s=dist_timeout_s(conf))
+    run_training(conf, Path(args.output))
+    # only after success: after a failure the process group's teardown can block (NCCL), and
+    # the launcher's worker wrapper leaves at once instead
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

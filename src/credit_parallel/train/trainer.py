@@ -131,7 +131,10 @@ class Trainer:
     def __init__(self, conf: dict, *, dataset=None, val_dataset=None, model=None):
         from ..composition import get_domain_manager, parallelize
         from ..models import build_model
+        from ..validate import check_run
 
+        # every problem of the run (trainer keys, layout, model, data) at once, before anything
+        check_run(conf, dist.get_world_size() if dist.is_initialized() else 1, dataset, model=model)
         self.conf = conf
         self.block = parse_parallelism_conf(conf)
         self.tc = TrainConfig.from_conf(conf)
@@ -143,9 +146,6 @@ class Trainer:
         self.val_dataset = val_dataset
         if self.val_dataset is None and self.tc.validate_every:
             self.val_dataset = self._build_dataset(conf, "valid")
-        from ..validate import check_run  # every problem at once, before a model is built
-
-        check_run(conf, self.world, self.dataset, model=model)
         # identical initial weights on every rank
         torch.manual_seed(self.tc.seed)
         base = model if model is not None else build_model(conf["model"])

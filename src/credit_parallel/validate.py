@@ -1,0 +1,311 @@
+"""Up-front validation of a whole run: layout, model and data, before any model is built.
+
+A job on hundreds of ranks must fail in its first seconds, with every problem listed at once,
+each naming the config key (or module path) and what would fix it.  :func:`validate_run` collects:
+
+1. the ``trainer`` section (unknown keys, bad values, ``trainer.dist_timeout_s``);
+2. the layout against the world size and the model against the layout — everything
+   :func:`credit_parallel.plan.make_plan` finds without a process: world size divisible by
+   tensor x domain, rows per domain rank at every resolution level, layers that cannot be made
+   exact, unsafe modules under domain parallelism, ``validate_sharding_constraints``, tensor
+   parallel targets (type, kernel, divisibility, fused projections declared);
+3. the data against the model: variables and levels present in the store (the dataset
+   constructor's own errors), the model's input and output shapes against one sample (channels,
+   levels, grid height and width), and enough samples per data-parallel rank for one batch.
+
+:func:`check_run` raises ONE ``ValueError`` listing all of them.  Both are pure functions of the
+config, the world size and the dataset: every rank reaches the same verdict without a collective,
+so a rejected run stops on all ranks together instead of leaving some waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+__all__ = ["DEFAULT_DIST_TIMEOUT_S", "check_run", "dist_timeout_s", "validate_run"]
+
+# Long enough for a first step that compiles kernels or loads a large shard, short enough that a
+# dead rank does not hold a few hundred GPUs for the scheduler's hours-long wall time.
+DEFAULT_DIST_TIMEOUT_S = 600.0
+
+_SHAPE_KEYS_4D = ("in_channels", "image_height", "image_width")
+_DATA_KEYS = "data.upper_air_variables / data.surface_variables / data.levels / data.history_len"
+
+
+def dist_timeout_s(conf: dict) -> float:
+    """``trainer.dist_timeout_s`` as seconds (default :data:`DEFAULT_DIST_TIMEOUT_S`).
+
+    ``ValueError`` naming the key unless it is a finite number > 0 (bool refused).
+    """
+    trainer = conf.get("trainer") if isinstance(conf, dict) else None
+    value = trainer.get("dist_timeout_s") if isinstance(trainer, dict) else None
+    if value is None:
+        return DEFAULT_DIST_TIMEOUT_S
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"trainer.dist_timeout_s must be a number of seconds > 0, got {value!r} "
+            f"(default {DEFAULT_DIST_TIMEOUT_S:g})"
+        )
+    return float(value)
+
+
+# --------------------------------------------------------------------------- the data
+def _build_dataset(conf: dict):
+    """The training dataset as the trainer builds it, reading metadata only (no cache)."""
+    from .data import ERA5Dataset
+
+    d = conf.get("data")
+    if not isinstance(d, dict):
+        raise ValueError(
+            "config is missing the 'data' section (data.path, data.upper_air_variables, ...)"
+        )
+    if "path" not in d:
+        raise ValueError(
+            "data.path is required (run `credit-parallel sample-data` for a demo store)"
+        )
+    keys = (
+        "upper_air_variables",
+        "surface_variables",
+        "levels",
+        "history_len",
+        "forecast_len",
+        "normalize",
+        "stats_path",
+        "as_5d",
+    )
+    kwargs = {k: d[k] for k in keys if k in d}
+    if d.get("time_slice") is not None:
+        ts = d["time_slice"]
+        kwargs["time_slice"] = tuple(ts) if isinstance(ts, list) else ts
+    try:
+        return ERA5Dataset(d["path"], cache_limit_bytes=0, **kwargs)
+    except TypeError as err:  # a wrongly typed argument: name the data section
+        raise ValueError(f"data: {err}") from err
+
+
+def _sample_shapes(dataset) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[str]]:
+    """(input shapes, per-forecast-step target shapes, input names) of one sample."""
+    sample = dataset[0]
+    if "x" in sample:
+        names = ["x"]
+        ins = [tuple(sample["x"].shape)]
+        outs = [tuple(sample["y"].shape)]
+    elif "x_upper" in sample:
+        names = ["x_upper", "x_surface"]
+        ins = [tuple(sample["x_upper"].shape), tuple(sample["x_surface"].shape)]
+        outs = [tuple(sample["y_upper"].shape), tuple(sample["y_surface"].shape)]
+    else:
+        raise ValueError(
+            f"dataset samples have keys {sorted(sample)}; expected 'x'/'y' (4-D models) or "
+            "'x_upper'/'x_surface'/'y_upper'/'y_surface' (data.as_5d: true)"
+        )
+    steps = int(getattr(dataset, "forecast_len", 1) or 1)
+    per_step = [(s[0] // steps, *s[1:]) for s in outs]
+    return ins, per_step, names
+
+
+def _model_keys(conf_model: dict, n_inputs: int) -> list[dict[str, str]]:
+    """Which ``model.*`` key governs each dim (channels, levels, H, W) of each input."""
+    if n_inputs == 2:
+        return [
+            {"C": "model.upper_channels", "Z": "model.levels"},
+            {"C": "model.surface_channels"},
+        ]
+    return [{"C": "model.in_channels"}]
+
+
+def _data_vs_model(
+    conf: dict, dataset, sample, model_shapes, meta_model, violations: list[str]
+) -> None:
+    conf_model = conf.get("model") or {}
+    data_shapes, target_shapes, names = sample
+    history = getattr(dataset, "history_len", None)
+    per_step = getattr(dataset, "channels_per_step", None)
+    how = (
+        f" (history_len {history} x {per_step} channels per time step)"
+        if history is not None and per_step is not None
+        else ""
+    )
+    if len(model_shapes) != len(data_shapes):
+        violations.append(
+            f"model.type {conf_model.get('type')!r} takes {len(model_shapes)} input(s) but the "
+            f"data gives {len(data_shapes)} ({', '.join(names)}); set data.as_5d: "
+            f"{str(len(model_shapes) == 2).lower()} or choose a model of the other kind"
+        )
+        return
+    keys = _model_keys(conf_model, len(model_shapes))
+    mismatched = False
+    for name, key, want, got in zip(names, keys, model_shapes, data_shapes):
+        if len(want) != len(got):
+            violations.append(
+                f"the model's input {name} has {len(want)} dims per sample {want} but the data "
+                f"gives {len(got)} {got}"
+            )
+            mismatched = True
+            continue
+        if want[0] != got[0]:
+            mismatched = True
+            violations.append(
+                f"{key['C']} = {want[0]} but the data gives {got[0]} input channels in {name}"
+                f"{how}: set {key['C']}: {got[0]}, or change {_DATA_KEYS}"
+            )
+        if len(want) == 4 and want[1] != got[1]:
+            mismatched = True
+            violations.append(
+                f"{key.get('Z', 'model.levels')} = {want[1]} but the data has {got[1]} levels: "
+                f"set {key.get('Z', 'model.levels')}: {got[1]} or change data.levels"
+            )
+        for axis, key_name, w, g in (
+            ("latitude", "model.image_height", want[-2], got[-2]),
+            ("longitude", "model.image_width", want[-1], got[-1]),
+        ):
+            if w != g:
+                mismatched = True
+                violations.append(
+                    f"{key_name} = {w} but the data grid has {g} {axis} points: set "
+                    f"{key_name}: {g} (the grid of data.path)"
+                )
+    out_channels = conf_model.get("out_channels")
+    if mismatched and isinstance(out_channels, int) and len(target_shapes) == 1:
+        # the meta forward needs matching inputs; the declared output width is still checked
+        if out_channels != target_shapes[0][0]:
+            violations.append(
+                f"model.out_channels = {out_channels} but one forecast step of the target has "
+                f"{target_shapes[0][0]} channels: set model.out_channels: {target_shapes[0][0]}"
+            )
+        return
+    if mismatched or meta_model is None:
+        return
+    # outputs: one forward on meta tensors, compared with one forecast step of the target
+    try:
+        dtype = next((p.dtype for p in meta_model.parameters()), torch.get_default_dtype())
+        inputs = [torch.empty((1, *s), device="meta", dtype=dtype) for s in model_shapes]
+        with torch.no_grad():
+            out = meta_model(*inputs)
+    except Exception as err:  # noqa: BLE001 - the planner already reports untraceable models
+        violations.append(f"the model cannot run on the data's input shapes: {err}")
+        return
+    outs = [tuple(t.shape[1:]) for t in (out if isinstance(out, (tuple, list)) else (out,))]
+    out_keys = (
+        ["model.out_channels"]
+        if len(outs) == 1 and "out_channels" in conf_model
+        else [k["C"] for k in keys]
+    )
+    if len(outs) != len(target_shapes):
+        violations.append(
+            f"the model returns {len(outs)} output(s) but the data has {len(target_shapes)} "
+            "target(s) per forecast step"
+        )
+        return
+    for key, want, got in zip(out_keys, outs, target_shapes):
+        if want != got:
+            violations.append(
+                f"the model's output per sample {want} does not match one forecast step of the "
+                f"target {got}: set {key}: {got[0]} (the channels of one time step) so that the "
+                "autoregressive rollout can feed predictions back"
+            )
+
+
+# --------------------------------------------------------------------------- the run
+def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> list[str]:
+    """Every violation of running ``conf`` on ``world_size`` ranks, empty when the run is fine.
+
+    ``dataset``: the training dataset (anything with ERA5Dataset's sample keys and
+    ``forecast_len``); ``None`` builds it from ``conf["data"]`` reading only metadata, or skips
+    the data checks when the config has no ``data`` section.  ``model``: a model to check instead
+    of building ``conf["model"]`` (it is copied to the meta device, never modified); when its
+    input shapes cannot be read from its attributes, the data's are used.  No process group is
+    needed or used.
+    """
+    from .config import ParallelDims, parse_parallelism_conf
+    from .plan import _build_meta_model, make_plan, model_input_shapes
+    from .train.trainer import TrainConfig
+
+    if not isinstance(conf, dict):
+        return [f"config must be a mapping, got {type(conf).__name__}"]
+    violations: list[str] = []
+
+    # 1. the trainer section
+    tc = None
+    try:
+        tc = TrainConfig.from_conf(conf)
+    except ValueError as err:
+        violations.append(str(err))
+    try:
+        dist_timeout_s(conf)
+    except ValueError as err:
+        violations.append(str(err))
+
+    # 2. the data (its own errors name the missing variables / levels)
+    if dataset is None and conf.get("data") is not None:
+        try:
+            dataset = _build_dataset(conf)
+        except (ValueError, FileNotFoundError) as err:
+            violations.append(str(err))
+    sample = None
+    if dataset is not None:
+        try:
+            sample = _sample_shapes(dataset)
+        except (ValueError, IndexError, KeyError, TypeError) as err:
+            violations.append(f"data: cannot read a sample: {err}")
+
+    # 3. layout and model: the planner finds everything without a process; when the model
+    # cannot be built, the layout is still checked on its own
+    plan = meta_model = None
+    try:
+        if model is not None:
+            meta_model = copy.deepcopy(model).to("meta")
+        else:
+            meta_model, _ = _build_meta_model(conf)
+    except (ValueError, TypeError) as err:
+        violations.append(str(err))
+    if meta_model is not None:
+        shapes = None
+        if model is not None and sample is not None:
+            try:
+                model_input_shapes(meta_model)
+            except ValueError:
+                shapes = sample[0]  # a model outside the registry: the data defines its inputs
+        try:
+            plan = make_plan(conf, world_size, model=meta_model, input_shapes=shapes)
+            violations.extend(plan.violations)
+        except (ValueError, TypeError) as err:
+            violations.append(str(err))
+    else:
+        try:
+            block = parse_parallelism_conf(conf)
+            ParallelDims(block["data"], block["tensor"], block["domain"], world_size)
+        except (ValueError, TypeError) as err:
+            violations.append(str(err))
+
+    # 4. the data against the model and the layout
+    if sample is not None and plan is not None:
+        _data_vs_model(conf, dataset, sample, plan.input_shapes, meta_model, violations)
+        if tc is not None and plan.dp >= 1:
+            per_rank = len(dataset) // plan.dp  # the sampler drops the remainder
+            if per_rank < tc.batch_size:
+                violations.append(
+                    f"trainer.batch_size = {tc.batch_size} but each of the {plan.dp} "
+                    f"data-parallel ranks gets only {per_rank} of the {len(dataset)} "
+                    "samples: lower trainer.batch_size or widen data.time_slice"
+                )
+    return violations
+
+
+def check_run(conf: dict, world_size: int, dataset=None, *, model=None) -> None:
+    """Raise one ``ValueError`` listing every violation found by :func:`validate_run`."""
+    violations = validate_run(conf, world_size, dataset, model=model)
+    if violations:
+        listing = "\n".join(f"  - {v}" for v in violations)
+        raise ValueError(
+            f"the run cannot start on {world_size} rank(s): {len(violations)} problem(s) "
+            f"in the configuration:\n{listing}"
+        )
