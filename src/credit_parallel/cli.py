@@ -42,7 +42,7 @@ def _bundled_configs() -> dict[str, str]:
 def resolve_config(config: str) -> str:
     """``config`` itself when it is a file; else a bundled config by name (``demo``,
     ``demo_unet``, ...); else ``config`` unchanged (``load_config`` reports it missing)."""
-    if os.path.exists(config):
+    if os.path.isfile(config):
         return config
     return _bundled_configs().get(config, config)
 
@@ -138,7 +138,10 @@ def _cmd_bench(args) -> int:
 
 def _cmd_mesh_demo(args) -> int:
     from .launch import launch_local
+    from .mesh import dp_world_size
 
+    block = {"data": args.data, "tensor": args.tensor, "domain": args.domain}
+    dp_world_size(block, args.nproc)  # one-line ValueError before any rank starts
     return launch_local(
         args.nproc,
         "credit_parallel.mesh_demo",
@@ -146,8 +149,16 @@ def _cmd_mesh_demo(args) -> int:
     )
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse with its usage errors on ONE line (the contract: a one-line reason, exit 2);
+    sub-command parsers inherit it through ``add_subparsers``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _OneLineErrorParser(
         prog="credit-parallel",
         description="Exact data, tensor and domain (latitude) parallelism for weather models.",
     )
@@ -206,7 +217,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (CLIError, ValueError, FileNotFoundError, RuntimeError, KeyError, TypeError) as exc:
+    except (CLIError, ValueError, OSError, RuntimeError, KeyError, TypeError) as exc:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         print(f"credit-parallel {args.command}: error: {reason}", file=sys.stderr)
         return 2

@@ -48,8 +48,9 @@ def _parse_degree(key: str, value: Any) -> int:
         raise ValueError(f"{where} must be an integer >= 1, got the bool {value!r}")
     if isinstance(value, int):
         degree = value
-    elif isinstance(value, str) and _DIGITS.match(value.strip()):
-        degree = int(value.strip())
+    elif isinstance(value, str) and _DIGITS.fullmatch(value):
+        # exactly "strings of decimal digits" (SPEC §1): no sign, space or non-ASCII digit
+        degree = int(value)
     else:
         raise ValueError(
             f"{where} must be an integer >= 1 (or a string of decimal digits), "
@@ -62,8 +63,6 @@ def _parse_degree(key: str, value: Any) -> int:
 
 def parse_parallelism_block(block: Any) -> dict:
     """Validate a ``trainer.parallelism`` block itself (not the full config)."""
-    if block is None:
-        block = {}
     if not isinstance(block, dict):
         raise ValueError(
             f"trainer.parallelism must be a mapping with keys {_ALLOWED_KEYS}, "
@@ -75,14 +74,13 @@ def parse_parallelism_block(block: Any) -> dict:
             f"trainer.parallelism has unknown key(s) {unknown}; allowed keys are {list(_ALLOWED_KEYS)}"
         )
     data = block.get("data", "none")
-    if data is None:
-        data = "none"
-    if not isinstance(data, str) or data.strip().lower() not in {m.value for m in DataMode}:
+    # exactly one of the three spellings (SPEC §1); "DDP", " ddp" or null are refused, not guessed
+    if not isinstance(data, str) or data not in {m.value for m in DataMode}:
         raise ValueError(
             f"trainer.parallelism.data must be one of 'fsdp2', 'ddp', 'none', got {data!r}"
         )
     return {
-        "data": data.strip().lower(),
+        "data": str(data),
         "tensor": _parse_degree("tensor", block.get("tensor", 1)),
         "domain": _parse_degree("domain", block.get("domain", 1)),
     }
@@ -100,7 +98,7 @@ def parse_parallelism_conf(conf: Any) -> dict:
     trainer = conf.get("trainer")
     if not isinstance(trainer, dict):
         raise ValueError("config is missing the 'trainer' section (needed for trainer.parallelism)")
-    if "parallelism" not in trainer:
+    if trainer.get("parallelism") is None:  # absent, or an empty `parallelism:` in YAML
         raise ValueError(
             "config is missing trainer.parallelism (e.g. {data: fsdp2, tensor: 1, domain: 1})"
         )

@@ -70,6 +70,9 @@ def _worker(fn, rank, world_size, port, pg_timeout, args, kwargs, conn):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
+        # every rank has joined the full mesh before any of them can fail and exit; otherwise
+        # a fast failure on one rank shows up as a connection error on a slower one
+        dist.barrier()
         payload = fn(rank, world_size, *args, **kwargs)
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
         status, payload = "error", traceback.format_exc()

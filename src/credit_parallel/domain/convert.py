@@ -55,7 +55,33 @@ _UNSAFE_TYPES = (
 )
 
 
-def _unsafe_reason(module: nn.Module) -> str | None:
+# (conv base, input rank): the built-in conv rules, most specific first
+_CONV_BASES = (
+    (nn.ConvTranspose3d, 5),
+    (nn.ConvTranspose2d, 4),
+    (nn.Conv3d, 5),
+    (nn.Conv2d, 4),
+)
+
+
+def _custom_forward_conv_reason(module: nn.Module, shard_dim: int) -> str | None:
+    """A conv subclass with its own ``forward`` whose kernel reaches other rows: the built-in
+    rule would replace that forward by the plain conv's, so it can be neither kept nor wrapped."""
+    for base, rank in _CONV_BASES:
+        if isinstance(module, base):
+            if type(module).forward is base.forward:
+                return None
+            if conv_needs_domain_wrapper(module, shard_dim % rank - 2):
+                return (
+                    f"{type(module).__name__} overrides {base.__name__}.forward and its kernel "
+                    "reaches neighbouring rows; the converter cannot rewrite a custom forward "
+                    "(pass custom_converters for it)"
+                )
+            return None
+    return None
+
+
+def _unsafe_reason(module: nn.Module, shard_dim: int = -2) -> str | None:
     declared = getattr(module, "_domain_local", None)
     if declared is True:
         return None
@@ -64,6 +90,9 @@ def _unsafe_reason(module: nn.Module) -> str | None:
     name = type(module).__name__
     if isinstance(module, _UNSAFE_TYPES):
         return f"{name} mixes rows across latitude"
+    custom_conv = _custom_forward_conv_reason(module, shard_dim)
+    if custom_conv is not None:
+        return custom_conv
     if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) >= 2:
         return f"LayerNorm over {tuple(module.normalized_shape)} normalises across latitude"
     for word in ("Attention", "Pool", "BatchNorm"):
@@ -141,7 +170,9 @@ def _builtin_rule(module: nn.Module, manager, shard_dim: int):
     return None
 
 
-def walk_domain_modules(model: nn.Module, on_candidate, on_unsafe=None, custom=None) -> None:
+def walk_domain_modules(
+    model: nn.Module, on_candidate, on_unsafe=None, custom=None, shard_dim: int = -2
+) -> None:
     """Walk ``model`` (the root included) exactly as the converter does.
 
     Already domain-parallel modules and ``_domain_local = True`` modules are skipped (not
@@ -164,7 +195,7 @@ def walk_domain_modules(model: nn.Module, on_candidate, on_unsafe=None, custom=N
                 if replacement is not None and replacement is not child:
                     module._modules[name] = replacement
                 continue
-            reason = _unsafe_reason(child)
+            reason = _unsafe_reason(child, shard_dim)
             if reason is not None:
                 if on_unsafe is not None:
                     on_unsafe(_display(path), reason)
@@ -219,7 +250,13 @@ def convert_to_domain_parallel(
     unsafe: list[tuple[str, str]] = []
 
     def replace(parent: nn.Module, name: str, path: str, child: nn.Module) -> bool:
-        replacement = _builtin_rule(child, manager, shard_dim)
+        try:
+            replacement = _builtin_rule(child, manager, shard_dim)
+        except (ValueError, TypeError) as err:
+            # a layer that cannot be made exact: say WHICH module (SPEC §0), keep the reason
+            raise type(err)(
+                f"convert_to_domain_parallel: cannot convert {path} ({type(child).__name__}): {err}"
+            ) from err
         if replacement is None:
             return False
         parent._modules[name] = replacement
@@ -227,7 +264,9 @@ def convert_to_domain_parallel(
         replacement.__dict__["_cp_path"] = path
         return True
 
-    model = walk_domain_modules(model, replace, lambda p, r: unsafe.append((p, r)), custom)
+    model = walk_domain_modules(
+        model, replace, lambda p, r: unsafe.append((p, r)), custom, shard_dim
+    )
     if unsafe:
         listing = "\n  ".join(f"{p}: {r}" for p, r in unsafe)
         message = (
