@@ -85,7 +85,10 @@ def _worker(rank, world, block, steps, dtype):
     torch.set_default_dtype(dtype)
     conf = {"trainer": {"parallelism": block}}
     g = torch.Generator().manual_seed(7)
-    batches = [(torch.randn(B, 4, H, W, generator=g), torch.randn(B, 4, H, W, generator=g)) for _ in range(2)]
+    batches = [
+        (torch.randn(B, 4, H, W, generator=g), torch.randn(B, 4, H, W, generator=g))
+        for _ in range(2)
+    ]
     torch.manual_seed(0)
     ref = SmallNet()
     par_model = copy.deepcopy(ref)
@@ -156,7 +159,9 @@ def test_composed_layout_trains_like_single_process(world, block):
 
 @pytest.mark.slow
 def test_full_composition_fsdp2_tp2_domain2_on_8_ranks():
-    results = run_on_ranks(_worker, 8, {"data": "fsdp2", "tensor": 2, "domain": 2}, 5, torch.float32, timeout=400)
+    results = run_on_ranks(
+        _worker, 8, {"data": "fsdp2", "tensor": 2, "domain": 2}, 5, torch.float32, timeout=400
+    )
     for r in results:
         assert r["loss"] <= 1e-5 and r["norm"] <= 1e-5 and r["params"] <= 1e-5, r
 
@@ -178,5 +183,3 @@ def test_ddp_with_tensor_parallel_is_refused():
 
     with pytest.raises(Exception, match="fsdp2"):
         run_on_ranks(worker, 2)
-
-
