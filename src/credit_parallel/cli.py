@@ -200,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_sample_data)
 
     p = sub.add_parser("bench", help="step time, halo bytes, collectives and memory per layout")
-    p.add_argument("--quick", action="store_true", help="small sizes, a few steps (smoke run)")
-    p.add_argument("--output", default="outputs/bench", help="JSON and PNG go here")
+    from .bench import add_bench_arguments
+
+    add_bench_arguments(p)
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("mesh-demo", help="start N CPU ranks and print each rank's mesh coordinates")

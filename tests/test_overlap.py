@@ -1,0 +1,597 @@
+"""Halo/compute overlap of the domain-parallel convolutions, and fused (batched) exchanges.
+
+* ``overlap_split`` (pure): for many geometries, convolving the top window, the interior shard
+  rows and the bottom window separately and concatenating gives bitwise the conv of the whole
+  window (single process, no ranks);
+* overlap on vs off on 2 and 3 gloo ranks: forward, input gradient and every parameter gradient
+  are ``torch.equal`` for the Conv2d matrix of ``test_domain_conv.py`` (float64 and float32),
+  Conv3d, the periodic conv, and a conv/GroupNorm/SiLU stack; the overlapped path really ran;
+* a shard too thin for an interior row falls back to the plain path silently and stays exact;
+* ``exchange_rows_batched`` / ``HaloExchange.forward_many``: several tensors in ONE batched call
+  per direction, one message per peer, results equal to separate ``exchange_rows`` calls;
+* the overlapped conv saves no more for backward than the plain one.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from credit_parallel.domain.conv import (
+    ConvGeometry,
+    DomainParallelConv2d,
+    _DomainParallelConvNd,
+    halo_overlap,
+    halo_overlap_enabled,
+    overlap_split,
+)
+from credit_parallel.domain.convert import convert_to_domain_parallel
+from credit_parallel.domain.exchange import (
+    HaloExchange,
+    exchange_rows,
+    exchange_rows_batched,
+    exchange_stats,
+)
+from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.domain.rows import FILL, conv_window, edge_source_row, shard_range
+from credit_parallel.models import PeriodicConv2d
+from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
+from test_domain_conv import CONV2D
+
+__all__: list[str] = []
+
+
+# --------------------------------------------------------------------------- pure split
+def _split_cases():
+    for kw in (
+        dict(kernel_size=3, padding=1),
+        dict(kernel_size=5, padding=2),
+        dict(kernel_size=3, stride=2, padding=1),
+        dict(kernel_size=4, stride=2, padding=1),
+        dict(kernel_size=3, padding=2, dilation=2),
+        dict(kernel_size=3, stride=2, padding=3, dilation=3),
+        dict(kernel_size=2, stride=2),
+        dict(kernel_size=3, padding=1, padding_mode="reflect"),
+        dict(kernel_size=4, padding="same"),
+    ):
+        for length in (13, 16, 19):
+            for n in (2, 3, 4):
+                yield kw, length, n
+
+
+def test_overlap_split_pieces_reassemble_the_window_conv_bitwise():
+    """Top window + interior shard rows + bottom window == the whole window, for every rank."""
+    checked = 0
+    for kw, length, n in _split_cases():
+        conv = nn.Conv2d(3, 4, **kw).double()
+        geo = ConvGeometry.of(conv)
+        x = torch.randn(
+            1, 3, length, 6, generator=torch.Generator().manual_seed(length), dtype=torch.float64
+        )
+        out_len = geo.output_length(length, 0)
+        for r in range(n):
+            split = overlap_split(geo, 0, length, n, r)
+            o0, o1 = shard_range(out_len, n, r)
+            s, e = shard_range(length, n, r)
+            lo, hi = conv_window(
+                o0,
+                o1,
+                kernel=geo.kernel[0],
+                stride=geo.stride[0],
+                dilation=geo.dilation[0],
+                pad_before=geo.pads[0][0],
+            )
+            rows = [edge_source_row(p, length, geo.edge_mode) for p in range(lo, hi)]
+            window = torch.stack(
+                [x[:, :, g] if g != FILL else torch.zeros_like(x[:, :, 0]) for g in rows], 2
+            )
+
+            def run(t, conv=conv, geo=geo):
+                t = F.pad(t, (geo.pads[1][0], geo.pads[1][1], 0, 0))
+                return F.conv2d(t, conv.weight, conv.bias, geo.stride, 0, geo.dilation)
+
+            if split is None:
+                # no interior: some output row of this rank reads outside the shard
+                continue
+            assert split.top_rows + split.interior_rows + split.bottom_rows == o1 - o0
+            parts = []
+            if split.top_rows:
+                parts.append(run(window[:, :, : split.top_stop]))
+            local = x[:, :, s:e]
+            parts.append(run(local[:, :, split.interior_start : split.interior_stop]))
+            if split.bottom_rows:
+                parts.append(run(window[:, :, split.bottom_start :]))
+            assert torch.equal(torch.cat(parts, 2), run(window)), (kw, length, n, r)
+            checked += 1
+    assert checked > 150
+
+
+def test_overlap_split_is_none_for_thin_shards_and_transposed_convs():
+    geo = ConvGeometry.of(nn.Conv2d(1, 1, 5, padding=2))
+    # 5 rows over 4 ranks: shards of 2,1,1,1 rows cannot hold a 5-row kernel reach
+    assert [overlap_split(geo, 0, 5, 4, r) for r in range(4)] == [None] * 4
+    assert overlap_split(ConvGeometry.of(nn.ConvTranspose2d(1, 1, 3)), 0, 16, 2, 0) is None
+    split = overlap_split(ConvGeometry.of(nn.Conv2d(1, 1, 3, padding=1)), 0, 16, 2, 0)
+    # rank 0 of 2 owns rows [0, 8): row 0 reads the pole row -1, row 7 reads row 8
+    assert (split.top_rows, split.interior_rows, split.bottom_rows) == (1, 6, 1)
+    assert (split.interior_start, split.interior_stop) == (0, 8)
+
+
+def test_overlap_switch_context_manager_restores_the_default_and_auto_means_cpu_only():
+    from credit_parallel.domain.conv import set_halo_overlap
+
+    before = halo_overlap_enabled()
+    with halo_overlap(not before):
+        assert halo_overlap_enabled() is (not before)
+    assert halo_overlap_enabled() is before
+    with halo_overlap(None):  # auto: verified bitwise on CPU; cuDNN may pick other algorithms
+        assert halo_overlap_enabled("cpu") is True
+        assert halo_overlap_enabled("cuda") is False
+    with halo_overlap(True):
+        assert halo_overlap_enabled("cuda") is True
+    with pytest.raises(TypeError, match="True, False or None"):
+        set_halo_overlap("yes")
+    with pytest.raises(TypeError, match="True, False or None"):
+        DomainParallelConv2d(nn.Conv2d(1, 1, 3), overlap=1)
+
+
+# --------------------------------------------------------------------------- on vs off, ranks
+def _set_overlap(model: nn.Module, enabled: bool) -> None:
+    for m in model.modules():
+        if isinstance(m, _DomainParallelConvNd):
+            m.overlap = enabled
+
+
+def _on_off(mgr, build, shape, dtype, seed):
+    """(bitwise equal?, max abs diff, overlapped calls) of overlap on vs off for one case."""
+    torch.manual_seed(seed)
+    ref = build().to(dtype)
+    models = {}
+    for enabled in (True, False):
+        m = convert_to_domain_parallel(copy.deepcopy(ref), mgr)
+        _set_overlap(m, enabled)
+        models[enabled] = m
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=dtype)
+    n, r = mgr.domain_world_size, mgr.domain_rank
+    a, b = shard_range(shape[-2], n, r)
+    with torch.no_grad():
+        out_shape = ref(x).shape
+    grad_out = torch.randn(out_shape, generator=gen, dtype=dtype)
+    oa, ob = shard_range(out_shape[-2], n, r)
+    results = {}
+    for enabled, m in models.items():
+        mgr.begin_forward(("overlap-test", seed, enabled))
+        xl = x[..., a:b, :].clone().requires_grad_()
+        exchange_stats.reset()
+        y = m(xl)
+        (y * grad_out[..., oa:ob, :]).sum().backward()
+        tensors = [y.detach(), xl.grad] + [p.grad for p in m.parameters()]
+        results[enabled] = (tensors, exchange_stats.overlapped_calls)
+    equal, diff = True, 0.0
+    for t_on, t_off in zip(results[True][0], results[False][0]):
+        equal = equal and torch.equal(t_on, t_off)
+        diff = max(diff, float((t_on.double() - t_off.double()).abs().max()))
+    return equal, diff, results[True][1], results[False][1]
+
+
+def _conv_cases():
+    out = []
+    for i, (name, kw) in enumerate(CONV2D):
+        for h in (16, (13, 17, 19)[i % 3]):
+            out.append((f"conv2d_{name}_h{h}", lambda kw=kw: nn.Conv2d(4, 6, **kw), (2, 4, h, 9)))
+    for h in (13, 16):
+        out.append((f"conv3d_k3p1_h{h}", lambda: nn.Conv3d(3, 4, 3, padding=1), (1, 3, 4, h, 6)))
+        out.append(
+            (
+                f"conv3d_k3s2p1_h{h}",
+                lambda: nn.Conv3d(3, 4, 3, stride=2, padding=1),
+                (1, 3, 4, h, 6),
+            )
+        )
+    for k, p in ((3, 1), (5, 2)):
+        for h in (16, 13):
+            out.append(
+                (
+                    f"periodic_k{k}_h{h}",
+                    lambda k=k, p=p: PeriodicConv2d(4, 6, k, padding=p),
+                    (2, 4, h, 8),
+                )
+            )
+    out.append(
+        (
+            "spectral_conv2d_h13",
+            lambda: nn.utils.spectral_norm(nn.Conv2d(4, 6, 3, padding=1)),
+            (2, 4, 13, 6),
+        )
+    )
+    out.append(("conv_stack_h19", _stack, (1, 8, 19, 10)))
+    return out
+
+
+def _stack() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.SiLU(),
+        PeriodicConv2d(8, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.SiLU(),
+        nn.Conv2d(8, 4, 3, stride=2, padding=1),
+    )
+
+
+def _on_off_worker(rank, world, dtype):
+    mgr = DomainParallelManager(world, world)
+    results = {}
+    for i, (name, build, shape) in enumerate(_conv_cases()):
+        results[name] = _on_off(mgr, build, shape, dtype, i)
+    return results
+
+
+@pytest.mark.parametrize(
+    "world,dtype", [(2, torch.float64), (3, torch.float64), (2, torch.float32), (3, torch.float32)]
+)
+def test_overlap_on_is_bitwise_equal_to_overlap_off(world, dtype):
+    results = run_on_ranks(_on_off_worker, world, dtype)
+    unequal = [
+        (rank, name, diff)
+        for rank, per_rank in enumerate(results)
+        for name, (equal, diff, _, _) in per_rank.items()
+        if not equal
+    ]
+    assert not unequal, f"overlap changed results (rank, case, max abs diff): {unequal}"
+    for per_rank in results:
+        # the plain path never overlaps; the overlapped path ran in most cases on every rank
+        assert all(off == 0 for _, _, _, off in per_rank.values())
+        overlapped = sum(1 for _, _, on, _ in per_rank.values() if on > 0)
+        assert overlapped >= 0.8 * len(per_rank), overlapped
+
+
+def _parity_worker(rank, world, dtype):
+    torch.set_default_dtype(dtype)
+    mgr = DomainParallelManager(world, world)
+    errors = {}
+    with halo_overlap(True):
+        for i, (name, build, shape) in enumerate(_conv_cases()[::3]):
+            x = torch.randn(shape, generator=torch.Generator().manual_seed(i))
+            errors[name] = domain_parity_errors(build, x, mgr)
+    return errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_overlapped_convs_match_the_single_process(dtype):
+    for per_rank in run_on_ranks(_parity_worker, 3, dtype):
+        for name, errs in per_rank.items():
+            try:
+                assert_parity(errs, dtype)
+            except AssertionError as err:
+                raise AssertionError(f"{name}: {err}") from None
+
+
+def _thin_worker(rank, world):
+    torch.set_default_dtype(torch.float64)
+    mgr = DomainParallelManager(world, world)
+    with halo_overlap(True):
+        exchange_stats.reset()
+        x = torch.randn(2, 3, 5, 6, generator=torch.Generator().manual_seed(1))
+        errs = domain_parity_errors(lambda: nn.Conv2d(3, 4, 5, padding=2), x, mgr)
+        overlapped = exchange_stats.overlapped_calls
+        calls = exchange_stats.p2p_calls
+    assert_parity(errs)
+    equal, _, _, _ = _on_off(
+        mgr, lambda: nn.Conv2d(3, 4, 5, padding=2), (2, 3, 5, 6), torch.float64, 2
+    )
+    return overlapped, calls, equal
+
+
+def test_shard_too_thin_for_an_interior_falls_back_to_the_plain_path():
+    # 5 rows over 4 ranks (2,1,1,1) with a 5-row kernel: no rank has an interior output row
+    for overlapped, calls, equal in run_on_ranks(_thin_worker, 4):
+        assert overlapped == 0 and calls >= 2 and equal
+
+
+# --------------------------------------------------------------------------- memory
+def _saved_bytes(fn) -> int:
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _memory_worker(rank, world):
+    mgr = DomainParallelManager(world, world)
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    x = torch.randn(1, 8, 32, 16)
+    a, b = shard_range(32, world, rank)
+    out = {}
+    for enabled in (True, False):
+        layer = DomainParallelConv2d(copy.deepcopy(conv), manager=mgr, overlap=enabled)
+        xl = x[:, :, a:b].clone().requires_grad_()
+        # the input is also kept by another consumer (a residual), as inside a network
+        out[enabled] = _saved_bytes(lambda layer=layer, xl=xl: (layer(xl) * xl).sum())
+    return out
+
+
+def test_overlapped_conv_saves_no_copy_of_the_window():
+    for out in run_on_ranks(_memory_worker, 2):
+        # plain: the input plus a copy of it with the halo; overlapped: the input plus halo rows
+        row = 8 * 16 * 4
+        assert out[True] <= out[False] - 14 * row, out
+
+
+# --------------------------------------------------------------------------- batched exchange
+def _batched_worker(rank, world):
+    torch.set_default_dtype(torch.float64)
+    mgr = DomainParallelManager(world, world)
+    gen = torch.Generator().manual_seed(11)
+    requests, grads = [], []
+    specs = [  # (global shape, dim, windows builder, fill)
+        ((2, 3, 13, 5), 2, lambda h: _halo(h, world, 2, 1, "zeros"), 0.0),
+        ((4, 11, 3), 1, lambda h: _halo(h, world, 1, 3, "circular"), 0.0),
+        ((1, 2, 3, 9, 4), 3, lambda h: _halo(h, world, 1, 1, "zeros"), 1.5),
+    ]
+    globals_, locals_ = [], []
+    for shape, dim, windows_of, fill in specs:
+        x = torch.randn(shape, generator=gen)
+        h = shape[dim]
+        windows = windows_of(h)
+        a, b = shard_range(h, world, rank)
+        globals_.append(x)
+        locals_.append(x.narrow(dim, a, b - a))
+        requests.append((windows, h, dim, fill))
+        out_shape = list(shape)
+        out_shape[dim] = len(windows[rank])
+        grads.append(torch.randn(out_shape, generator=gen))
+    # separately
+    sep_x = [t.clone().requires_grad_() for t in locals_]
+    exchange_stats.reset()
+    sep = [exchange_rows(x, w, h, d, mgr, fill_value=f) for x, (w, h, d, f) in zip(sep_x, requests)]
+    sum((y * g).sum() for y, g in zip(sep, grads)).backward()
+    sep_calls = exchange_stats.p2p_calls
+    # batched
+    bat_x = [t.clone().requires_grad_() for t in locals_]
+    exchange_stats.reset()
+    bat = exchange_rows_batched([(x, w, h, d, f) for x, (w, h, d, f) in zip(bat_x, requests)], mgr)
+    sum((y * g).sum() for y, g in zip(bat, grads)).backward()
+    equal = all(torch.equal(a, b) for a, b in zip(sep, bat))
+    equal = equal and all(torch.equal(a.grad, b.grad) for a, b in zip(sep_x, bat_x))
+    batched = (exchange_stats.p2p_calls, exchange_stats.messages)
+    # HaloExchange.forward_many on two tensors of one dim
+    halo = HaloExchange(2, manager=mgr, mode="reflect")
+    t1, t2 = (torch.randn(2, 3, 12, 4, generator=gen) for _ in range(2))
+    a, b = shard_range(12, world, rank)
+    exchange_stats.reset()
+    many = halo.forward_many(t1[:, :, a:b], t2[:, :, a:b])
+    many_calls = exchange_stats.p2p_calls
+    single = [halo(t1[:, :, a:b]), halo(t2[:, :, a:b])]
+    equal = equal and all(torch.equal(m, s) for m, s in zip(many, single))
+    return equal, sep_calls, batched, many_calls
+
+
+def _halo(h, n, before, after, mode):
+    from credit_parallel.domain.exchange import halo_window
+
+    return tuple(halo_window(h, n, r, before, after, mode) for r in range(n))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_batched_exchange_is_one_call_per_direction_and_equals_separate_calls(world):
+    for rank, (equal, sep_calls, (calls, messages), many_calls) in enumerate(
+        run_on_ranks(_batched_worker, world)
+    ):
+        assert equal, rank
+        assert sep_calls == 6 and calls == 2 and many_calls == 1, (sep_calls, calls, many_calls)
+        # one message per peer and direction (a circular halo reaches at most 3 peers here)
+        assert messages <= 2 * min(world - 1, 3), messages
+
+
+def test_batched_exchange_rejects_mixed_dtypes_and_bad_requests():
+    class _Mgr:
+        domain_world_size, domain_rank = 2, 0
+
+    w = ((0, 1), (0, 1))
+    with pytest.raises(ValueError, match="request 1 is torch.float32"):
+        exchange_rows_batched(
+            [(torch.zeros(1, 1, dtype=torch.float64), w, 2, 0), (torch.zeros(1, 1), w, 2, 0)],
+            _Mgr(),
+        )
+    with pytest.raises(ValueError, match="request 0 must be"):
+        exchange_rows_batched([(torch.zeros(1, 1), w)], _Mgr())
+    assert exchange_rows_batched([], _Mgr()) == []
+
+
+# --------------------------------------------------------------------------- shared input
+class _CrossScale(nn.Module):
+    """Branches with different kernels and one stride on the same input (CrossFormer-style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(
+            nn.Conv2d(3, 4, k, stride=2, padding=(k - 2) // 2) for k in (2, 4, 6)
+        )
+
+    def forward(self, x):
+        return torch.cat([conv(x) for conv in self.convs], dim=1)
+
+
+def _shared_convert(model, mgr):
+    from credit_parallel.domain.conv import share_input_exchange
+
+    convert_to_domain_parallel(model, mgr)
+    share_input_exchange(*model.convs)
+    return model
+
+
+def _shared_worker(rank, world):
+    torch.set_default_dtype(torch.float64)
+    mgr = DomainParallelManager(world, world)
+    out = {}
+    for h in (16, 20):
+        x = torch.randn(2, 3, h, 8, generator=torch.Generator().manual_seed(h))
+        exchange_stats.reset()
+        errs = domain_parity_errors(_CrossScale, x, mgr, convert=_shared_convert)
+        assert_parity(errs)
+        shared_calls = exchange_stats.p2p_calls
+        exchange_stats.reset()
+        domain_parity_errors(_CrossScale, x, mgr)
+        out[h] = (shared_calls, exchange_stats.p2p_calls)
+    # the same layers called on two different tensors exchange for each (never mis-paired)
+    model = _shared_convert(_CrossScale(), mgr)
+    a, b = shard_range(16, world, rank)
+    t1, t2 = torch.randn(1, 3, 16, 8), torch.randn(1, 3, 16, 8)
+    ys = [conv(t) for conv, t in zip(model.convs, (t1[:, :, a:b], t2[:, :, a:b], t1[:, :, a:b]))]
+    ref_model = convert_to_domain_parallel(copy.deepcopy(_CrossScale()), mgr)
+    ref_model.load_state_dict(model.state_dict())
+    refs = [
+        conv(t) for conv, t in zip(ref_model.convs, (t1[:, :, a:b], t2[:, :, a:b], t1[:, :, a:b]))
+    ]
+    out["mixed_equal"] = all(torch.equal(y, r) for y, r in zip(ys, refs))
+    return out
+
+
+def test_convs_sharing_an_input_exchange_once_and_stay_exact():
+    for out in run_on_ranks(_shared_worker, 3):
+        for h in (16, 20):
+            shared, separate = out[h]
+            # gather_tensor in the parity check adds no P2P.  Separately each branch that needs
+            # rows exchanges (the k2 s2 branch not on every rank); shared: 1 call each way
+            assert shared == 2 and separate >= 4, out[h]
+        assert out["mixed_equal"]
+
+
+def test_share_input_exchange_rejects_mismatched_layers():
+    from credit_parallel.domain.conv import DomainParallelConvTranspose2d, share_input_exchange
+
+    a = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1))
+    b = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"))
+    with pytest.raises(ValueError, match="boundary rule"):
+        share_input_exchange(a, b)
+    with pytest.raises(TypeError, match="non-transposed"):
+        share_input_exchange(a, DomainParallelConvTranspose2d(nn.ConvTranspose2d(2, 2, 2, 2)))
+    with pytest.raises(ValueError, match="at least two"):
+        share_input_exchange(a)
+
+
+# --------------------------------------------------------------------------- with FSDP2
+def _fsdp_worker(rank, world):
+    from credit_parallel.composition import get_domain_manager, parallelize
+    from credit_parallel.domain.conv import set_halo_overlap
+    from credit_parallel.models import UNet
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 4, 17, 16, generator=gen)
+    g = torch.randn(2, 4, 17, 16, generator=gen)
+    a, b = shard_range(17, world, rank)
+    results = {}
+    for enabled in (True, False):
+        set_halo_overlap(enabled)
+        torch.manual_seed(0)
+        model = UNet(4, 4, 17, 16, base_channels=8, channel_mults=(1, 2), norm_groups=2)
+        parallelism = {"data": "fsdp2", "tensor": 1, "domain": world}
+        conf = {"trainer": {"parallelism": parallelism, "activation_checkpoint": True}}
+        model = parallelize(model, conf)
+        mgr = get_domain_manager(model)
+        mgr.begin_forward(("fsdp-overlap", enabled))
+        xl = x[:, :, a:b].clone().requires_grad_()
+        exchange_stats.reset()
+        (model(xl) * g[:, :, a:b]).sum().backward()
+        grads = [p.grad.to_local().clone() for p in model.parameters()]
+        results[enabled] = ([xl.grad, *grads], exchange_stats.overlapped_calls)
+    set_halo_overlap(None)
+    equal = all(torch.equal(p, q) for p, q in zip(results[True][0], results[False][0]))
+    return equal, results[True][1], results[False][1]
+
+
+def test_overlap_under_fsdp2_with_activation_checkpointing_is_bitwise_unchanged():
+    for equal, overlapped_on, overlapped_off in run_on_ranks(_fsdp_worker, 2):
+        assert equal and overlapped_on > 0 and overlapped_off == 0
+
+
+# --------------------------------------------------------------------------- composed windows
+def _compose_worker(rank, world):
+    from credit_parallel.domain.conv import _conv_windows
+    from credit_parallel.domain.exchange import compose_windows
+    from credit_parallel.domain.padding import pad_windows
+
+    torch.set_default_dtype(torch.float64)
+    mgr = DomainParallelManager(world, world)
+    out = []
+    for h, mode in ((13, "reflect"), (16, "replicate"), (11, "circular")):
+        pads = pad_windows(h, world, 2, 1, mode)  # a padding layer: H -> H + 3
+        geo = ConvGeometry.of(nn.Conv2d(2, 2, 3))  # then a "valid" 3x3 conv
+        conv, _ = _conv_windows(geo, 0, h + 3, world)
+        fused = compose_windows(pads, h + 3, conv)
+        x = torch.randn(2, 2, h, 5, generator=torch.Generator().manual_seed(h))
+        g = torch.randn(2, 2, len(conv[rank]), 5, generator=torch.Generator().manual_seed(1))
+        a, b = shard_range(h, world, rank)
+        xs = [x[:, :, a:b].clone().requires_grad_() for _ in range(2)]
+        exchange_stats.reset()
+        two = exchange_rows(exchange_rows(xs[0], pads, h, 2, mgr), conv, h + 3, 2, mgr)
+        (two * g).sum().backward()
+        calls_two = exchange_stats.p2p_calls
+        exchange_stats.reset()
+        one = exchange_rows(xs[1], fused, h, 2, mgr)
+        (one * g).sum().backward()
+        out.append(
+            (
+                torch.equal(one, two),
+                float((xs[0].grad - xs[1].grad).abs().max()),
+                calls_two,
+                exchange_stats.p2p_calls,
+            )
+        )
+    return out
+
+
+def test_composed_windows_turn_pad_then_conv_into_one_exchange():
+    results = run_on_ranks(_compose_worker, 3)
+    for case in range(3):
+        per_case = [per_rank[case] for per_rank in results]
+        for equal, grad_err, calls_two, calls_one in per_case:
+            assert equal and grad_err <= 1e-12
+            # at most one exchange each way; a rank may sit out an exchange with nothing to move
+            assert calls_one <= 2 and calls_two >= calls_one
+        assert sum(c[2] for c in per_case) > sum(c[3] for c in per_case)
+
+
+def test_compose_windows_checks_its_arguments():
+    from credit_parallel.domain.exchange import compose_windows
+
+    with pytest.raises(ValueError, match="one per rank"):
+        compose_windows(((0,), (1,)), 2, ((0,),))
+    with pytest.raises(ValueError, match="balanced layout"):
+        compose_windows(((0, 1), (2,)), 4, ((0,), (1,)))
+    assert compose_windows(((5, FILL), (7,)), 3, ((FILL, 2, 0), (1,))) == ((FILL, 7, 5), (FILL,))
+
+
+def test_shared_layers_survive_deepcopy_and_pickling_mid_forward():
+    import io
+
+    from credit_parallel.domain.conv import share_input_exchange
+
+    model = _CrossScale()
+    for i, conv in enumerate(model.convs):
+        model.convs[i] = DomainParallelConv2d(conv)
+    share_input_exchange(*model.convs)
+    group = model.convs[0].__dict__["_cp_shared_input"]
+    window = torch.ones(2, requires_grad=True) * 2  # a non-leaf, as a window in flight is
+    group._entry = (None, 0, 4, window, {0})
+    copied = copy.deepcopy(model)
+    new_group = copied.convs[0].__dict__["_cp_shared_input"]
+    assert new_group is copied.convs[2].__dict__["_cp_shared_input"] and new_group._entry is None
+    assert new_group.layers == tuple(copied.convs)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.convs[1].__dict__["_cp_shared_input"]._entry is None
