@@ -121,17 +121,18 @@ def test_overlap_split_is_none_for_thin_shards_and_transposed_convs():
     assert (split.interior_start, split.interior_stop) == (0, 8)
 
 
-def test_overlap_switch_context_manager_restores_the_default_and_auto_means_cpu_only():
+def test_overlap_switch_context_manager_restores_the_default_and_default_is_off():
     from credit_parallel.domain.conv import set_halo_overlap
 
     before = halo_overlap_enabled()
     with halo_overlap(not before):
         assert halo_overlap_enabled() is (not before)
     assert halo_overlap_enabled() is before
-    with halo_overlap(None):  # auto: verified bitwise on CPU; cuDNN may pick other algorithms
-        assert halo_overlap_enabled("cpu") is True
+    with halo_overlap(None):  # the default: off (slower on the 2-core benchmark machine)
+        assert halo_overlap_enabled("cpu") is False
         assert halo_overlap_enabled("cuda") is False
     with halo_overlap(True):
+        assert halo_overlap_enabled("cpu") is True
         assert halo_overlap_enabled("cuda") is True
     with pytest.raises(TypeError, match="True, False or None"):
         set_halo_overlap("yes")

@@ -747,9 +747,10 @@ NOTES = (
     "output rows from its own shard while the rows travel, then the boundary rows; its backward "
     "computes the window's input gradient, posts the halo gradients and computes the weight and "
     "bias gradients while they travel.  On CPU the results are bitwise those of overlap off "
-    "(tests/test_overlap.py), so it is on by default there; on CUDA it stays off until "
-    "credit_parallel.domain.conv.set_halo_overlap(True) (cuDNN may choose other algorithms for "
-    "a few boundary rows).",
+    "(tests/test_overlap.py).  It is off by default (on this 2-core machine the split "
+    "convolution costs more than the halo time it hides; on CUDA cuDNN may choose other "
+    "algorithms for a few boundary rows): turn it on with "
+    "credit_parallel.domain.conv.set_halo_overlap(True).",
     "Efficiency is measured against ONE process using as many intra-op threads as the layout "
     "has ranks, on the same global batch: 1.0 means domain/tensor/data parallelism over N "
     "processes is as fast as N threads in one process.  tp layouts replicate every layer that "
