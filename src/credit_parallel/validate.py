@@ -60,35 +60,9 @@ def dist_timeout_s(conf: dict) -> float:
 # --------------------------------------------------------------------------- the data
 def _build_dataset(conf: dict):
     """The training dataset as the trainer builds it, reading metadata only (no cache)."""
-    from .data import ERA5Dataset
+    from .data.dataset import dataset_from_conf
 
-    d = conf.get("data")
-    if not isinstance(d, dict):
-        raise ValueError(
-            "config is missing the 'data' section (data.path, data.upper_air_variables, ...)"
-        )
-    if "path" not in d:
-        raise ValueError(
-            "data.path is required (run `credit-parallel sample-data` for a demo store)"
-        )
-    keys = (
-        "upper_air_variables",
-        "surface_variables",
-        "levels",
-        "history_len",
-        "forecast_len",
-        "normalize",
-        "stats_path",
-        "as_5d",
-    )
-    kwargs = {k: d[k] for k in keys if k in d}
-    if d.get("time_slice") is not None:
-        ts = d["time_slice"]
-        kwargs["time_slice"] = tuple(ts) if isinstance(ts, list) else ts
-    try:
-        return ERA5Dataset(d["path"], cache_limit_bytes=0, **kwargs)
-    except TypeError as err:  # a wrongly typed argument: name the data section
-        raise ValueError(f"data: {err}") from err
+    return dataset_from_conf(conf, "train", cache_limit_bytes=0)
 
 
 def _sample_shapes(dataset) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[str]]:

@@ -18,6 +18,7 @@ _EXPORTS = {
     "SAMPLE_UPPER_AIR_VARIABLES": "sample",
     "SAMPLE_SURFACE_VARIABLES": "sample",
     "ERA5Dataset": "dataset",
+    "dataset_from_conf": "dataset",
     "latitude_weights": "dataset",
     "compute_normalization_stats": "dataset",
     "default_stats_path": "dataset",

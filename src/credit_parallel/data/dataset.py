@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_CACHE_LIMIT_BYTES",
     "ERA5Dataset",
     "compute_normalization_stats",
+    "dataset_from_conf",
     "default_stats_path",
     "latitude_weights",
 ]
@@ -465,3 +466,39 @@ class ERA5Dataset(Dataset):
                 np.ascontiguousarray(surface).reshape(steps * surface.shape[1], *self.grid_shape)
             )
         return sample
+
+
+_CONF_KEYS = (
+    "upper_air_variables",
+    "surface_variables",
+    "levels",
+    "history_len",
+    "forecast_len",
+    "normalize",
+    "stats_path",
+    "as_5d",
+)
+
+
+def dataset_from_conf(conf: dict, split: str = "train", **overrides) -> ERA5Dataset:
+    """The ERA5Dataset a config's ``data`` section describes (``time_slice`` for "train",
+    ``valid_time_slice`` for "valid"); ``overrides`` go to the constructor.  Errors name the
+    ``data.*`` key."""
+    d = conf.get("data")
+    if not isinstance(d, dict):
+        raise ValueError(
+            "config is missing the 'data' section (data.path, data.upper_air_variables, ...)"
+        )
+    if "path" not in d:
+        raise ValueError(
+            "data.path is required (run `credit-parallel sample-data` for a demo store)"
+        )
+    kwargs = {k: d[k] for k in _CONF_KEYS if k in d}
+    key = "valid_time_slice" if split == "valid" else "time_slice"
+    if d.get(key) is not None:
+        kwargs["time_slice"] = tuple(d[key]) if isinstance(d[key], list) else d[key]
+    kwargs.update(overrides)
+    try:
+        return ERA5Dataset(d["path"], **kwargs)
+    except TypeError as err:  # a wrongly typed argument: name the data section
+        raise ValueError(f"data: {err}") from err

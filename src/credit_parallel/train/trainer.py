@@ -166,31 +166,9 @@ class Trainer:
     # ------------------------------------------------------------------ data
     @staticmethod
     def _build_dataset(conf: dict, split: str):
-        from ..data import ERA5Dataset
+        from ..data.dataset import dataset_from_conf
 
-        d = dict(conf.get("data") or {})
-        if "path" not in d:
-            raise ValueError(
-                "data.path is required (run `credit-parallel sample-data` for a demo store)"
-            )
-        kwargs = {
-            k: d[k]
-            for k in (
-                "upper_air_variables",
-                "surface_variables",
-                "levels",
-                "history_len",
-                "forecast_len",
-                "normalize",
-                "stats_path",
-                "as_5d",
-            )
-            if k in d
-        }
-        key = "valid_time_slice" if split == "valid" else "time_slice"
-        if d.get(key) is not None:
-            kwargs["time_slice"] = tuple(d[key]) if isinstance(d[key], list) else d[key]
-        return ERA5Dataset(d["path"], **kwargs)
+        return dataset_from_conf(conf, split)
 
     def _batch_indices(self, step: int, micro: int, dataset, seed_offset: int = 0) -> list[int]:
         """Sample indices of micro-batch ``micro`` of ``step`` for this dp rank (pure)."""
