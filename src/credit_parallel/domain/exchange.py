@@ -203,13 +203,9 @@ def assemble_window(
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
-def post_gradient_return(
-    grad: torch.Tensor, plan, dim: int, peers, group, x_shape, *, overlapped: bool = True
-):
-    """Backward of the exchange: the gradient of this rank's window ``grad`` goes back to the
-    owners of its rows.  Own-row gradients are accumulated at once, the gradients of received
-    rows are posted to their owners; ``wait()`` adds the gradients other ranks return for the
-    rows this rank sent and gives the gradient of the local shard (shape ``x_shape``)."""
+def _split_window_grad(grad: torch.Tensor, plan, dim: int, x_shape):
+    """Split a window's gradient by the plan's segments: own rows accumulate into the local
+    shard's gradient, received rows into one buffer per peer (fill rows are dropped)."""
     grad_x = grad.new_zeros(x_shape)
     grad_recv = [grad.new_zeros(_shape_with(grad, dim, c)) for _, c in plan.recvs]
     pos = 0
@@ -221,6 +217,17 @@ def post_gradient_return(
         elif seg[0] == "recv":
             grad_recv[seg[1]].narrow(dim, seg[2], count).add_(g)
         pos += count
+    return grad_x, grad_recv
+
+
+def post_gradient_return(
+    grad: torch.Tensor, plan, dim: int, peers, group, x_shape, *, overlapped: bool = True
+):
+    """Backward of the exchange: the gradient of this rank's window ``grad`` goes back to the
+    owners of its rows.  Own-row gradients are accumulated at once, the gradients of received
+    rows are posted to their owners; ``wait()`` adds the gradients other ranks return for the
+    rows this rank sent and gives the gradient of the local shard (shape ``x_shape``)."""
+    grad_x, grad_recv = _split_window_grad(grad, plan, dim, x_shape)
     # the gradient of every row we received goes back to its owner; we receive the
     # gradients of the rows we sent
     back = [
@@ -344,17 +351,7 @@ class _ExchangeRowsBatched(torch.autograd.Function):
         specs, peers = ctx.specs, ctx.peers
         grad_xs, send_parts, back_shapes = [], {}, {}
         for (plan, dim, _), grad, shape in zip(specs, grads, ctx.x_shapes):
-            grad_x = grad.new_zeros(shape)
-            grad_recv = [grad.new_zeros(_shape_with(grad, dim, c)) for _, c in plan.recvs]
-            pos = 0
-            for seg in plan.segments:
-                count = seg[-1]
-                g = grad.narrow(dim, pos, count)
-                if seg[0] == "own":
-                    grad_x.narrow(dim, seg[1], count).add_(g)
-                elif seg[0] == "recv":
-                    grad_recv[seg[1]].narrow(dim, seg[2], count).add_(g)
-                pos += count
+            grad_x, grad_recv = _split_window_grad(grad, plan, dim, shape)
             for (q, _), g in zip(plan.recvs, grad_recv):
                 send_parts.setdefault(peers[q], []).append(g)
             for q, runs in plan.sends:
