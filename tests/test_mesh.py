@@ -74,6 +74,15 @@ def test_single_rank_nothing_active_returns_none():
     assert build_device_mesh({"data": "none"}) == (None, {})
 
 
+def test_data_none_on_8_ranks_gets_a_dp_mesh_of_size_8_not_none():
+    def worker(rank, world):
+        mesh, subs = build_device_mesh({"data": "none", "tensor": 1, "domain": 1}, device="cpu")
+        ranks = dist.get_process_group_ranks(subs["dp"].get_group())
+        return tuple(mesh.shape), tuple(mesh.mesh_dim_names), sorted(subs), ranks
+
+    assert run_on_ranks(worker, 8, timeout=120) == [((8,), ("dp",), ["dp"], list(range(8)))] * 8
+
+
 def test_single_rank_fsdp2_gets_dp_mesh_of_size_one():
     def worker(rank, world):
         mesh, subs = build_device_mesh({"data": "fsdp2"}, device="cpu")

@@ -6,7 +6,8 @@
 * §1/§2: the strict reading of the config block ("strings of decimal digits", exactly one of
   the three data modes, a null block is a missing block), ``dp_world_size`` and
   ``build_device_mesh`` validating the block before anything else, ``RankLayout`` details,
-  ``(None, {})`` on a 2-rank gloo world with nothing active.
+  a ("dp",) mesh of size 2 on a 2-rank gloo world with data "none" (``(None, {})`` only for one
+  process with nothing active).
 * §3: every layer and ``HaloExchange`` without ``manager=`` uses the process-wide manager
   (exact against one process), a duck-typed periodic conv is accepted, ``shard_batch`` always
   returns a new dict, ``shard_spatial``, inputs not in the balanced layout are an error on
@@ -388,15 +389,21 @@ def test_rank_layout_without_names_and_by_index():
 
 
 def _nothing_active_worker(rank, world):
+    mesh, submeshes = build_device_mesh({"data": "none", "tensor": "1", "domain": 1}, device="cpu")
     return (
-        build_device_mesh({"data": "none", "tensor": "1", "domain": 1}, device="cpu"),
+        (tuple(mesh.shape), tuple(mesh.mesh_dim_names), sorted(submeshes)),
+        dist.get_process_group_ranks(submeshes["dp"].get_group()),
         data_parallel_coords(_conf(data="none")),
     )
 
 
-def test_nothing_active_is_none_on_a_2_rank_world_too():
-    # dp would be 2, but (None, {}) is the rule whenever data == none and tensor = domain = 1
-    assert run_on_ranks(_nothing_active_worker, 2) == [((None, {}), (0, 2)), ((None, {}), (1, 2))]
+def test_data_none_on_a_2_rank_world_keeps_the_dp_axis_of_size_2():
+    # SPEC §2: axes of size > 1 are kept, so dp = 2 is a mesh even with data "none";
+    # (None, {}) only when every axis, dp included, has size 1
+    assert run_on_ranks(_nothing_active_worker, 2) == [
+        (((2,), ("dp",), ["dp"]), [0, 1], (0, 2)),
+        (((2,), ("dp",), ["dp"]), [0, 1], (1, 2)),
+    ]
 
 
 # --------------------------------------------------------------------------- §3 process-wide manager

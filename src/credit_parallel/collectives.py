@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate
 
+from .config import DP_DOMAIN
+
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "allreduce_grads",
@@ -149,13 +151,32 @@ def sync_domain_gradients(
       shards are equally sized (the mean of equal-weight means is the global mean).
     * ``op="sum"`` is exact for any shards (uneven grids) when each rank's loss is its share of a
       globally normalised loss: the sum over its own points divided by the global count.
+
+    Parameters FSDP2 shards over the flattened dp x domain axis (``parallelize`` with fsdp2 and
+    domain > 1) already had their gradients summed over the domain ranks by the reduce-scatter;
+    they only get the op's scaling (avg: divided by the domain size; sum: nothing).  Call it
+    once per optimizer step, after the last backward.
     """
     if op not in _REDUCE_OPS:
         raise ValueError(f"sync_domain_gradients: op must be one of {_REDUCE_OPS}, got {op!r}")
     if manager is None or int(manager.domain_world_size) <= 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    allreduce_grads(grads, manager.domain_group, op=op, bucket_cap_mb=bucket_cap_mb)
+    reduced, to_reduce = [], []
+    for p in model.parameters():
+        if p.grad is not None:
+            (reduced if _reduced_over_domain(p.grad) else to_reduce).append(p.grad)
+    if op == "avg" and reduced:
+        with torch.no_grad():
+            for grad in reduced:
+                _local(grad).div_(int(manager.domain_world_size))
+    allreduce_grads(to_reduce, manager.domain_group, op=op, bucket_cap_mb=bucket_cap_mb)
+
+
+def _reduced_over_domain(grad: torch.Tensor) -> bool:
+    """Whether FSDP2 reduce-scattered this gradient over the flattened dp x domain axis."""
+    if not isinstance(grad, DTensor):
+        return False
+    return DP_DOMAIN in tuple(grad.device_mesh.mesh_dim_names or ())
 
 
 # --------------------------------------------------------------------------------------------

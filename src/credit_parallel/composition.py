@@ -1,13 +1,16 @@
-"""The composed recipe: build the mesh, then domain conversion -> tensor parallel -> FSDP2 / DDP.
+"""The composed recipe: build the layout, then domain conversion -> tensor parallel -> FSDP2 / DDP.
 
 ``parallelize(model, conf)`` is the counterpart of CREDIT's ``distributed_model_wrapper_gen2``:
 
-1. ``build_device_mesh`` from ``trainer.parallelism`` (CUDA/NCCL when the process group is NCCL,
-   else CPU/gloo — nothing in the config is needed for that);
+1. :class:`~credit_parallel.config.ParallelDims` from ``trainer.parallelism`` and the world size
+   builds every mesh (CUDA/NCCL when the process group is NCCL, else CPU/gloo — nothing in the
+   config is needed for that);
 2. domain > 1: a :class:`DomainParallelManager` from the mesh's "domain"/"dp" axes, and
-   ``convert_to_domain_parallel`` (the manager becomes the process-wide one);
-3. tensor > 1: ``apply_tensor_parallel`` on the "tp" submesh;
-4. data "fsdp2": ``apply_fsdp2`` on the 1-D "dp" submesh; "ddp": ``apply_ddp``.
+   ``convert_to_domain_parallel``.  The manager is attached to the model, never made the
+   process-wide one (that stays solely ``initialize_domain_parallel``'s);
+3. tensor > 1: ``apply_tensor_parallel`` on the "tp" axis;
+4. data "fsdp2": ``apply_fsdp2`` over the flattened dp x domain axis when domain > 1 (gradients
+   summed over domain, averaged over dp), else over "dp"; "ddp": ``apply_ddp`` over "dp".
 
 The mesh and the manager stay reachable from the returned model (``get_device_mesh``,
 ``get_domain_manager``); ``get_raw_model`` unwraps DDP.
@@ -17,16 +20,19 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from .config import DataMode, parse_parallelism_conf
+from .config import DataMode, MeshAxis, ParallelDims
+from .domain.convert import convert_to_domain_parallel
+from .domain.manager import DomainParallelManager
+from .fsdp import apply_ddp, apply_fsdp2
+from .tensor_parallel import apply_tensor_parallel
 
 __all__ = ["get_device_mesh", "get_domain_manager", "get_raw_model", "parallelize"]
 
 
 def get_raw_model(model: nn.Module) -> nn.Module:
     """The model inside a DistributedDataParallel wrapper (FSDP2 keeps the module itself)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     while isinstance(model, DistributedDataParallel):
         model = model.module
     return model
@@ -50,47 +56,33 @@ def _mesh_device() -> str:
 def parallelize(model: nn.Module, conf: dict) -> nn.Module:
     """Apply the configured parallelisms to ``model`` (in place where possible) and return it.
 
-    With everything at 1 (``data: none``, tensor = domain = 1) the model is returned untouched.
+    A layout that does not change the model (``data: none``, tensor = domain = 1, on any number
+    of ranks) returns it untouched.
     """
-    block = parse_parallelism_conf(conf)
-    if block["data"] == DataMode.NONE and block["tensor"] == 1 and block["domain"] == 1:
+    dims = ParallelDims.from_conf(conf)
+    if not dims.parallelizes_model:
         return model
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
-            f"parallelize with trainer.parallelism {block} needs an initialised process group "
+            f"parallelize with trainer.parallelism {dims} needs an initialised process group "
             "(launch with `credit-parallel train --nproc N` or torchrun)"
         )
-    if block["data"] == DataMode.DDP and block["tensor"] > 1:
-        raise ValueError(
-            "trainer.parallelism: data 'ddp' cannot be combined with tensor > 1 (DDP does not "
-            "reduce tensor-parallel DTensor gradients); use data: fsdp2"
-        )
-    from .domain.manager import DomainParallelManager, set_domain_parallel_manager
-    from .mesh import build_device_mesh
-
-    mesh, submeshes = build_device_mesh(block, device=_mesh_device())
+    dims.check_supported()
+    meshes = dims.build_mesh(_mesh_device())
     manager = None
-    if block["domain"] > 1:
-        from .domain.convert import convert_to_domain_parallel
-
-        manager = DomainParallelManager.from_device_mesh(mesh)
+    if dims.domain > 1:
+        manager = DomainParallelManager.from_device_mesh(meshes.mesh)
         model = convert_to_domain_parallel(model, manager)
-    # the process-wide manager is this layout's (None without domain parallelism), so helpers
-    # called without manager= never use one left over from an earlier layout
-    set_domain_parallel_manager(manager)
-    if block["tensor"] > 1:
-        from .tensor_parallel import apply_tensor_parallel
-
-        model = apply_tensor_parallel(model, submeshes["tp"])
+    if dims.tp > 1:
+        model = apply_tensor_parallel(model, meshes.axis(MeshAxis.TP))
     raw = model
-    object.__setattr__(raw, "_device_mesh", mesh)
+    object.__setattr__(raw, "_device_mesh", meshes.mesh)
     object.__setattr__(raw, "_domain_manager", manager)
-    if block["data"] == DataMode.FSDP2:
-        from .fsdp import apply_fsdp2
-
-        model = apply_fsdp2(model, mesh["dp"], conf)
-    elif block["data"] == DataMode.DDP:
-        from .fsdp import apply_ddp
-
-        model = apply_ddp(model, mesh["dp"])
+    if dims.data == DataMode.FSDP2:
+        # over dp x domain FSDP's reduce-scatter must sum over the domain ranks (each holds its
+        # rows' share of the gradient) and average over dp only
+        divide = dims.dp if dims.fsdp_over_domain else None
+        model = apply_fsdp2(model, meshes.fsdp_mesh, conf, gradient_divide_factor=divide)
+    elif dims.data == DataMode.DDP:
+        model = apply_ddp(model, meshes.axis(MeshAxis.DP))
     return model

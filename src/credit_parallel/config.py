@@ -1,9 +1,13 @@
-"""Configuration: the ``trainer.parallelism`` block and YAML loading.
+"""Configuration: the ``trainer.parallelism`` block, YAML loading, and the layout object.
 
-The parallel degrees are parsed and validated in exactly one place (``parse_parallelism_block``);
-every other module (mesh, composition, CLI) asks :class:`ParallelDims` instead of recomputing
-world-size arithmetic.  Naming convention used throughout the package: an *axis* is a dimension
-of the device mesh ("dp", "tp", "domain"); a *dim* is a dimension of a tensor.
+The parallel degrees are parsed and validated in exactly one place (``parse_parallelism_block``).
+:class:`ParallelDims`, built from that block and the world size, owns the layout: degrees, every
+divisibility check, the :class:`~credit_parallel.layout.RankLayout`, "is the layout trivial", and
+the DeviceMeshes (:class:`ParallelMesh`, with the flattened dp x domain axis FSDP2 shards over);
+mesh, composition, the domain manager and the CLI ask it instead of recomputing.
+
+Naming convention used throughout the package: an *axis* is a dimension of the device mesh
+("dp", "tp", "domain", the flattened "dp_domain"); a *dim* is a dimension of a tensor.
 """
 
 from __future__ import annotations
@@ -14,12 +18,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
 import yaml
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .layout import RankLayout
 
 __all__ = [
+    "DP_DOMAIN",
     "DataMode",
     "MeshAxis",
     "ParallelDims",
+    "ParallelMesh",
     "load_config",
     "parse_parallelism_block",
     "parse_parallelism_conf",
@@ -128,9 +138,37 @@ def load_config(path: str | os.PathLike) -> dict:
     return conf
 
 
+def _has_process_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _require_process_group(what: str) -> None:
+    if not _has_process_group():
+        raise RuntimeError(
+            f"{what} needs an initialised torch.distributed process group; call "
+            "torch.distributed.init_process_group(...) first (or launch with torchrun / "
+            "`credit-parallel train --nproc N`)"
+        )
+
+
+def _current_world_size(parsed: dict) -> int:
+    """The size of the default process group; without one, a single process (1), which only a
+    layout with tensor = domain = 1 fits."""
+    if _has_process_group():
+        return dist.get_world_size()
+    if parsed["tensor"] * parsed["domain"] > 1:
+        _require_process_group(f"trainer.parallelism {parsed}")
+    return 1
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    """The parallel degrees of one run and the world-size arithmetic that follows from them."""
+    """THE parallel layout of one run: degrees, world-size arithmetic, rank layout and meshes.
+
+    Built once from ``trainer.parallelism`` and the world size (:meth:`from_conf` /
+    :meth:`from_block`); every other module asks it instead of recomputing.  Global rank g has
+    coordinates (dp, tp, domain) row-major, domain innermost (SPEC §2): :attr:`rank_layout`.
+    """
 
     data: str
     tp: int
@@ -138,6 +176,17 @@ class ParallelDims:
     world_size: int
 
     def __post_init__(self):
+        if self.data not in {m.value for m in DataMode}:
+            raise ValueError(
+                f"trainer.parallelism.data must be one of 'fsdp2', 'ddp', 'none', got {self.data!r}"
+            )
+        for key, value in (("tensor", self.tp), ("domain", self.domain)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"trainer.parallelism.{key} must be an integer >= 1, got {value!r}"
+                )
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
+            raise ValueError(f"world_size must be an int, got {self.world_size!r}")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         inner = self.tp * self.domain
@@ -148,30 +197,131 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_block(cls, block: Any, world_size: int) -> ParallelDims:
+    def from_block(cls, block: Any, world_size: int | None = None) -> ParallelDims:
+        """From a ``trainer.parallelism`` block; ``world_size=None``: the current process group's
+        size (1 without one; ``RuntimeError`` then if tensor*domain > 1)."""
         parsed = parse_parallelism_block(block)
-        if isinstance(world_size, bool) or not isinstance(world_size, int):
-            raise ValueError(f"world_size must be an int, got {world_size!r}")
+        if world_size is None:
+            world_size = _current_world_size(parsed)
         return cls(parsed["data"], parsed["tensor"], parsed["domain"], world_size)
 
+    @classmethod
+    def from_conf(cls, conf: Any, world_size: int | None = None) -> ParallelDims:
+        """From a FULL config (``conf["trainer"]["parallelism"]``); see :meth:`from_block`."""
+        parsed = parse_parallelism_conf(conf)
+        if world_size is None:
+            world_size = _current_world_size(parsed)
+        return cls(parsed["data"], parsed["tensor"], parsed["domain"], world_size)
+
+    # ---------------------------------------------------------------- degrees and layout
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.domain)
 
     @property
-    def mesh_axes(self) -> tuple[tuple[str, int], ...]:
-        """(name, size) of every mesh axis kept: sizes > 1, plus "dp" whenever data != none."""
-        if self.data == DataMode.NONE and self.tp == 1 and self.domain == 1:
-            return ()  # nothing active: build_device_mesh returns (None, {}) (SPEC §2)
-        axes = []
-        if self.data != DataMode.NONE or self.dp > 1:
-            axes.append((MeshAxis.DP.value, self.dp))
-        if self.tp > 1:
-            axes.append((MeshAxis.TP.value, self.tp))
-        if self.domain > 1:
-            axes.append((MeshAxis.DOMAIN.value, self.domain))
-        return tuple(axes)
-
-    @property
     def full_layout_shape(self) -> tuple[int, int, int]:
         return (self.dp, self.tp, self.domain)
+
+    @property
+    def rank_layout(self) -> RankLayout:
+        """The (dp, tp, domain) layout of all ranks, size-1 axes included."""
+        return RankLayout(self.full_layout_shape, self.world_size, tuple(MeshAxis))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"dp": .., "tp": .., "domain": ..}`` of global ``rank``."""
+        return dict(zip(tuple(MeshAxis), self.rank_layout.coords(rank)))
+
+    @property
+    def mesh_axes(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of every axis of the SPEC §2 mesh: sizes > 1, plus "dp" whenever
+        data != none (even at dp size 1).  Empty only for one process with nothing active."""
+        keep_dp = self.data != DataMode.NONE or self.dp > 1
+        sizes = ((MeshAxis.DP, self.dp, keep_dp), (MeshAxis.TP, self.tp, self.tp > 1))
+        sizes += ((MeshAxis.DOMAIN, self.domain, self.domain > 1),)
+        return tuple((axis.value, size) for axis, size, keep in sizes if keep)
+
+    @property
+    def is_trivial(self) -> bool:
+        """No mesh at all: one process, ``data: none``, tensor = domain = 1.  Such a run needs
+        no process group (the CLI runs it in-process)."""
+        return not self.mesh_axes
+
+    @property
+    def parallelizes_model(self) -> bool:
+        """Whether ``parallelize`` changes the model: a data wrapper, tensor or domain > 1.
+        (``data: none`` on 8 ranks has a "dp" mesh but leaves the model alone.)"""
+        return self.data != DataMode.NONE or self.tp > 1 or self.domain > 1
+
+    @property
+    def fsdp_over_domain(self) -> bool:
+        """FSDP2 shards over the flattened dp x domain axis (SPEC §4): fsdp2 with domain > 1."""
+        return self.data == DataMode.FSDP2 and self.domain > 1
+
+    def check_supported(self) -> None:
+        """Refuse combinations that have a valid rank layout but no exact implementation."""
+        if self.data == DataMode.DDP and self.tp > 1:
+            raise ValueError(
+                "trainer.parallelism: data 'ddp' cannot be combined with tensor > 1 (DDP does not "
+                "reduce tensor-parallel DTensor gradients); use data: fsdp2"
+            )
+
+    # ---------------------------------------------------------------- meshes
+    def build_mesh(self, device_type: str = "cuda") -> ParallelMesh:
+        """Build every DeviceMesh of this layout over the default process group (collective:
+        every rank must call it).  A trivial layout builds nothing and needs no process group."""
+        if self.is_trivial:
+            return ParallelMesh(self, None, None, {}, None)
+        _require_process_group(f"the layout {self} (a DeviceMesh)")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims was built for world size {self.world_size} but the process group "
+                f"has {dist.get_world_size()} ranks"
+            )
+        # The root keeps the size-1 axes too: their groups are the one-rank groups a manager
+        # needs (a data_parallel_group of one rank at dp = 1), created with the mesh, not beside.
+        names = tuple(axis.value for axis in MeshAxis)
+        root = init_device_mesh(device_type, self.full_layout_shape, mesh_dim_names=names)
+        # DeviceMesh's rank order is row-major over the shape, which is RankLayout's order.
+        rank = dist.get_rank()
+        assert tuple(root.get_coordinate()) == self.rank_layout.coords(rank)
+        kept = tuple(name for name, _ in self.mesh_axes)
+        mesh = root if kept == names else root[kept if len(kept) > 1 else kept[0]]
+        submeshes = {name: root[name] for name, size in self.mesh_axes if size > 1}
+        dp_domain = None
+        if self.fsdp_over_domain:
+            dp_domain = root[MeshAxis.DP.value, MeshAxis.DOMAIN.value]._flatten(DP_DOMAIN)
+        return ParallelMesh(self, root, mesh, submeshes, dp_domain)
+
+
+DP_DOMAIN = "dp_domain"  # name of the flattened dp x domain mesh axis FSDP2 shards over
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The meshes of one :class:`ParallelDims` layout, built once by :meth:`ParallelDims.build_mesh`.
+
+    ``mesh``/``submeshes`` are the SPEC §2 view (axes of size > 1, plus "dp" unless data is
+    none); ``root`` has all three axes, size 1 included; ``dp_domain`` is the flattened
+    dp x domain axis (only when FSDP2 shards over it).  All share ``root``, so FSDP2 can compose
+    a dp_domain mesh with the tp mesh (2-D FSDP + TP).
+    """
+
+    dims: ParallelDims
+    root: DeviceMesh | None
+    mesh: DeviceMesh | None
+    submeshes: dict[str, DeviceMesh]
+    dp_domain: DeviceMesh | None
+
+    def axis(self, name: str) -> DeviceMesh:
+        """The 1-D mesh along ``name`` ("dp", "tp", "domain" — size 1 included — or
+        "dp_domain"); ``ValueError`` for a trivial layout or an unknown/absent axis."""
+        if name == DP_DOMAIN and self.dp_domain is not None:
+            return self.dp_domain
+        if self.root is None or name not in tuple(axis.value for axis in MeshAxis):
+            raise ValueError(f"the layout {self.dims} has no mesh axis {name!r}")
+        return self.root[name]
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh FSDP2 shards over: dp x domain when domain > 1, else dp."""
+        return self.dp_domain if self.dp_domain is not None else self.axis(MeshAxis.DP.value)

@@ -1,4 +1,4 @@
-"""Data-parallel wrappers: FSDP2 (``fully_shard``) and DDP over the "dp" mesh axis.
+"""Data-parallel wrappers: FSDP2 (``fully_shard``) over "dp" or dp x domain, and DDP over "dp".
 
 Recipe of :func:`apply_fsdp2` (the order matters):
 
@@ -6,12 +6,14 @@ Recipe of :func:`apply_fsdp2` (the order matters):
 2. activation checkpointing of the opted-in blocks (before sharding, so FSDP2's hooks wrap the
    checkpointed forward and re-gather parameters for the recomputation);
 3. ``fully_shard`` on every submodule that opts in with ``_fsdp2_shard = True``, children before
-   parents, then on the root.
+   parents, then on the root;
+4. over the flattened dp x domain axis: the gradient divide factor dp (sum over domain ranks,
+   average over dp; SPEC §4).
 
 Models declare only ``_fsdp2_shard``; they know nothing else about data parallelism.  Parameters
 that tensor parallelism already turned into DTensors on the "tp" axis of the same mesh are
-sharded again over "dp" by FSDP2 (FSDP2 + TP); the dp mesh must then be the 1-D "dp" submesh of
-that mesh.  :func:`no_grad_sync` is the gradient-accumulation switch for both wrappers.
+sharded again over the dp (or dp_domain) axis by FSDP2 (2-D FSDP2 + TP, as torchtitan does); that
+1-D mesh must then come from the same root mesh as the tp one (``ParallelMesh`` guarantees it).  :func:`no_grad_sync` is the gradient-accumulation switch for both wrappers.
 """
 
 from __future__ import annotations
@@ -141,11 +143,20 @@ def _apply_activation_checkpointing(blocks: list[tuple[str, nn.Module]]) -> None
             module.__class__ = _checkpointed_class(type(module))
 
 
-def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh | None, conf: dict) -> nn.Module:
+def apply_fsdp2(
+    model: nn.Module,
+    dp_mesh: DeviceMesh | None,
+    conf: dict,
+    *,
+    gradient_divide_factor: float | None = None,
+) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
 
     ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
     parents), then to the root; ``dp_mesh=None`` shards over a 1-D mesh of the whole world.
+    ``dp_mesh`` may be the flattened dp x domain axis; pass ``gradient_divide_factor=dp`` then,
+    so that the reduce-scatter sums over the domain ranks and averages over dp only (the default
+    divides by the whole shard group).
     ``conf["trainer"]["amp"]`` true -> bf16 parameters/compute with fp32 gradient reduction;
     false/absent -> fp32 (no mixed precision).  ``conf["trainer"]["activation_checkpoint"]`` true
     -> the opted-in blocks recompute their activations in backward (state_dict keys unchanged).
@@ -175,7 +186,21 @@ def apply_fsdp2(model: nn.Module, dp_mesh: DeviceMesh | None, conf: dict) -> nn.
     for _, block in reversed(blocks):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    if gradient_divide_factor is not None:
+        _set_gradient_divide_factor(model, dp_mesh, gradient_divide_factor)
     return model
+
+
+def _set_gradient_divide_factor(model: nn.Module, dp_mesh: DeviceMesh, factor: float) -> None:
+    if isinstance(factor, bool) or not factor > 0:
+        raise ValueError(f"gradient_divide_factor must be a number > 0, got {factor!r}")
+    # NCCL divides inside the reduce-scatter (PREMUL_SUM); gloo has no such op, so the
+    # division runs as a separate scaling around a plain SUM there
+    sum_only = "nccl" not in str(dist.get_backend(dp_mesh.get_group()))
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(factor))
+            module.set_force_sum_reduction_for_comms(sum_only)
 
 
 def apply_ddp(

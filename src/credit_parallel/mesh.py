@@ -1,23 +1,17 @@
-"""Device mesh construction from a ``trainer.parallelism`` block.
+"""Device mesh construction from a ``trainer.parallelism`` block (SPEC §2).
 
-Layout (SPEC §2): row-major over (dp, tp, domain), domain innermost.  For global rank g:
+Layout: row-major over (dp, tp, domain), domain innermost.  For global rank g:
 ``domain_coord = g % domain``, ``tp_coord = (g // domain) % tp``, ``dp_rank = g // (tp*domain)``.
-All of that arithmetic is :class:`~credit_parallel.layout.RankLayout`; this module only turns it
-into a ``torch.distributed.DeviceMesh``.
+The degrees, the arithmetic and the meshes belong to :class:`~credit_parallel.config.ParallelDims`;
+the functions here are the public entry points of SPEC §2 and delegate to it.
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
-from .config import (
-    DataMode,
-    MeshAxis,
-    ParallelDims,
-    parse_parallelism_block,
-    parse_parallelism_conf,
-)
+from .config import ParallelDims, parse_parallelism_block, parse_parallelism_conf
 from .layout import RankLayout
 
 __all__ = [
@@ -26,6 +20,10 @@ __all__ = [
     "dp_world_size",
     "full_rank_layout",
 ]
+
+
+def _has_process_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def dp_world_size(parallelism_conf: dict, world_size: int) -> int:
@@ -38,19 +36,8 @@ def dp_world_size(parallelism_conf: dict, world_size: int) -> int:
 
 
 def full_rank_layout(dims: ParallelDims) -> RankLayout:
-    """The (dp, tp, domain) layout of all ranks, size-1 axes included."""
-    return RankLayout(
-        dims.full_layout_shape, dims.world_size, (MeshAxis.DP, MeshAxis.TP, MeshAxis.DOMAIN)
-    )
-
-
-def _require_process_group(what: str) -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{what} needs an initialised torch.distributed process group; call "
-            "torch.distributed.init_process_group(...) first (or launch with torchrun / "
-            "`credit-parallel train --nproc N`)"
-        )
+    """The (dp, tp, domain) layout of all ranks, size-1 axes included (``dims.rank_layout``)."""
+    return dims.rank_layout
 
 
 def build_device_mesh(
@@ -60,26 +47,12 @@ def build_device_mesh(
 
     Only axes of size > 1 are kept, plus "dp" whenever ``data != "none"`` (even at dp size 1).
     Returns ``(mesh, submeshes)`` with a 1-D submesh per axis of size > 1, or ``(None, {})`` when
-    data is "none" and tensor = domain = 1.  ``device="cpu"`` uses gloo.
+    no axis is kept (one process, data "none", tensor = domain = 1; such a call needs no process
+    group).  ``device="cpu"`` uses gloo.
     """
-    block = parse_parallelism_block(parallelism_conf)
-    if block["data"] == DataMode.NONE and block["tensor"] == 1 and block["domain"] == 1:
-        return None, {}
-    _require_process_group("build_device_mesh")
-    dims = ParallelDims.from_block(block, dist.get_world_size())
-    axes = dims.mesh_axes
-    names = tuple(name for name, _ in axes)
-    shape = tuple(size for _, size in axes)
-    # The DeviceMesh rank order is row-major over `shape`, which is exactly RankLayout's order
-    # with the size-1 axes dropped; check that once here so the two can never drift apart.
-    layout = RankLayout(shape, dims.world_size, names)
-    full = full_rank_layout(dims)
-    rank = dist.get_rank()
-    kept = [full.dim_index(n) for n in names]
-    assert tuple(full.coords(rank)[i] for i in kept) == layout.coords(rank)
-    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-    submeshes = {name: mesh[name] for name, size in axes if size > 1}
-    return mesh, submeshes
+    dims = ParallelDims.from_block(parse_parallelism_block(parallelism_conf))
+    meshes = dims.build_mesh(device)
+    return meshes.mesh, dict(meshes.submeshes)
 
 
 def data_parallel_coords(conf: dict) -> tuple[int, int]:
@@ -89,8 +62,7 @@ def data_parallel_coords(conf: dict) -> tuple[int, int]:
     coordinate get the same batch.
     """
     block = parse_parallelism_conf(conf)
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _has_process_group():
         return 0, 1
     dims = ParallelDims.from_block(block, dist.get_world_size())
-    layout = full_rank_layout(dims)
-    return layout.coords(dist.get_rank())[0], dims.dp
+    return dims.coords(dist.get_rank())["dp"], dims.dp

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "DomainParallelManager",
@@ -32,11 +33,36 @@ def _require_pg(what):
         )
 
 
+def _axis_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
+    """The 1-D mesh along axis ``name`` of ``mesh``, or of its root mesh (where the size-1 axes
+    that SPEC §2 leaves out of ``mesh`` live), else None."""
+    for candidate in (mesh, mesh._get_root_mesh()):
+        if name in tuple(candidate.mesh_dim_names or ()):
+            return candidate[name]
+    return None
+
+
+def _mesh_device_type() -> str:
+    return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+
+
 class DomainParallelManager:
-    """Process groups for domain parallelism (consecutive ranks) and data parallelism."""
+    """Domain-parallel context of this rank: the domain and data-parallel groups of a mesh.
+
+    Built from a DeviceMesh (:meth:`from_device_mesh`, what ``parallelize`` does) or, as in the
+    seed, from ``(world_size, domain_parallel_size)``, which builds a ("dp", "domain") mesh of
+    its own; either way the groups are the mesh's, never a second set.  ``domain_group`` is None
+    when the domain has one rank (nothing to exchange); ``data_parallel_group`` is always a group,
+    of this one rank when dp has size 1.
+    """
 
     def __init__(
-        self, world_size: int, domain_parallel_size: int, shard_dim: int = -2, *, _groups=None
+        self,
+        world_size: int,
+        domain_parallel_size: int,
+        shard_dim: int = -2,
+        *,
+        mesh: DeviceMesh | None = None,
     ):
         for name, v in (("world_size", world_size), ("domain_parallel_size", domain_parallel_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -45,71 +71,60 @@ class DomainParallelManager:
             raise ValueError(
                 f"world_size {world_size} is not divisible by domain_parallel_size {domain_parallel_size}"
             )
+        _require_pg("DomainParallelManager")
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"world_size {world_size} does not match the process group size {dist.get_world_size()}"
+            )
+        if mesh is None:
+            # the seed's layout: consecutive ranks form a domain group (domain innermost)
+            mesh = init_device_mesh(
+                _mesh_device_type(),
+                (world_size // domain_parallel_size, domain_parallel_size),
+                mesh_dim_names=("dp", "domain"),
+            )
+        domain_mesh, dp_mesh = _axis_mesh(mesh, "domain"), _axis_mesh(mesh, "dp")
+        rank = dist.get_rank()
+        if domain_mesh is not None and domain_mesh.size() > 1:
+            self._domain_group = domain_mesh.get_group()
+            self._domain_ranks = dist.get_process_group_ranks(self._domain_group)
+        else:
+            self._domain_group, self._domain_ranks = None, [rank]
+        if len(self._domain_ranks) != domain_parallel_size:
+            raise ValueError(
+                f"domain_parallel_size {domain_parallel_size} does not match the mesh's domain "
+                f"axis of size {len(self._domain_ranks)}"
+            )
+        if dp_mesh is not None:
+            self._dp_group = dp_mesh.get_group()
+        else:
+            # a hand-built mesh with no "dp" axis anywhere: dp has size 1, and a group of this
+            # one rank needs no other rank to take part
+            self._dp_group = dist.new_group([rank], use_local_synchronization=True)
+        self._dp_ranks = dist.get_process_group_ranks(self._dp_group)
         self.world_size = world_size
         self.domain_parallel_size = domain_parallel_size
-        self.data_parallel_size = world_size // domain_parallel_size
+        self.data_parallel_size = len(self._dp_ranks)
         self.shard_dim = shard_dim
         self._epoch = 0
         self._token = None
-        if _groups is not None:
-            (self._domain_group, self._domain_ranks, self._dp_group, self._dp_ranks, rank) = _groups
-        else:
-            _require_pg("DomainParallelManager")
-            if dist.get_world_size() != world_size:
-                raise ValueError(
-                    f"world_size {world_size} does not match the process group size {dist.get_world_size()}"
-                )
-            rank = dist.get_rank()
-            d = domain_parallel_size
-            self._domain_group = self._dp_group = None
-            self._domain_ranks = [rank]
-            self._dp_ranks = [rank]
-            # every rank must create every group, in the same order
-            if d > 1:
-                for k in range(world_size // d):
-                    ranks = list(range(k * d, (k + 1) * d))
-                    g = dist.new_group(ranks)
-                    if rank in ranks:
-                        self._domain_group, self._domain_ranks = g, ranks
-            if self.data_parallel_size > 1:
-                for c in range(d):
-                    ranks = list(range(c, world_size, d))
-                    g = dist.new_group(ranks)
-                    if rank in ranks:
-                        self._dp_group, self._dp_ranks = g, ranks
         self._rank = rank
         self._domain_rank = self._domain_ranks.index(rank)
         self._dp_rank = self._dp_ranks.index(rank)
 
     @classmethod
-    def from_device_mesh(cls, mesh, shard_dim: int = -2) -> DomainParallelManager:
-        """Build from the mesh of ``build_device_mesh`` (its "domain" and "dp" axes), so the
-        groups agree with the mesh also when tensor > 1."""
+    def from_device_mesh(cls, mesh: DeviceMesh, shard_dim: int = -2) -> DomainParallelManager:
+        """Build from the mesh of ``build_device_mesh`` (its "domain" and "dp" axes; axes of size
+        1 that the mesh leaves out are taken from its root), so the groups are the mesh's own
+        and agree with it also when tensor > 1."""
         _require_pg("DomainParallelManager.from_device_mesh")
-        rank = dist.get_rank()
-        names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
-        if mesh is not None and "domain" in names and mesh["domain"].size() > 1:
-            dg = mesh["domain"].get_group()
-            dranks = dist.get_process_group_ranks(dg)
-        else:
-            dg, dranks = None, [rank]
-        if mesh is not None and "dp" in names and mesh["dp"].size() > 1:
-            pg = mesh["dp"].get_group()
-            pranks = dist.get_process_group_ranks(pg)
-        else:
-            pg, pranks = None, [rank]
-        world = dist.get_world_size()
-        mgr = cls.__new__(cls)
-        # world_size of the manager is (dp x domain) as seen by this rank's groups
-        cls.__init__(
-            mgr,
-            len(dranks) * len(pranks),
-            len(dranks),
-            shard_dim,
-            _groups=(dg, dranks, pg, pranks, rank),
-        )
-        mgr.world_size = world
-        return mgr
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(
+                f"from_device_mesh needs a DeviceMesh (from build_device_mesh), got {mesh!r}"
+            )
+        domain_mesh = _axis_mesh(mesh, "domain")
+        domain_size = domain_mesh.size() if domain_mesh is not None else 1
+        return cls(dist.get_world_size(), domain_size, shard_dim, mesh=mesh)
 
     # ------------------------------------------------------------------ groups and ranks
     @property
