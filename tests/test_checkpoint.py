@@ -346,3 +346,39 @@ def test_torch_load_is_only_called_with_weights_only_true_in_the_package():
             if not (isinstance(flag, ast.Constant) and flag.value is True):
                 unsafe.append(f"{path.relative_to(root)}:{call.lineno}")
     assert not unsafe, f"torch.load without weights_only=True: {unsafe}"
+
+
+# --------------------------------------------------------------------------- FSDP2 over dp x domain
+def _fsdp_domain_saver(rank, world, store, ckpt_dir):
+    # dp 2 x domain 2, one sample per dp rank: the same global batches as 2 samples on one rank
+    saver = Trainer(_conf(store, {"data": "fsdp2", "tensor": 1, "domain": 2}, batch_size=1))
+    _losses(saver, K)
+    path = saver.save(ckpt_dir)
+    return str(path), _losses(saver, 2)
+
+
+def _fsdp2_tp2_domain2_resume(rank, world, store, path):
+    trainer = Trainer(_conf(store, {"data": "fsdp2", "tensor": 2, "domain": 2}))
+    trainer.load(path)
+    return trainer.step, _losses(trainer, 2)
+
+
+def test_checkpoint_reshards_fsdp2_dp_x_domain_to_one_process_to_fsdp2_tp2_domain2(
+    store, tmp_path
+):
+    uninterrupted = _losses(Trainer(_conf(store)), K + 3)
+    # {fsdp2, 1, 2} on 4 ranks (parameters and AdamW state sharded over dp x domain) saves
+    outs = run_on_ranks(_fsdp_domain_saver, 4, store, str(tmp_path / "a"), timeout=300)
+    path_a = outs[0][0]
+    for _, continued in outs:
+        _assert_losses_equal(continued, uninterrupted[K : K + 2])
+    # {none, 1, 1}: one process without a process group loads it, steps once and saves again
+    single = Trainer(_conf(store))
+    single.load(path_a)
+    assert single.step == K
+    _assert_losses_equal(_losses(single, 1), uninterrupted[K : K + 1])
+    path_b = str(single.save(tmp_path / "b"))
+    # {fsdp2, 2, 2} on 4 ranks: (dp_domain, tp) 2-D sharding loads the single-process state
+    for step, losses in run_on_ranks(_fsdp2_tp2_domain2_resume, 4, store, path_b, timeout=300):
+        assert step == K + 1
+        _assert_losses_equal(losses, uninterrupted[K + 1 : K + 3])
