@@ -668,3 +668,75 @@ def test_checks_run_before_any_change_and_size_one_mesh_is_a_no_op():
 def test_projection_module_refuses_fused_row():
     with pytest.raises(ValueError, match="only a column-parallel projection can be fused"):
         TensorParallelProjection(nn.Linear(4, 4), None, "row", parts=2)
+
+
+# ------------------------------------------------------------------------------------------
+# The styles in torch's own parallelize_module (a plain plan dict, layers changed in place).
+# ------------------------------------------------------------------------------------------
+
+
+class _PlanNet(nn.Module):
+    _tp_col = ("mlp.0", "ff.0")
+    _tp_row = ("mlp.2", "ff.2")
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Conv2d(4, 8, 1), nn.GELU(), nn.Conv2d(8, 4, 1))
+        self.ff = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 6))
+
+    def forward(self, x):
+        return self.ff(self.mlp(x))
+
+
+def _plan_dict_worker(rank, world):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.set_default_dtype(torch.float64)
+    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    ref = _PlanNet()
+    ours, torchs = copy.deepcopy(ref), copy.deepcopy(ref)
+    conv_before = torchs.mlp[0]
+    apply_tensor_parallel(ours, tp_mesh)
+    plan = {
+        "mlp.0": ColwiseProjectionParallel(),
+        "mlp.2": RowwiseProjectionParallel(),
+        "ff.0": ColwiseParallel(use_local_output=True),
+        "ff.2": RowwiseProjectionParallel(),
+    }
+    assert parallelize_module(torchs, tp_mesh, plan) is torchs
+    x = torch.randn(2, 4, 3, 6, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for name, model in (("ref", ref), ("ours", ours), ("torch", torchs)):
+        xi = x.clone().requires_grad_(True)
+        y = model(xi)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        grads = {
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+            for n, p in model.named_parameters()
+        }
+        out[name] = (y.detach(), xi.grad, grads, list(model.state_dict()))
+    return {
+        "out": out,
+        "in_place": torchs.mlp[0] is conv_before
+        and isinstance(conv_before, TensorParallelProjection),
+        "is_conv": isinstance(conv_before, nn.Conv2d),
+        "placements": {n: tuple(p.placements) for n, p in torchs.named_parameters()},
+    }
+
+
+def test_styles_in_torch_parallelize_module_plan_dict_match_apply_tensor_parallel():
+    for res in run_on_ranks(_plan_dict_worker, 2):
+        assert res["in_place"] and res["is_conv"]
+        ref_y, ref_xg, ref_g, ref_keys = res["out"]["ref"]
+        for name in ("ours", "torch"):
+            y, xg, grads, keys = res["out"][name]
+            assert keys == ref_keys
+            assert float((y - ref_y).abs().max()) <= 1e-12, name
+            assert float((xg - ref_xg).abs().max()) <= 1e-12, name
+            for n, g in grads.items():
+                assert float((g - ref_g[n]).abs().max()) <= 1e-12, (name, n)
+        # torch's walker and ours give bit-identical numbers
+        assert torch.equal(res["out"]["ours"][0], res["out"]["torch"][0])
+        assert res["placements"]["mlp.0.weight"] == (Shard(0),)
+        assert res["placements"]["mlp.2.bias"] == (Replicate(),)

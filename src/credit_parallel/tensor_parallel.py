@@ -54,12 +54,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = [
     "ColwiseProjectionParallel",
+    "convert_projection_in_place",
     "RowwiseProjectionParallel",
     "TensorParallelProjection",
     "TensorParallelTarget",
@@ -140,7 +141,9 @@ class TensorParallelProjection(nn.Module):
 
     Parameter names (``weight``, ``bias``) and full shapes are those of the wrapped layer, so
     ``state_dict`` keys do not change.  Linear acts on the last dim, the conv on dim -3 (C of
-    CHW/BCHW).
+    CHW/BCHW).  The styles convert a layer IN PLACE (:func:`convert_projection_in_place`: the
+    layer's class becomes a subclass of this one and of its own class, as FSDP2 does), which is
+    what torch's ``parallelize_module`` needs; this constructor builds a separate module.
     """
 
     def __init__(
@@ -152,6 +155,10 @@ class TensorParallelProjection(nn.Module):
         src_data_rank: int | None = 0,
     ):
         super().__init__()
+        self._split(layer, tp_mesh, role, parts, src_data_rank)
+
+    def _split(self, layer, tp_mesh, role, parts, src_data_rank) -> None:
+        """Set the projection's attributes and its DTensor parameters from ``layer``'s."""
         if role not in (COLUMN, ROW):
             raise ValueError(f"role must be {COLUMN!r} or {ROW!r}, got {role!r}")
         if role == ROW and parts != 1:
@@ -168,11 +175,12 @@ class TensorParallelProjection(nn.Module):
         # unsharded DTensor on the tp mesh.
         weight_placement = Shard(0) if role == COLUMN else Shard(1)
         bias_placement = Shard(0) if role == COLUMN else Replicate()
-        self.weight = _distribute(layer.weight, tp_mesh, weight_placement, src_data_rank)
-        if layer.bias is None:
+        weight, bias = layer.weight, layer.bias
+        self.weight = _distribute(weight, tp_mesh, weight_placement, src_data_rank)
+        if bias is None:
             self.register_parameter("bias", None)
         else:
-            self.bias = _distribute(layer.bias, tp_mesh, bias_placement, src_data_rank)
+            self.bias = _distribute(bias, tp_mesh, bias_placement, src_data_rank)
 
     def _local(self, param: nn.Parameter | None) -> torch.Tensor | None:
         """This rank's slice of ``param`` as a differentiable plain tensor."""
@@ -208,16 +216,45 @@ class TensorParallelProjection(nn.Module):
         )
 
 
+_PROJECTION_CLASSES: dict[type, type] = {}
+
+
+def convert_projection_in_place(
+    layer: nn.Linear | nn.Conv2d,
+    tp_mesh: DeviceMesh,
+    role: str,
+    parts: int = 1,
+    src_data_rank: int | None = 0,
+) -> nn.Module:
+    """Turn ``layer`` itself into a :class:`TensorParallelProjection`; returns it.
+
+    Its class becomes ``TensorParallelProjection`` x its own class (hooks, module identity,
+    parent references and ``isinstance(layer, nn.Linear)`` stay), its parameters DTensors.
+    """
+    base = type(layer)
+    if base not in _PROJECTION_CLASSES:
+        _PROJECTION_CLASSES[base] = type(
+            "TensorParallelProjection", (TensorParallelProjection, base), {}
+        )
+    projection = _PROJECTION_CLASSES[base]
+    if isinstance(layer, TensorParallelProjection):
+        raise ValueError(f"{type(layer).__name__} is already tensor-parallel")
+    layer.__class__ = projection
+    layer._split(layer, tp_mesh, role, parts, src_data_rank)
+    return layer
+
+
 class ColwiseProjectionParallel(ParallelStyle):
-    """Column style for a 1x1 ``nn.Conv2d`` or a fused ``nn.Linear``: replaces the layer by a
-    column :class:`TensorParallelProjection` (``_apply`` returns the replacement)."""
+    """Column style for a 1x1 ``nn.Conv2d`` or a fused ``nn.Linear``: turns the layer, in place,
+    into a column :class:`TensorParallelProjection`.  Usable in a plan dict for torch's
+    ``parallelize_module``."""
 
     def __init__(self, parts: int = 1):
         super().__init__()
         self.parts = parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return TensorParallelProjection(
+        return convert_projection_in_place(
             module, device_mesh, COLUMN, self.parts, src_data_rank=self.src_data_rank
         )
 
@@ -226,11 +263,14 @@ class ColwiseProjectionParallel(ParallelStyle):
 
 
 class RowwiseProjectionParallel(ParallelStyle):
-    """Row style for an ``nn.Linear`` or a 1x1 ``nn.Conv2d``: replaces the layer by a row
-    :class:`TensorParallelProjection` (partial sums all-reduced, then the bias added once)."""
+    """Row style for an ``nn.Linear`` or a 1x1 ``nn.Conv2d``: turns the layer, in place, into a
+    row :class:`TensorParallelProjection` (partial sums all-reduced, then the bias added once).
+    Usable in a plan dict for torch's ``parallelize_module``."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return TensorParallelProjection(module, device_mesh, ROW, src_data_rank=self.src_data_rank)
+        return convert_projection_in_place(
+            module, device_mesh, ROW, src_data_rank=self.src_data_rank
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -380,6 +420,12 @@ def _check_divisible(target, what: str, width: int, tp_size: int) -> None:
 
 
 def _check_layer(layer: nn.Module, target: TensorParallelTarget, tp_size: int) -> None:
+    for pname, param in layer.named_parameters(recurse=False):
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"tensor-parallel target {target.describe()}: parameter {pname!r} is already a "
+                "DTensor (apply_tensor_parallel called twice?)"
+            )
     for base in (nn.Linear, nn.Conv2d):
         if isinstance(layer, base) and type(layer).forward is not base.forward:
             raise TypeError(
@@ -418,12 +464,6 @@ def _check_layer(layer: nn.Module, target: TensorParallelTarget, tp_size: int) -
             f"tensor-parallel target {target.describe()} is a {type(layer).__name__}; only "
             "nn.Linear and 1x1 nn.Conv2d can be split over tp"
         )
-    for pname, param in layer.named_parameters(recurse=False):
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"tensor-parallel target {target.describe()}: parameter {pname!r} is already a "
-                "DTensor (apply_tensor_parallel called twice?)"
-            )
 
     if target.role == ROW:
         _check_divisible(target, in_name, in_width, tp_size)
@@ -483,12 +523,16 @@ def build_tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, Para
 # --------------------------------------------------------------------------------------------
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | None) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh | None, *, src_data_rank: int | None = 0
+) -> nn.Module:
     """Split the declared layers of ``model`` over the 1-D ``tp_mesh``, in place; returns it.
 
     ``tp_mesh`` None or of size 1: the model is returned untouched.  Every target is checked
     before anything changes (no half-converted model).  Weights are taken from tp rank 0 of the
-    mesh (``src_data_rank=0``), so the converted model equals rank 0's original.  Call it before
+    mesh (``src_data_rank=0``), so the converted model equals rank 0's original;
+    ``src_data_rank=None`` takes each rank's own copy without communication (a model on the
+    meta device, materialised afterwards).  Call it before
     FSDP2: parameters become ``nn.Parameter`` s wrapping DTensors on ``tp_mesh`` (a 1-D submesh of
     the full mesh), which ``fully_shard`` shards further over dp.
     """
@@ -506,15 +550,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh | None) -> nn.Mo
         return model
     plan = build_tensor_parallel_plan(model, tp_size)
     converted = set(getattr(model, _TP_PARAMETERS_ATTR, ()))
-    for path, style in plan.items():
-        layer = model.get_submodule(path)
-        converted.update(_join(path, n) for n, _ in layer.named_parameters())
-        style.src_data_rank = 0
-        replacement = style._apply(layer, tp_mesh)
-        if replacement is not layer:
-            parent_path, _, leaf = path.rpartition(".")
-            parent = model.get_submodule(parent_path) if parent_path else model
-            setattr(parent, leaf, replacement)
+    for path in plan:
+        converted.update(_join(path, n) for n, _ in model.get_submodule(path).named_parameters())
+    # every style converts its layer in place, so torch's own walker applies the plan
+    parallelize_module(model, tp_mesh, plan, src_data_rank=src_data_rank)
     setattr(model, _TP_PARAMETERS_ATTR, frozenset(converted))
     return model
 
