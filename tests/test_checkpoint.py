@@ -363,9 +363,7 @@ def _fsdp2_tp2_domain2_resume(rank, world, store, path):
     return trainer.step, _losses(trainer, 2)
 
 
-def test_checkpoint_reshards_fsdp2_dp_x_domain_to_one_process_to_fsdp2_tp2_domain2(
-    store, tmp_path
-):
+def test_checkpoint_reshards_fsdp2_dp_x_domain_to_one_process_to_fsdp2_tp2_domain2(store, tmp_path):
     uninterrupted = _losses(Trainer(_conf(store)), K + 3)
     # {fsdp2, 1, 2} on 4 ranks (parameters and AdamW state sharded over dp x domain) saves
     outs = run_on_ranks(_fsdp_domain_saver, 4, store, str(tmp_path / "a"), timeout=300)

@@ -22,13 +22,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import DataMode, MeshAxis, ParallelDims
+from .config import DataMode, MeshAxis, ParallelDims, ParallelMesh
 from .domain.convert import convert_to_domain_parallel
 from .domain.manager import DomainParallelManager
 from .fsdp import apply_ddp, apply_fsdp2
 from .tensor_parallel import apply_tensor_parallel
 
-__all__ = ["get_device_mesh", "get_domain_manager", "get_raw_model", "parallelize"]
+__all__ = [
+    "apply_data_parallel",
+    "apply_model_parallel",
+    "get_device_mesh",
+    "get_domain_manager",
+    "get_raw_model",
+    "parallel_layout",
+    "parallelize",
+]
 
 
 def get_raw_model(model: nn.Module) -> nn.Module:
@@ -53,36 +61,60 @@ def _mesh_device() -> str:
     return "cuda" if "nccl" in backend else "cpu"
 
 
-def parallelize(model: nn.Module, conf: dict) -> nn.Module:
-    """Apply the configured parallelisms to ``model`` (in place where possible) and return it.
-
-    A layout that does not change the model (``data: none``, tensor = domain = 1, on any number
-    of ranks) returns it untouched.
-    """
+def parallel_layout(conf: dict) -> tuple[ParallelDims, ParallelMesh | None]:
+    """The layout of ``conf`` on the current process group and its meshes; the meshes are None
+    when the layout leaves the model alone (``data: none``, tensor = domain = 1)."""
     dims = ParallelDims.from_conf(conf)
     if not dims.parallelizes_model:
-        return model
+        return dims, None
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             f"parallelize with trainer.parallelism {dims} needs an initialised process group "
             "(launch with `credit-parallel train --nproc N` or torchrun)"
         )
     dims.check_supported()
-    meshes = dims.build_mesh(_mesh_device())
+    return dims, dims.build_mesh(_mesh_device())
+
+
+def apply_model_parallel(
+    model: nn.Module, dims: ParallelDims, meshes: ParallelMesh, *, src_data_rank: int | None = 0
+) -> nn.Module:
+    """Steps 2-3 of the recipe: domain conversion, then tensor parallelism; the mesh and the
+    manager are attached to the model.  ``src_data_rank=None``: TP takes each rank's own copy
+    (a model on the meta device)."""
     manager = None
     if dims.domain > 1:
         manager = DomainParallelManager.from_device_mesh(meshes.mesh)
         model = convert_to_domain_parallel(model, manager)
     if dims.tp > 1:
-        model = apply_tensor_parallel(model, meshes.axis(MeshAxis.TP))
-    raw = model
-    object.__setattr__(raw, "_device_mesh", meshes.mesh)
-    object.__setattr__(raw, "_domain_manager", manager)
+        model = apply_tensor_parallel(model, meshes.axis(MeshAxis.TP), src_data_rank=src_data_rank)
+    object.__setattr__(model, "_device_mesh", meshes.mesh)
+    object.__setattr__(model, "_domain_manager", manager)
+    return model
+
+
+def apply_data_parallel(
+    model: nn.Module, conf: dict, dims: ParallelDims, meshes: ParallelMesh
+) -> nn.Module:
+    """Step 4 of the recipe: FSDP2 (over dp x domain when domain > 1) or DDP over dp."""
     if dims.data == DataMode.FSDP2:
         # over dp x domain FSDP's reduce-scatter must sum over the domain ranks (each holds its
         # rows' share of the gradient) and average over dp only
         divide = dims.dp if dims.fsdp_over_domain else None
-        model = apply_fsdp2(model, meshes.fsdp_mesh, conf, gradient_divide_factor=divide)
-    elif dims.data == DataMode.DDP:
-        model = apply_ddp(model, meshes.axis(MeshAxis.DP))
+        return apply_fsdp2(model, meshes.fsdp_mesh, conf, gradient_divide_factor=divide)
+    if dims.data == DataMode.DDP:
+        return apply_ddp(model, meshes.axis(MeshAxis.DP))
     return model
+
+
+def parallelize(model: nn.Module, conf: dict) -> nn.Module:
+    """Apply the configured parallelisms to ``model`` (in place where possible) and return it.
+
+    A layout that does not change the model (``data: none``, tensor = domain = 1, on any number
+    of ranks) returns it untouched.
+    """
+    dims, meshes = parallel_layout(conf)
+    if meshes is None:
+        return model
+    model = apply_model_parallel(model, dims, meshes)
+    return apply_data_parallel(model, conf, dims, meshes)

@@ -26,6 +26,7 @@ from .layout import RankLayout
 
 __all__ = [
     "DP_DOMAIN",
+    "all_ranks_joined",
     "DataMode",
     "MeshAxis",
     "ParallelDims",
@@ -149,6 +150,13 @@ def _require_process_group(what: str) -> None:
             "torch.distributed.init_process_group(...) first (or launch with torchrun / "
             "`credit-parallel train --nproc N`)"
         )
+
+
+def all_ranks_joined() -> None:
+    """Barrier after creating process groups.  A one-rank group (a size-1 axis) is set up through
+    the rendezvous store without waiting for any other rank, so without this a rank could run
+    ahead, finish and take the store down (it lives on rank 0) while others still use it."""
+    dist.barrier()
 
 
 def _current_world_size(parsed: dict) -> int:
@@ -290,6 +298,7 @@ class ParallelDims:
         dp_domain = None
         if self.fsdp_over_domain:
             dp_domain = root[MeshAxis.DP.value, MeshAxis.DOMAIN.value]._flatten(DP_DOMAIN)
+        all_ranks_joined()
         return ParallelMesh(self, root, mesh, submeshes, dp_domain)
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..config import all_ranks_joined
+
 __all__ = [
     "DomainParallelManager",
     "get_domain_parallel_manager",
@@ -83,6 +85,7 @@ class DomainParallelManager:
                 (world_size // domain_parallel_size, domain_parallel_size),
                 mesh_dim_names=("dp", "domain"),
             )
+            all_ranks_joined()
         domain_mesh, dp_mesh = _axis_mesh(mesh, "domain"), _axis_mesh(mesh, "dp")
         rank = dist.get_rank()
         if domain_mesh is not None and domain_mesh.size() > 1:
