@@ -15,6 +15,7 @@ _EXPORTS = {
     "parse_parallelism_conf": "config",
     "load_config": "config",
     "ParallelDims": "config",
+    "ParallelMesh": "config",
     "RankLayout": "layout",
     "build_device_mesh": "mesh",
     "dp_world_size": "mesh",
@@ -50,6 +51,7 @@ _EXPORTS = {
     "sync_domain_gradients": "collectives",
     "clip_grad_norm_": "collectives",
     "parallelize": "composition",
+    "build_parallel_model": "model_init",
     "get_domain_manager": "composition",
     "get_raw_model": "composition",
 }

@@ -151,6 +151,7 @@ class TensorParallelProjection(nn.Module):
         layer: nn.Linear | nn.Conv2d,
         tp_mesh: DeviceMesh,
         role: str,
+        *,
         parts: int = 1,
         src_data_rank: int | None = 0,
     ):
@@ -223,6 +224,7 @@ def convert_projection_in_place(
     layer: nn.Linear | nn.Conv2d,
     tp_mesh: DeviceMesh,
     role: str,
+    *,
     parts: int = 1,
     src_data_rank: int | None = 0,
 ) -> nn.Module:
@@ -249,13 +251,13 @@ class ColwiseProjectionParallel(ParallelStyle):
     into a column :class:`TensorParallelProjection`.  Usable in a plan dict for torch's
     ``parallelize_module``."""
 
-    def __init__(self, parts: int = 1):
+    def __init__(self, *, parts: int = 1):
         super().__init__()
         self.parts = parts
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return convert_projection_in_place(
-            module, device_mesh, COLUMN, self.parts, src_data_rank=self.src_data_rank
+            module, device_mesh, COLUMN, parts=self.parts, src_data_rank=self.src_data_rank
         )
 
     def __repr__(self) -> str:
