@@ -50,8 +50,11 @@ def build_device_mesh(
     no axis is kept (one process, data "none", tensor = domain = 1; such a call needs no process
     group).  ``device="cpu"`` uses gloo.
     """
-    dims = ParallelDims.from_block(parse_parallelism_block(parallelism_conf))
-    meshes = dims.build_mesh(device)
+    block = parse_parallelism_block(parallelism_conf)
+    try:
+        meshes = ParallelDims.from_block(block).build_mesh(device)
+    except RuntimeError as exc:  # no process group: say which call needed one
+        raise RuntimeError(f"build_device_mesh: {exc}") from None
     return meshes.mesh, dict(meshes.submeshes)
 
 
