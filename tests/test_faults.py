@@ -40,7 +40,7 @@ import credit_parallel.collectives  # noqa: F401 - warmed before forking, like t
 import credit_parallel.domain.convert  # noqa: F401
 import credit_parallel.fsdp  # noqa: F401
 import credit_parallel.plan  # noqa: F401
-import credit_parallel.validate  # noqa: F401
+import credit_parallel.preflight  # noqa: F401
 from credit_parallel.composition import get_raw_model
 from credit_parallel.data import latitude_weights
 from credit_parallel.launch import STATUS_DIR_ENV, describe_failures, group_timeout, run_worker

@@ -31,7 +31,7 @@ from credit_parallel.models import build_model
 from credit_parallel.tensor_parallel import build_tensor_parallel_plan
 from credit_parallel.testing import fake_process_group
 from credit_parallel.train.trainer import TrainConfig
-from credit_parallel.validate import check_run, dist_timeout_s, validate_run
+from credit_parallel.preflight import check_run, dist_timeout_s, validate_run
 
 __all__: list[str] = []
 

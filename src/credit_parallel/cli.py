@@ -89,7 +89,7 @@ def _cmd_train(args) -> int:
 
     if not under_launcher():
         # fail in seconds, before any rank starts, with every problem at once
-        from .validate import validate_run
+        from .preflight import validate_run
 
         problems = validate_run(conf, n)
         if problems:

@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if under_launcher():
-        from .validate import dist_timeout_s
+        from .preflight import dist_timeout_s
 
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
     dataset = None

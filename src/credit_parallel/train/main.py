@@ -101,7 +101,7 @@ def run_training(conf: dict, out_dir: Path, *, progress: bool = True) -> dict:
                 bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{rate:.1f}")
             bar.update(1)
         if tc.validate_every and trainer.step % tc.validate_every == 0:
-            metrics = trainer.validate()
+            metrics = trainer.evaluate()
             metrics["step"] = trainer.step
             validation.append(metrics)
             if rank == 0 and metrics:
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         conf.setdefault("trainer", {})["steps"] = args.steps
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if under_launcher():
-        from ..validate import dist_timeout_s
+        from ..preflight import dist_timeout_s
 
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
     run_training(conf, Path(args.output))
