@@ -153,15 +153,22 @@ class TrainStep:
         return shard_batch(batch, manager=self.manager)
 
     def forward_backward(self, batch: dict, *, divide_by: int = 1) -> tuple[torch.Tensor, tuple]:
-        """Rollout loss share of one (sharded) batch over ``divide_by``, back-propagated."""
+        """Rollout loss share of one (sharded) batch over ``divide_by``, back-propagated;
+        returns (the detached share, the last forecast step's detached outputs)."""
         in_keys, out_keys = batch_keys(batch)
+        return self.forward_backward_tensors(
+            tuple(batch[k] for k in in_keys),
+            tuple(batch[k] for k in out_keys),
+            divide_by=divide_by,
+        )
+
+    def forward_backward_tensors(
+        self, inputs: tuple, targets: tuple, *, divide_by: int = 1
+    ) -> tuple[torch.Tensor, tuple]:
+        """:meth:`forward_backward` for explicit tuples of input and target tensors."""
         with self.autocast():
             share, outputs = rollout_loss(
-                self.model,
-                tuple(batch[k] for k in in_keys),
-                tuple(batch[k] for k in out_keys),
-                self.loss_fn,
-                self.forecast_len,
+                self.model, inputs, targets, self.loss_fn, self.forecast_len
             )
             share = share / divide_by
         share.backward()
