@@ -98,6 +98,10 @@ def _cmd_train(args) -> int:
     extra = ["--config", args.config, "--output", args.output]
     if args.steps is not None:
         extra += ["--steps", str(args.steps)]
+    if args.resume is not None:
+        if not os.path.isdir(args.resume):
+            raise CLIError(f"--resume {args.resume!r} is not a checkpoint directory")
+        extra += ["--resume", os.path.abspath(args.resume)]
     return _run_worker("credit_parallel.train.main", n, extra, conf)
 
 
@@ -174,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", default="outputs/train", help="metrics, loss curve and checkpoints go here"
     )
     p.add_argument("--steps", type=int, default=None, help="override trainer.steps")
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH",
+        help="continue from this checkpoint (a step_* directory, or a directory of them; "
+        "written under any layout) into --output",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("verify", help="compare the layout with a single-process run on one batch")

@@ -278,8 +278,8 @@ class Trainer:
         """Load an explicit checkpoint: a ``step_*`` directory, or the newest one inside a
         directory of checkpoints.  It may come from any layout and any run directory."""
         path = Path(path)
-        if list_checkpoints(path.parent) and path in list_checkpoints(path.parent):
-            return self.load(path)
+        if path.name.startswith("step_") and path.is_dir():
+            return self.load(path)  # names what is wrong with it when it is incomplete
         if list_checkpoints(path):
             return self.resume_latest(path, fallback=False)
         raise CheckpointError(
