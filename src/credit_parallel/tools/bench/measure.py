@@ -272,13 +272,17 @@ def measure(
     batch_scale: int = 1,
     memory: bool = True,
     timeout: float = 3600.0,
+    device: torch.device | None = None,
 ) -> list[dict]:
-    """One run of ``spec`` under ``layout``: the per-rank results of :func:`_worker`."""
+    """One run of ``spec`` under ``layout``: the per-rank results of :func:`_worker`.
+
+    ``device``: where every rank computes (default: its process group's device)."""
     opts = dict(
         steps=steps,
         warmup=max(warmup, 2 if layout.dp > 1 else warmup),  # DDP rebuilds buckets at step 2
         threads=threads,
         batch_scale=batch_scale,
         memory=memory,
+        device=device,
     )
     return run_on_ranks(_worker, layout.world, spec, layout, overlap, opts, timeout=timeout)
