@@ -84,7 +84,7 @@ class _Progress:
         self.log_every = log_every
         self.enabled = enabled
         self.bar = None
-        if enabled and stream.isatty():
+        if enabled and getattr(stream, "isatty", lambda: False)():
             from tqdm import tqdm
 
             self.bar = tqdm(
