@@ -1,4 +1,4 @@
-"""``credit-parallel bench`` as a script: the whole benchmark suite (see credit_parallel.bench).
+"""``credit-parallel bench`` as a script: the whole benchmark suite (see credit_parallel.tools.bench).
 
 .venv/bin/python benchmarks/bench.py                       # default suite, outputs/bench/
 .venv/bin/python benchmarks/bench.py --quick               # smoke run
@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from credit_parallel.bench import main
+from credit_parallel.tools.bench import main
 
 __all__ = ["main"]
 

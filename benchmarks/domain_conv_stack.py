@@ -1,6 +1,6 @@
 """Benchmark: a U-Net-level conv stack at domain size 1 and N on local CPU ranks.
 
-A thin script over :mod:`credit_parallel.bench` (the reusable code lives in the package): the
+A thin script over :mod:`credit_parallel.tools.bench` (the reusable code lives in the package): the
 stack is ``--blocks`` x [3x3 conv (padding 1), GroupNorm(--groups), SiLU] at a fixed width, run
 with one intra-op thread per rank at domain 1 and ``--domain`` (halo overlap on and off).  It
 prints the benchmark table (step time, efficiency against 1 rank with as many threads, halo
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from credit_parallel.bench import (
+from credit_parallel.tools.bench import (
     LEGEND,
     Layout,
     ModelSpec,

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from credit_parallel.bench import (
+from credit_parallel.tools.bench import (
     KINDS,
     Layout,
     default_models,

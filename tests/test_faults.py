@@ -1,7 +1,7 @@
 """Fault injection on real gloo ranks, and NaN injection, against the real Trainer.
 
 Each fault test forks ranks that train a domain x data parallel U-Net (``Trainer`` with
-``trainer.dist_timeout_s`` short) inside ``credit_parallel.launch.run_worker`` — the code every
+``trainer.dist_timeout_s`` short) inside ``credit_parallel.tools.forensics.run_worker`` — the code every
 rank of ``credit-parallel train`` runs — and injects a fault on ONE rank at a given step:
 
 * it raises in the middle of the forward (a pre-hook on the bottleneck block);
@@ -40,11 +40,12 @@ import credit_parallel.collectives  # noqa: F401 - warmed before forking, like t
 import credit_parallel.domain.convert  # noqa: F401
 import credit_parallel.fsdp  # noqa: F401
 import credit_parallel.plan  # noqa: F401
-import credit_parallel.validate  # noqa: F401
+import credit_parallel.preflight  # noqa: F401
 from credit_parallel.composition import get_raw_model
 from credit_parallel.data import latitude_weights
-from credit_parallel.launch import STATUS_DIR_ENV, describe_failures, group_timeout, run_worker
+from credit_parallel.launch import group_timeout
 from credit_parallel.testing import free_port, run_on_ranks
+from credit_parallel.tools.forensics import STATUS_DIR_ENV, describe_failures, run_worker
 from credit_parallel.train.trainer import NonFiniteError, Trainer
 
 __all__: list[str] = []

@@ -26,8 +26,8 @@ from credit_parallel.layout import RankLayout
 from credit_parallel.mesh import build_device_mesh, dp_world_size, full_rank_layout
 from credit_parallel.models import build_model
 from credit_parallel.plan import make_plan
+from credit_parallel.preflight import validate_run
 from credit_parallel.testing import fake_process_group
-from credit_parallel.validate import validate_run
 
 __all__: list[str] = []
 

@@ -24,14 +24,15 @@ from credit_parallel.data import ERA5Dataset, write_sample_dataset
 from credit_parallel.domain.convert import convert_to_domain_parallel, validate_sharding_constraints
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.sharding import shard_tensor, unpad_shard_interp
-from credit_parallel.launch import init_distributed_from_env, launch_local
+from credit_parallel.launch import init_distributed_from_env
 from credit_parallel.layout import RankLayout
 from credit_parallel.mesh import build_device_mesh, dp_world_size
 from credit_parallel.models import build_model
+from credit_parallel.preflight import check_run, dist_timeout_s, validate_run
 from credit_parallel.tensor_parallel import build_tensor_parallel_plan
 from credit_parallel.testing import fake_process_group
+from credit_parallel.tools.launcher import launch_local
 from credit_parallel.train.trainer import TrainConfig
-from credit_parallel.validate import check_run, dist_timeout_s, validate_run
 
 __all__: list[str] = []
 

@@ -4,19 +4,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from credit_parallel import (
-    clip_grad_norm_,
-    get_domain_manager,
-    get_raw_model,
-    parallelize,
-    shard_batch,
-    sync_domain_gradients,
-)
+from credit_parallel import get_domain_manager, get_raw_model, parallelize
 from credit_parallel.mesh import data_parallel_coords
 from credit_parallel.testing import run_on_ranks
+from credit_parallel.train.step import TrainStep, replica_mean_loss
 
 H, W, B = 13, 8, 4
 
@@ -107,21 +100,19 @@ def _worker(rank, world, block, steps, dtype):
     dp_rank, dp_size = data_parallel_coords(conf)
     per = B // dp_size
 
+    def share(outputs, targets):
+        # share of the replica's mean: local sum / global count of the replica
+        return ((outputs[0] - targets[0]) ** 2).sum() / (per * 4 * H * W)
+
     def par_step(model, batch):
         x, y = (t[dp_rank * per : (dp_rank + 1) * per] for t in batch)
-        local = shard_batch({"x": x, "y": y}, manager=mgr)
-        pred = model(local["x"])
-        # share of the replica's mean: local sum / global count of the replica
-        share = ((pred - local["y"]) ** 2).sum() / (per * 4 * H * W)
-        share.backward()
-        if mgr is not None:
-            sync_domain_gradients(model, mgr, op="sum")
-        norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.5)
-        total = share.detach().clone()
-        dist.all_reduce(total)
-        replicas = world // dp_size
+        step = TrainStep(model, share, manager=mgr, max_norm=0.5)
+        result = step([{"x": x, "y": y}])
         domain = mgr.domain_world_size if mgr is not None else 1
-        return float(total) / (replicas // domain) / dp_size, float(norm)
+        loss = replica_mean_loss(
+            result.loss_share, world_size=world, dp_size=dp_size, domain_size=domain
+        )
+        return float(loss), float(result.grad_norm)
 
     par_losses, par_norms = _train(par, par.parameters(), batches, par_step, steps)
     ref_params = dict(ref.named_parameters())

@@ -158,7 +158,7 @@ def _suite_worker(rank, world, store):
     trainer = Trainer(_conf(store, parallelism=domain2))
     out["trajectory"] = _run(trainer, 10)
     out["params"] = _params(trainer)
-    out["validate"] = trainer.validate()
+    out["evaluate"] = trainer.evaluate()
     out["rollout"] = _run(Trainer(_conf(store, parallelism=domain2, forecast_len=2)), 3)
     fsdp = {"data": "fsdp2", "tensor": 1, "domain": 1}
     trainer = Trainer(_conf(store, parallelism=fsdp, batch_size=1, grad_accum=2))
@@ -195,15 +195,15 @@ def test_domain2_ten_step_loss_trajectory_and_weights_match_single_process(store
         assert _max_param_err(out["params"], _params(ref)) <= TOL
 
 
-def test_domain2_validate_rmse_matches_single_process(store, parallel):
+def test_domain2_evaluate_rmse_matches_single_process(store, parallel):
     ref = Trainer(_conf(store))
     _run(ref, 10)
-    expected = ref.validate()
+    expected = ref.evaluate()
     assert len(expected) == 8 and all(k.startswith("rmse/") for k in expected)
     for out in parallel:
-        assert out["validate"].keys() == expected.keys()
+        assert out["evaluate"].keys() == expected.keys()
         for key, value in expected.items():
-            assert abs(out["validate"][key] - value) <= TOL, key
+            assert abs(out["evaluate"][key] - value) <= TOL, key
 
 
 def test_domain2_forecast_len2_rollout_matches_single_process(store, parallel):

@@ -62,13 +62,14 @@ def _load_and_check(config: str, nproc: int | None) -> tuple[dict, int]:
 
 def _run_worker(module: str, nproc: int, worker_args: list[str], conf: dict) -> int:
     from .config import parse_parallelism_conf
-    from .launch import launch_local, under_launcher
+    from .launch import under_launcher
+    from .tools.launcher import launch_local
 
     block = parse_parallelism_conf(conf)
     trivial = block["data"] == "none" and block["tensor"] == 1 and block["domain"] == 1
     if under_launcher() or (nproc == 1 and trivial):
         if under_launcher():
-            from .launch import run_worker
+            from .tools.forensics import run_worker
 
             # per-rank failure reports and a prompt exit, as under the CLI's own launcher
             return run_worker(module, worker_args)
@@ -89,7 +90,7 @@ def _cmd_train(args) -> int:
 
     if not under_launcher():
         # fail in seconds, before any rank starts, with every problem at once
-        from .validate import validate_run
+        from .preflight import validate_run
 
         problems = validate_run(conf, n)
         if problems:
@@ -97,6 +98,10 @@ def _cmd_train(args) -> int:
     extra = ["--config", args.config, "--output", args.output]
     if args.steps is not None:
         extra += ["--steps", str(args.steps)]
+    if args.resume is not None:
+        if not os.path.isdir(args.resume):
+            raise CLIError(f"--resume {args.resume!r} is not a checkpoint directory")
+        extra += ["--resume", os.path.abspath(args.resume)]
     return _run_worker("credit_parallel.train.main", n, extra, conf)
 
 
@@ -131,14 +136,14 @@ def _cmd_sample_data(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from .bench import run_bench
+    from .tools.bench import run_bench
 
     return int(run_bench(args) or 0)
 
 
 def _cmd_mesh_demo(args) -> int:
-    from .launch import launch_local
     from .mesh import dp_world_size
+    from .tools.launcher import launch_local
 
     block = {"data": args.data, "tensor": args.tensor, "domain": args.domain}
     dp_world_size(block, args.nproc)  # one-line ValueError before any rank starts
@@ -173,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", default="outputs/train", help="metrics, loss curve and checkpoints go here"
     )
     p.add_argument("--steps", type=int, default=None, help="override trainer.steps")
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="PATH",
+        help="continue from this checkpoint (a step_* directory, or a directory of them; "
+        "written under any layout) into --output",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("verify", help="compare the layout with a single-process run on one batch")
@@ -200,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_sample_data)
 
     p = sub.add_parser("bench", help="step time, halo bytes, collectives and memory per layout")
-    from .bench import add_bench_arguments
+    from .tools.bench import add_bench_arguments
 
     add_bench_arguments(p)
     p.set_defaults(func=_cmd_bench)

@@ -10,12 +10,13 @@ import sys
 
 import torch.distributed as dist
 
+from .device import device_for_process_group
 from .launch import init_distributed_from_env
 from .mesh import build_device_mesh, data_parallel_coords
 
 
 def describe_rank(block: dict) -> str:
-    mesh, subs = build_device_mesh(block, device="cpu")
+    mesh, subs = build_device_mesh(block, device=device_for_process_group().type)
     rank = dist.get_rank()
     dp_rank, dp_size = data_parallel_coords({"trainer": {"parallelism": block}})
     coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate())) if mesh is not None else {}

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+from .train.step import TrainStep
+
 __all__ = [
     "RankFailure",
     "assert_parity",
@@ -205,10 +207,10 @@ def domain_parity_errors(
     else:
         par = convert(par, manager) or par
     xs = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in _as_tuple(inputs))
-    y_ref = _as_tuple(ref(*xs))
-    gen = torch.Generator().manual_seed(grad_seed)
-    weights = tuple(torch.randn(y.shape, generator=gen, dtype=y.dtype) for y in y_ref)
-    sum((y * w).sum() for y, w in zip(y_ref, weights)).backward()
+    # the library's one step with the loss sum(output * G) for a random G drawn on first use
+    adjoint = _RandomAdjoint(grad_seed)
+    _, y_ref = TrainStep(ref, adjoint, shard_inputs=False).forward_backward_tensors(xs, ())
+    weights = adjoint.weights
 
     n, r = manager.domain_world_size, manager.domain_rank
 
@@ -219,8 +221,9 @@ def domain_parity_errors(
 
     manager.begin_forward(("parity", tuple(tuple(t.shape) for t in xs)))
     xl = tuple(local(t.detach()).clone().requires_grad_(t.is_floating_point()) for t in xs)
-    y_par = _as_tuple(par(*xl))
-    sum((y * local(w)).sum() for y, w in zip(y_par, weights)).backward()
+    local_weights = tuple(local(w) for w in weights)
+    step = TrainStep(par, _weighted_sum, manager=manager, shard_inputs=False)
+    _, y_par = step.forward_backward_tensors(xl, local_weights)
 
     errors = {}
     for i, (yp, yr) in enumerate(zip(y_par, y_ref)):
@@ -246,6 +249,26 @@ def domain_parity_errors(
             dist.all_reduce(g, group=manager.domain_group)
         errors[f"param:{name}"] = _err(g, rg if rg is not None else torch.zeros_like(g))
     return errors
+
+
+def _weighted_sum(outputs: tuple, weights: tuple) -> torch.Tensor:
+    return sum((y * w).sum() for y, w in zip(outputs, weights))
+
+
+class _RandomAdjoint:
+    """Loss ``sum(output * G)`` with G drawn from ``seed`` in the outputs' shapes on first call."""
+
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        self.weights = None
+
+    def __call__(self, outputs: tuple, _targets: tuple) -> torch.Tensor:
+        if self.weights is None:
+            self.weights = tuple(
+                torch.randn(y.shape, generator=self.generator, dtype=y.dtype).to(y.device)
+                for y in outputs
+            )
+        return _weighted_sum(outputs, self.weights)
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:

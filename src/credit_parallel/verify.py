@@ -11,20 +11,29 @@ input gradients, <= 1e-4 for parameter gradients).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import logging
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["main", "verify_layout"]
+from .composition import get_domain_manager, parallelize
+from .device import batch_to_device, device_for_process_group
+from .domain.sharding import gather_tensor, shard_batch
+from .mesh import data_parallel_coords
+from .models import build_model
+from .train.loss import local_lat_weights
+from .train.step import TrainStep, batch_keys, latitude_weighted_loss
 
-INPUT_KEYS = (("x",), ("x_upper", "x_surface"))
-TARGET_KEYS = (("y",), ("y_upper", "y_surface"))
+__all__ = ["layout_run", "main", "quiet_sequential_gathers", "reference_run", "verify_layout"]
 
 
 def _global_batch(conf: dict, dataset, batch: int, dtype) -> dict:
+    """The global batch on the host: ``batch`` samples of the dataset, or random tensors of the
+    model's shapes (the generator is a host one, so every rank draws the same numbers)."""
     if dataset is not None:
         samples = [dataset[i] for i in range(batch)]
         return {
@@ -49,17 +58,40 @@ def _global_batch(conf: dict, dataset, batch: int, dtype) -> dict:
     }
 
 
-def _keys(batch: dict, options) -> tuple:
-    for keys in options:
-        if all(k in batch for k in keys):
-            return keys
-    raise ValueError(f"batch has none of the expected keys {options}; got {sorted(batch)}")
+class _SequentialGatherFilter(logging.Filter):
+    """Drops DTensor's "N sequential all_gather operations" warning.
+
+    Gathering a gradient sharded over dp (FSDP2, strided) and tp takes one all-gather per mesh
+    axis in non-ascending order; torch warns once per parameter and rank, which floods the
+    output of a verify run with hundreds of identical lines.  Here it is harmless: the gathers
+    run once, off the training path, and an all-gather copies values (no reduction whose order
+    could differ between ranks).
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_gather" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_sequential_gathers():
+    """Within the block, DTensor's sequential all-gather warning is not logged (see
+    :class:`_SequentialGatherFilter` for why that is safe)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    flt = _SequentialGatherFilter()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    with quiet_sequential_gathers():
+        return t.full_tensor()
 
 
 def _err(a, b) -> tuple[float, float]:
@@ -67,38 +99,72 @@ def _err(a, b) -> tuple[float, float]:
     return float((a - b).abs().max()), float(b.abs().max())
 
 
-def verify_layout(
-    conf: dict, *, dtype=torch.float64, batch_size: int | None = None, dataset=None
-) -> list[tuple]:
-    """Rows ``(quantity, max_abs_err, max_abs_ref, tolerance_kind)``, identical on every rank."""
-    from .composition import get_domain_manager, parallelize
-    from .domain.sharding import gather_tensor, shard_batch
-    from .mesh import data_parallel_coords
-    from .models import build_model
-    from .train.loss import latitude_weighted_mse_share, local_lat_weights
+def _requires_grad(batch: dict, keys) -> dict:
+    """A copy of ``batch`` whose ``keys`` are fresh leaves that record their gradient."""
+    out = dict(batch)
+    for k in keys:
+        out[k] = batch[k].detach().clone().requires_grad_(True)
+    return out
 
+
+def reference_run(model, batch: dict, lat_weights: torch.Tensor):
+    """The single-process step on the global batch: (inputs with their gradients, outputs)."""
+    in_keys, _ = batch_keys(batch)
+    batch = _requires_grad(batch, in_keys)
+    h = batch[in_keys[0]].shape[-2]
+    step = TrainStep(model, latitude_weighted_loss(lat_weights, h), shard_inputs=False)
+    _, outputs = step.forward_backward(batch)
+    return [batch[k] for k in in_keys], outputs
+
+
+def layout_run(model, local: dict, lat_weights: torch.Tensor, manager, global_height: int):
+    """The same step under the layout on this rank's dp slice and domain shard ``local``:
+    (inputs with their gradients, outputs), gradients reduced over the domain."""
+    in_keys, _ = batch_keys(local)
+    local = _requires_grad(local, in_keys)
+    step = TrainStep(
+        model,
+        latitude_weighted_loss(local_lat_weights(lat_weights, manager), global_height),
+        manager=manager,
+        shard_inputs=False,
+    )
+    _, outputs = step.forward_backward(local)
+    step.reduce_gradients()
+    return [local[k] for k in in_keys], outputs
+
+
+def _prepare(conf: dict, dtype, batch_size, dataset, device):
+    """(reference model, its parallel copy, global batch, latitude weights), all on ``device``."""
+    per_rank = batch_size or int(conf["trainer"].get("batch_size", 1))
+    _, dp_size = data_parallel_coords(conf)
+    torch.manual_seed(int(conf["trainer"].get("seed", 0)))
+    ref = build_model(conf["model"]).to(device=device, dtype=dtype)
+    par = copy.deepcopy(ref)
+    batch = batch_to_device(_global_batch(conf, dataset, per_rank * dp_size, dtype), device)
+    h = batch[batch_keys(batch)[0][0]].shape[-2]
+    if dataset is not None:
+        lat = dataset.lat_weights.to(device=device, dtype=dtype)
+    else:
+        lat = torch.ones(h, dtype=dtype, device=device)
+    return ref, par, batch, lat, per_rank
+
+
+def verify_layout(
+    conf: dict, *, dtype=torch.float64, batch_size: int | None = None, dataset=None, device=None
+) -> list[tuple]:
+    """Rows ``(quantity, max_abs_err, max_abs_ref, tolerance_kind)``, identical on every rank.
+
+    ``device``: where models and batches live (default: the process group's device).
+    """
     conf = copy.deepcopy(conf)
     conf.setdefault("trainer", {})["amp"] = False  # exactness is checked without bf16
+    device = torch.device(device) if device is not None else device_for_process_group()
     dp_rank, dp_size = data_parallel_coords(conf)
-    per_rank = batch_size or int(conf["trainer"].get("batch_size", 1))
-    seed = int(conf["trainer"].get("seed", 0))
-    torch.manual_seed(seed)
-    ref = build_model(conf["model"]).to(dtype)
-    par = copy.deepcopy(ref)
-    batch = _global_batch(conf, dataset, per_rank * dp_size, dtype)
-    in_keys, out_keys = _keys(batch, INPUT_KEYS), _keys(batch, TARGET_KEYS)
+    ref, par, batch, lat, per_rank = _prepare(conf, dtype, batch_size, dataset, device)
+    in_keys, out_keys = batch_keys(batch)
     h = batch[in_keys[0]].shape[-2]
-    lat = dataset.lat_weights.to(dtype) if dataset is not None else torch.ones(h, dtype=dtype)
+    xs, outs = reference_run(ref, batch, lat)
 
-    # ---- single-process reference on the global batch
-    xs = [batch[k].clone().requires_grad_(True) for k in in_keys]
-    outs = ref(*xs)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    targets = [batch[k][:, : o.shape[1]] for k, o in zip(out_keys, outs)]
-    loss = sum(latitude_weighted_mse_share(o, t, lat, h) for o, t in zip(outs, targets)) / len(outs)
-    loss.backward()
-
-    # ---- the configured layout on this rank's dp slice and domain shard
     par = parallelize(par, conf)
     mgr = get_domain_manager(par)
     sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
@@ -107,19 +173,7 @@ def verify_layout(
         # only with the model's own manager: manager=None would fall back to a process-wide
         # manager left over from an earlier layout in this process
         local = shard_batch(local, manager=mgr)
-    xl = [local[k].detach().clone().requires_grad_(True) for k in in_keys]
-    pouts = par(*xl)
-    pouts = pouts if isinstance(pouts, tuple) else (pouts,)
-    lat_local = local_lat_weights(lat, mgr)
-    ptargets = [local[k][:, : o.shape[1]] for k, o in zip(out_keys, pouts)]
-    share = sum(
-        latitude_weighted_mse_share(o, t, lat_local, h) for o, t in zip(pouts, ptargets)
-    ) / len(pouts)
-    share.backward()
-    if mgr is not None and mgr.domain_world_size > 1:
-        from .collectives import sync_domain_gradients
-
-        sync_domain_gradients(par, mgr, op="sum")
+    xl, pouts = layout_run(par, local, lat, mgr, h)
 
     def gathered(t):
         return gather_tensor(t, -2, mgr) if mgr is not None else t
@@ -208,15 +262,15 @@ def main(argv=None) -> int:
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if under_launcher():
-        from .validate import dist_timeout_s
+        from .preflight import dist_timeout_s
 
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
     dataset = None
     path = (conf.get("data") or {}).get("path")
     if path and os.path.exists(path):
-        from .train.trainer import Trainer
+        from .data.dataset import dataset_from_conf
 
-        dataset = Trainer._build_dataset(conf, "train")
+        dataset = dataset_from_conf(conf, "train")
     rows = judge(
         verify_layout(conf, dtype=dtype, batch_size=args.batch_size, dataset=dataset), dtype
     )

@@ -1,5 +1,6 @@
-"""Training: the latitude-weighted loss, the parallel trainer and its worker entry point."""
+"""Training: the latitude-weighted loss, the one training step, the trainer and its entry point."""
 
 from .loss import latitude_weighted_mse_share
+from .step import TrainStep, latitude_weighted_loss, rollout_loss
 
-__all__ = ["latitude_weighted_mse_share"]
+__all__ = ["TrainStep", "latitude_weighted_loss", "latitude_weighted_mse_share", "rollout_loss"]

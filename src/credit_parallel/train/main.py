@@ -1,8 +1,10 @@
 """Worker entry point of ``credit-parallel train``: one process per rank (under torchrun or the
 CLI's own use of PyTorch's elastic launcher), or the whole job on one process.
 
-Rank 0 shows a progress bar (step, loss, samples/s, ETA), writes ``metrics.csv`` and
-``metrics.json`` and, at the end, ``loss_curve.png`` into the output directory.
+Rank 0 shows a progress bar (step, loss, samples/s, ETA) on a terminal and one plain line per
+logged step (``step N loss X grad_norm G lr L samples/s S``) when stdout is a file (batch
+jobs), writes ``metrics.csv`` and ``metrics.json`` and, at the end, ``loss_curve.png`` into the
+output directory.  ``--resume PATH`` continues from a checkpoint written under any layout.
 """
 
 from __future__ import annotations
@@ -65,65 +67,123 @@ def _plot(out_dir: Path, history: list[dict], validation: list[dict]) -> Path:
     return path
 
 
-def run_training(conf: dict, out_dir: Path, *, progress: bool = True) -> dict:
+def _log_line(record: dict) -> str:
+    """The plain line of one logged step (batch jobs: stdout is a file, not a terminal)."""
+    return (
+        f"step {record['step']} loss {record['loss']:.6g} grad_norm {record['grad_norm']:.6g} "
+        f"lr {record['lr']:.6g} samples/s {record['samples_per_s']:.3g}"
+    )
+
+
+class _Progress:
+    """Rank 0's view of the run: a tqdm bar on a terminal, one plain line per logged step
+    otherwise (a carriage-return bar in a log file is one unreadable line per run)."""
+
+    def __init__(self, stream, total: int, initial: int, log_every: int, enabled: bool):
+        self.stream = stream
+        self.log_every = log_every
+        self.enabled = enabled
+        self.bar = None
+        if enabled and getattr(stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total,
+                initial=initial,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=stream,
+            )
+
+    def step(self, record: dict, last: bool) -> None:
+        if not self.enabled:
+            return
+        due = record["step"] % self.log_every == 0 or last
+        if self.bar is not None:
+            if due:
+                self.bar.set_postfix(
+                    loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.1f}"
+                )
+            self.bar.update(1)
+        elif due:
+            print(_log_line(record), file=self.stream, flush=True)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _resume(trainer, save_dir: Path, resume: str | None) -> str | None:
+    """``--resume PATH`` (any layout, any run directory) or ``trainer.resume`` (latest in
+    ``save_dir``); the line to report, or None when nothing was loaded."""
+    if resume is not None:
+        manifest, where = trainer.resume_from(resume), resume
+    elif trainer.tc.resume:
+        manifest, where = trainer.resume_latest(save_dir), save_dir
+    else:
+        return None
+    return None if manifest is None else f"resumed from step {manifest['step']} ({where})"
+
+
+def run_training(
+    conf: dict, out_dir: Path, *, progress: bool = True, resume: str | None = None, stream=None
+) -> dict:
+    """Train ``conf`` to ``trainer.steps``; metrics, plot and checkpoints go to ``out_dir``.
+
+    ``resume``: a checkpoint (a ``step_*`` directory or a directory of them) written under any
+    layout; training continues from it into ``out_dir``.  ``stream``: where rank 0 reports
+    (default stdout): a bar when it is a terminal, plain lines otherwise.
+    """
     from .trainer import Trainer
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    stream = stream if stream is not None else sys.stdout
     trainer = Trainer(conf)
     tc = trainer.tc
-    save_dir = Path(conf["trainer"].get("save_dir") or out_dir / "checkpoints")
-    if conf["trainer"].get("resume", False):
-        manifest = trainer.resume_latest(save_dir)
-        if manifest is not None and rank == 0:
-            print(f"resumed from step {manifest['step']} ({save_dir})", flush=True)
+    save_dir = Path(tc.save_dir or out_dir / "checkpoints")
+    resumed = _resume(trainer, save_dir, resume)
+    report = _Progress(stream, tc.steps, trainer.step, tc.log_every, rank == 0 and progress)
+    if resumed is not None:
+        report.write(resumed)
     validation = []
-    bar = None
-    if rank == 0 and progress:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=tc.steps,
-            initial=trainer.step,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-            file=sys.stdout,
-        )
     samples_per_step = tc.batch_size * tc.grad_accum * trainer.dp_size
     t0, s0 = time.perf_counter(), trainer.step
-    log_every = int(conf["trainer"].get("log_every", 1) or 1)
     while trainer.step < tc.steps:
         record = trainer.train_step()
-        if bar is not None:
-            rate = (trainer.step - s0) * samples_per_step / max(1e-9, time.perf_counter() - t0)
-            record["samples_per_s"] = rate
-            if trainer.step % log_every == 0 or trainer.step == tc.steps:
-                bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{rate:.1f}")
-            bar.update(1)
+        elapsed = max(1e-9, time.perf_counter() - t0)
+        record["samples_per_s"] = (trainer.step - s0) * samples_per_step / elapsed
+        report.step(record, last=trainer.step == tc.steps)
         if tc.validate_every and trainer.step % tc.validate_every == 0:
-            metrics = trainer.validate()
+            metrics = trainer.evaluate()
             metrics["step"] = trainer.step
             validation.append(metrics)
-            if rank == 0 and metrics:
-                mean = sum(v for k, v in metrics.items() if k.startswith("rmse/")) / max(
-                    1, len(metrics) - 1
-                )
-                (bar.write if bar else print)(
-                    f"step {trainer.step}: validation mean RMSE {mean:.4f}"
-                )
+            rmse = [v for k, v in metrics.items() if k.startswith("rmse/")]
+            if rmse:
+                mean = sum(rmse) / len(rmse)
+                report.write(f"step {trainer.step}: validation mean RMSE {mean:.4f}")
         if tc.checkpoint_every and trainer.step % tc.checkpoint_every == 0:
             trainer.save(save_dir)
-    if bar is not None:
-        bar.close()
+    report.close()
     if tc.checkpoint_every and trainer.step % tc.checkpoint_every:
         trainer.save(save_dir)
     result = {"steps": trainer.step, "history": trainer.history, "validation": validation}
-    if rank == 0:
+    if rank == 0 and trainer.history:
         _write_metrics(out_dir, trainer.history, validation)
         png = _plot(out_dir, trainer.history, validation)
         first, last = trainer.history[0]["loss"], trainer.history[-1]["loss"]
         print(
-            f"loss {first:.4f} -> {last:.4f} over {len(trainer.history)} steps; metrics and {png.name} in {out_dir}",
+            f"loss {first:.4f} -> {last:.4f} over {len(trainer.history)} steps; metrics and "
+            f"{png.name} in {out_dir}",
+            file=stream,
             flush=True,
         )
     return result
@@ -137,16 +197,17 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--output", default="outputs/train")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--resume", default=None, help="checkpoint directory to continue from")
     args = ap.parse_args(argv)
     conf = load_config(args.config)
     if args.steps is not None:
         conf.setdefault("trainer", {})["steps"] = args.steps
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if under_launcher():
-        from ..validate import dist_timeout_s
+        from ..preflight import dist_timeout_s
 
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
-    run_training(conf, Path(args.output))
+    run_training(conf, Path(args.output), resume=args.resume)
     # only after success: after a failure the process group's teardown can block (NCCL), and
     # the launcher's worker wrapper leaves at once instead
     if dist.is_initialized():

@@ -1,9 +1,9 @@
-"""Up-front validation of a whole run: layout, model and data, before any model is built.
+"""Preflight checks of a whole run: layout, model and data, before any model is built.
 
 A job on hundreds of ranks must fail in its first seconds, with every problem listed at once,
 each naming the config key (or module path) and what would fix it.  :func:`validate_run` collects:
 
-1. the ``trainer`` section (unknown keys, bad values, ``trainer.dist_timeout_s``);
+1. the ``trainer``, ``data`` and ``model`` sections (:mod:`credit_parallel.run_config`);
 2. the layout against the world size and the model against the layout — everything
    :func:`credit_parallel.plan.make_plan` finds without a process: world size divisible by
    tensor x domain, rows per domain rank at every resolution level, layers that cannot be made
@@ -21,17 +21,13 @@ so a rejected run stops on all ranks together instead of leaving some waiting in
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 
+from .run_config import DEFAULT_DIST_TIMEOUT_S, TrainerConfig, config_problems, trainer_option
+
 __all__ = ["DEFAULT_DIST_TIMEOUT_S", "check_run", "dist_timeout_s", "validate_run"]
 
-# Long enough for a first step that compiles kernels or loads a large shard, short enough that a
-# dead rank does not hold a few hundred GPUs for the scheduler's hours-long wall time.
-DEFAULT_DIST_TIMEOUT_S = 600.0
-
-_SHAPE_KEYS_4D = ("in_channels", "image_height", "image_width")
 _DATA_KEYS = "data.upper_air_variables / data.surface_variables / data.levels / data.history_len"
 
 
@@ -40,21 +36,7 @@ def dist_timeout_s(conf: dict) -> float:
 
     ``ValueError`` naming the key unless it is a finite number > 0 (bool refused).
     """
-    trainer = conf.get("trainer") if isinstance(conf, dict) else None
-    value = trainer.get("dist_timeout_s") if isinstance(trainer, dict) else None
-    if value is None:
-        return DEFAULT_DIST_TIMEOUT_S
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(
-            f"trainer.dist_timeout_s must be a number of seconds > 0, got {value!r} "
-            f"(default {DEFAULT_DIST_TIMEOUT_S:g})"
-        )
-    return float(value)
+    return trainer_option(conf, "dist_timeout_s")
 
 
 # --------------------------------------------------------------------------- the data
@@ -201,22 +183,18 @@ def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> li
     """
     from .config import ParallelDims, parse_parallelism_conf
     from .plan import _build_meta_model, make_plan, model_input_shapes
-    from .train.trainer import TrainConfig
 
     if not isinstance(conf, dict):
         return [f"config must be a mapping, got {type(conf).__name__}"]
     violations: list[str] = []
 
-    # 1. the trainer section
-    tc = None
+    # 1. the trainer, data and model sections, every bad key at once
+    problems = config_problems(conf)
+    violations.extend(problems)
     try:
-        tc = TrainConfig.from_conf(conf)
-    except ValueError as err:
-        violations.append(str(err))
-    try:
-        dist_timeout_s(conf)
-    except ValueError as err:
-        violations.append(str(err))
+        tc = TrainerConfig.from_conf(conf)
+    except ValueError:
+        tc = None
 
     # 2. the data (its own errors name the missing variables / levels)
     if dataset is None and conf.get("data") is not None:

@@ -1,0 +1,338 @@
+"""The typed run configuration: every ``trainer.*``, ``data.*`` and ``model.*`` key, parsed and
+validated in one place.
+
+``RunConfig.from_conf(conf)`` turns the YAML mapping into frozen dataclasses; every error is a
+``ValueError`` naming the key and the bad value.  The parallelism block itself is parsed by
+:func:`credit_parallel.config.parse_parallelism_conf` and carried here as-is.  Code that needs a
+single key before the whole section can be validated (the launcher's ``trainer.dist_timeout_s``,
+the FSDP wrapper's ``trainer.amp``, the planner's ``trainer.batch_size``) asks
+:func:`trainer_option`, which applies the same parser as the dataclass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "DEFAULT_DIST_TIMEOUT_S",
+    "DataConfig",
+    "ModelConfig",
+    "RunConfig",
+    "TrainerConfig",
+    "config_problems",
+    "trainer_option",
+]
+
+# Long enough for a first step that compiles kernels or loads a large shard, short enough that a
+# dead rank does not hold a few hundred GPUs for the scheduler's hours-long wall time.
+DEFAULT_DIST_TIMEOUT_S = 600.0
+
+
+# --------------------------------------------------------------------------- value parsers
+def _number(section: str, key: str, kind: type, minimum: float) -> Callable[[Any], Any]:
+    def parse(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or (kind is int and not float(value).is_integer())
+        ):
+            raise ValueError(
+                f"{section}.{key} must be a {kind.__name__} >= {minimum}, got {value!r}"
+            )
+        if value < minimum:
+            raise ValueError(f"{section}.{key} must be >= {minimum}, got {value!r}")
+        return kind(value)
+
+    return parse
+
+
+def _flag(section: str, key: str) -> Callable[[Any], bool]:
+    def parse(value):
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"{section}.{key} must be true or false, got {value!r} of type {type(value).__name__}"
+            )
+        return value
+
+    return parse
+
+
+def _choice(section: str, key: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def parse(value):
+        if value not in choices:
+            shown = " or ".join(repr(c) for c in choices)
+            raise ValueError(f"{section}.{key} must be {shown}, got {value!r}")
+        return value
+
+    return parse
+
+
+def _seconds(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"trainer.dist_timeout_s must be a number of seconds > 0, got {value!r} "
+            f"(default {DEFAULT_DIST_TIMEOUT_S:g})"
+        )
+    return float(value)
+
+
+def _optional_path(section: str, key: str) -> Callable[[Any], str | None]:
+    def parse(value):
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{section}.{key} must be a path (a string), got {value!r}")
+        return value
+
+    return parse
+
+
+def _strings(section: str, key: str) -> Callable[[Any], tuple]:
+    def parse(value):
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"{section}.{key} must be a list of names, got {value!r}")
+        return tuple(value)
+
+    return parse
+
+
+def _levels(value):
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+    ):
+        raise ValueError(f"data.levels must be a list of pressure levels, got {value!r}")
+    return tuple(value)
+
+
+def _time_slice(key: str) -> Callable[[Any], Any]:
+    def parse(value):
+        if value is None or isinstance(value, str):
+            return value
+        if (
+            isinstance(value, (list, tuple))
+            and len(value) in (2, 3)
+            and all(
+                v is None or (isinstance(v, (int, str)) and not isinstance(v, bool)) for v in value
+            )
+        ):
+            return tuple(value)
+        raise ValueError(f"data.{key} must be [start, stop] (indices or dates), got {value!r}")
+
+    return parse
+
+
+# (default, parser) per key; the dataclass fields below carry the same names and defaults
+_TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
+    "steps": (100, _number("trainer", "steps", int, 1)),
+    "batch_size": (2, _number("trainer", "batch_size", int, 1)),
+    "grad_accum": (1, _number("trainer", "grad_accum", int, 1)),
+    "lr": (1e-3, _number("trainer", "lr", float, 0)),
+    "weight_decay": (0.0, _number("trainer", "weight_decay", float, 0)),
+    "warmup_steps": (0, _number("trainer", "warmup_steps", int, 0)),
+    "min_lr_ratio": (0.1, _number("trainer", "min_lr_ratio", float, 0)),
+    "grad_clip": (1.0, _number("trainer", "grad_clip", float, 0)),
+    "seed": (0, _number("trainer", "seed", int, 0)),
+    "amp": (False, _flag("trainer", "amp")),
+    "nonfinite": ("stop", _choice("trainer", "nonfinite", ("stop", "skip"))),
+    "validate_every": (0, _number("trainer", "validate_every", int, 0)),
+    "val_batches": (2, _number("trainer", "val_batches", int, 1)),
+    "checkpoint_every": (0, _number("trainer", "checkpoint_every", int, 0)),
+    "dtype": ("float32", _choice("trainer", "dtype", ("float32", "float64"))),
+    "activation_checkpoint": (False, _flag("trainer", "activation_checkpoint")),
+    "dist_timeout_s": (DEFAULT_DIST_TIMEOUT_S, _seconds),
+    "save_dir": (None, _optional_path("trainer", "save_dir")),
+    "resume": (False, _flag("trainer", "resume")),
+    "log_every": (1, _number("trainer", "log_every", int, 1)),
+}
+# CREDIT spells the per-rank batch ``train_batch_size``; it is accepted as that same key
+_TRAINER_ALIASES = {"train_batch_size": "batch_size"}
+
+_DATA_KEYS: dict[str, tuple[Any, Callable]] = {
+    "path": (None, _optional_path("data", "path")),
+    "upper_air_variables": ((), _strings("data", "upper_air_variables")),
+    "surface_variables": ((), _strings("data", "surface_variables")),
+    "levels": (None, _levels),
+    "history_len": (1, _number("data", "history_len", int, 1)),
+    "forecast_len": (1, _number("data", "forecast_len", int, 1)),
+    "normalize": (True, _flag("data", "normalize")),
+    "stats_path": (None, _optional_path("data", "stats_path")),
+    "as_5d": (False, _flag("data", "as_5d")),
+    "time_slice": (None, _time_slice("time_slice")),
+    "valid_time_slice": (None, _time_slice("valid_time_slice")),
+}
+
+
+def _section(conf: Mapping, name: str) -> dict:
+    section = conf.get(name) if isinstance(conf, Mapping) else None
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{name} must be a mapping, got {section!r}")
+    return dict(section)
+
+
+def _trainer_section(conf: Mapping) -> dict:
+    t = _section(conf, "trainer")
+    for alias, key in _TRAINER_ALIASES.items():
+        if alias in t:
+            if key in t:
+                raise ValueError(
+                    f"trainer.{alias} and trainer.{key} are the same setting; give only one"
+                )
+            t[key] = t.pop(alias)
+    return t
+
+
+def trainer_option(conf: Mapping, key: str):
+    """One ``trainer.*`` value, parsed as :class:`TrainerConfig` parses it (default when absent)."""
+    default, parse = _TRAINER_KEYS[key]
+    t = _trainer_section(conf)
+    return parse(t[key]) if key in t else default
+
+
+def _parse(section: str, values: dict, table: dict, extra: frozenset = frozenset()) -> dict:
+    """Every key of ``values`` parsed by ``table``; ONE ``ValueError`` listing every bad key."""
+    problems = []
+    unknown = sorted(set(values) - set(table) - extra)
+    if unknown:
+        known = sorted(set(table) | extra)
+        problems.append(f"{section} has unknown key(s) {unknown}; known keys: {known}")
+    parsed = {}
+    for key, (default, parse) in table.items():
+        try:
+            parsed[key] = parse(values[key]) if key in values else default
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        raise ValueError("; ".join(problems)) if len(problems) == 1 else _Problems(problems)
+    return parsed
+
+
+class _Problems(ValueError):
+    """Several problems of one section; ``problems`` lists them one by one."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def config_problems(conf: Mapping) -> list[str]:
+    """Every problem of the ``trainer``, ``data`` and ``model`` sections (empty when fine),
+    one message per key, for reports that list everything at once."""
+    problems = []
+    for parse in (TrainerConfig.from_conf, DataConfig.from_conf, ModelConfig.from_conf):
+        try:
+            parse(conf)
+        except _Problems as err:
+            problems.extend(err.problems)
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The ``trainer`` section (``trainer.parallelism`` lives in :class:`RunConfig`)."""
+
+    steps: int = 100
+    batch_size: int = 2
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    amp: bool = False
+    nonfinite: str = "stop"
+    validate_every: int = 0
+    val_batches: int = 2
+    checkpoint_every: int = 0
+    dtype: str = "float32"
+    activation_checkpoint: bool = False
+    dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
+    save_dir: str | None = None
+    resume: bool = False
+    log_every: int = 1
+
+    @classmethod
+    def from_conf(cls, conf: Mapping) -> TrainerConfig:
+        values = _parse(
+            "trainer", _trainer_section(conf), _TRAINER_KEYS, frozenset({"parallelism"})
+        )
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The ``data`` section: the ERA5-layout store and the sample window."""
+
+    path: str | None = None
+    upper_air_variables: tuple = ()
+    surface_variables: tuple = ()
+    levels: tuple | None = None
+    history_len: int = 1
+    forecast_len: int = 1
+    normalize: bool = True
+    stats_path: str | None = None
+    as_5d: bool = False
+    time_slice: Any = None
+    valid_time_slice: Any = None
+
+    @classmethod
+    def from_conf(cls, conf: Mapping) -> DataConfig:
+        return cls(**_parse("data", _section(conf, "data"), _DATA_KEYS))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The ``model`` section: ``type`` and the constructor's keyword arguments, which the model
+    registry (:func:`credit_parallel.models.build_model`) checks against the constructor."""
+
+    type: str | None = None
+    options: Mapping = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def from_conf(cls, conf: Mapping) -> ModelConfig:
+        m = _section(conf, "model")
+        model_type = m.pop("type", None)
+        if model_type is not None and not isinstance(model_type, str):
+            raise ValueError(f"model.type must be a model name (a string), got {model_type!r}")
+        return cls(model_type, MappingProxyType(m))
+
+    def as_dict(self) -> dict:
+        """The ``model:`` block again, for :func:`credit_parallel.models.build_model`."""
+        return {"type": self.type, **self.options}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run is configured with; built once, read everywhere."""
+
+    parallelism: Mapping
+    trainer: TrainerConfig
+    data: DataConfig
+    model: ModelConfig
+
+    @classmethod
+    def from_conf(cls, conf: Mapping) -> RunConfig:
+        from .config import parse_parallelism_conf
+
+        if not isinstance(conf, Mapping):
+            raise ValueError(f"config must be a mapping, got {type(conf).__name__}")
+        return cls(
+            MappingProxyType(parse_parallelism_conf(conf)),
+            TrainerConfig.from_conf(conf),
+            DataConfig.from_conf(conf),
+            ModelConfig.from_conf(conf),
+        )

@@ -1,0 +1,202 @@
+"""The one training step: shard the batch -> autoregressive rollout -> loss share -> backward ->
+domain gradient reduction -> global-norm clipping.
+
+The trainer, ``credit-parallel verify``, the benchmark, the test harness and the tests all run
+this code; what differs between them is configuration (the loss, the number of forecast steps,
+whether to clip), never a second copy of the step.
+
+Rollout: a batch holds inputs ``x`` (4-D models) or ``x_upper``/``x_surface`` (5-D, Pangu-style)
+and targets ``y`` or ``y_upper``/``y_surface``.  Time is folded into the channel axis, oldest step
+first (see ``data/dataset.py``): an input carries ``history_len`` steps, a target
+``forecast_len``.  Forecast step k compares the model's outputs with the k-th block of target
+channels, then the state advances: the oldest time step (as many channels as the model
+predicts) is dropped and the prediction appended.  With ``history_len == 1`` that is the
+prediction itself.  The state stays in its domain shard between steps.
+
+Loss shares: each rank's loss is its share of the globally normalised loss (local sum divided
+by the global count), so summing gradients over the domain ranks (``op="sum"``) is exact for any
+shard sizes, and dp averaging (DDP/FSDP2) gives the mean over the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import clip_grad_norm_, sync_domain_gradients
+from ..domain.sharding import shard_batch
+from ..fsdp import no_grad_sync
+from .loss import latitude_weighted_mse_share
+
+__all__ = [
+    "INPUT_KEYS",
+    "TARGET_KEYS",
+    "LossFn",
+    "StepResult",
+    "TrainStep",
+    "advance_state",
+    "batch_keys",
+    "latitude_weighted_loss",
+    "replica_mean_loss",
+    "rollout_loss",
+]
+
+INPUT_KEYS = (("x",), ("x_upper", "x_surface"))
+TARGET_KEYS = (("y",), ("y_upper", "y_surface"))
+
+#: ``loss_fn(outputs, targets) -> this rank's loss share`` for one forecast step (tuples of tensors)
+LossFn = Callable[[tuple, tuple], torch.Tensor]
+
+
+def batch_keys(batch: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input keys, target keys) of a 4-D or 5-D batch."""
+    for inputs, targets in zip(INPUT_KEYS, TARGET_KEYS):
+        if all(k in batch for k in inputs):
+            return inputs, targets
+    raise ValueError(f"batch has none of the expected input keys {INPUT_KEYS}; got {sorted(batch)}")
+
+
+def _as_tuple(value) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def advance_state(state: tuple, outputs: tuple) -> tuple:
+    """Drop the oldest time step of each input (as many channels as its output has) and append
+    the prediction: the input of the next forecast step."""
+    return tuple(
+        torch.cat([s[:, o.shape[1] :], o.to(s.dtype)], dim=1) for s, o in zip(state, outputs)
+    )
+
+
+def rollout_loss(
+    model, inputs: tuple, targets: tuple, loss_fn: LossFn, forecast_len: int = 1
+) -> tuple[torch.Tensor, tuple]:
+    """Mean loss share over ``forecast_len`` autoregressive steps, and the last step's outputs."""
+    state = tuple(inputs)
+    total = 0.0
+    outputs: tuple = ()
+    for k in range(forecast_len):
+        outputs = _as_tuple(model(*state))
+        step_targets = tuple(
+            t[:, k * o.shape[1] : (k + 1) * o.shape[1]] for t, o in zip(targets, outputs)
+        )
+        total = total + loss_fn(outputs, step_targets)
+        if k + 1 < forecast_len:
+            state = advance_state(state, outputs)
+    return total / forecast_len, outputs
+
+
+def latitude_weighted_loss(lat_weights_local: torch.Tensor, global_height: int) -> LossFn:
+    """The trainer's loss: latitude-weighted MSE share, averaged over the model's outputs."""
+
+    def loss_fn(outputs: tuple, targets: tuple) -> torch.Tensor:
+        shares = (
+            latitude_weighted_mse_share(o, t, lat_weights_local, global_height)
+            for o, t in zip(outputs, targets)
+        )
+        return sum(shares) / len(outputs)
+
+    return loss_fn
+
+
+def replica_mean_loss(
+    loss_share: torch.Tensor, *, world_size: int, dp_size: int, domain_size: int
+) -> torch.Tensor:
+    """The step's loss from each rank's share: summed over the domain ranks, counted once over
+    the tp replicas (which hold identical shares) and averaged over dp.  A world collective."""
+    total = loss_share.detach().clone()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    tp_size = world_size // dp_size // domain_size
+    return total / (tp_size * dp_size)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step leaves behind: the summed loss share of this rank (float64, on the
+    step's device), the gradient norm before clipping (None without clipping) and the
+    outputs of the last forecast step of the last micro-batch (detached)."""
+
+    loss_share: torch.Tensor
+    grad_norm: torch.Tensor | None
+    outputs: tuple
+
+
+@dataclass
+class TrainStep:
+    """One optimisation step's forward/backward/reduction/clipping for ``model``.
+
+    ``loss_fn``: see :data:`LossFn`.  ``shard_inputs``: shard global batches over the domain
+    ranks of ``manager`` (False when the caller passes shards already).  ``max_norm``: clip to
+    this global norm (``float("inf")`` measures without clipping; None skips the norm).
+    ``autocast``: a factory of the mixed-precision context.  The optimizer's ``zero_grad`` and
+    ``step`` stay with the caller, which owns the optimizer.
+    """
+
+    model: torch.nn.Module
+    loss_fn: LossFn
+    manager: object = None
+    forecast_len: int = 1
+    max_norm: float | None = None
+    shard_inputs: bool = True
+    autocast: Callable = contextlib.nullcontext
+
+    def shard(self, batch: dict) -> dict:
+        """This rank's rows of a global batch, only through the model's own manager
+        (``manager=None`` would fall back to a process-wide manager of another layout)."""
+        if not self.shard_inputs or self.manager is None:
+            return batch
+        return shard_batch(batch, manager=self.manager)
+
+    def forward_backward(self, batch: dict, *, divide_by: int = 1) -> tuple[torch.Tensor, tuple]:
+        """Rollout loss share of one (sharded) batch over ``divide_by``, back-propagated;
+        returns (the detached share, the last forecast step's detached outputs)."""
+        in_keys, out_keys = batch_keys(batch)
+        return self.forward_backward_tensors(
+            tuple(batch[k] for k in in_keys),
+            tuple(batch[k] for k in out_keys),
+            divide_by=divide_by,
+        )
+
+    def forward_backward_tensors(
+        self, inputs: tuple, targets: tuple, *, divide_by: int = 1
+    ) -> tuple[torch.Tensor, tuple]:
+        """:meth:`forward_backward` for explicit tuples of input and target tensors."""
+        with self.autocast():
+            share, outputs = rollout_loss(
+                self.model, inputs, targets, self.loss_fn, self.forecast_len
+            )
+            share = share / divide_by
+        share.backward()
+        return share.detach(), tuple(o.detach() for o in outputs)
+
+    def reduce_gradients(self) -> None:
+        """Sum the gradient shares over the domain ranks (exact on uneven shards)."""
+        if self.manager is not None and self.manager.domain_world_size > 1:
+            sync_domain_gradients(self.model, self.manager, op="sum")
+
+    def clip(self) -> torch.Tensor | None:
+        """Global gradient norm (every rank computes the same value), clipped to ``max_norm``."""
+        if self.max_norm is None:
+            return None
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return clip_grad_norm_(params, self.max_norm)
+
+    def __call__(self, micro_batches: Iterable[dict], grad_accum: int = 1) -> StepResult:
+        """Accumulate ``grad_accum`` micro-batches (gradient sync of DDP/FSDP2 suppressed until
+        the last), then reduce over the domain and clip."""
+        loss_sum = None
+        outputs: tuple = ()
+        for micro, batch in enumerate(micro_batches):
+            last = micro + 1 == grad_accum
+            ctx = contextlib.nullcontext() if last else no_grad_sync(self.model)
+            with ctx:
+                share, outputs = self.forward_backward(self.shard(batch), divide_by=grad_accum)
+            share = share.double()
+            loss_sum = share if loss_sum is None else loss_sum + share
+        self.reduce_gradients()
+        return StepResult(loss_sum, self.clip(), outputs)
