@@ -29,6 +29,7 @@ import torch
 import xarray as xr
 from torch.utils.data import Dataset
 
+from ..domain.rows import shard_range
 from .store import (
     LAT_NAMES,
     LEVEL_NAMES,
@@ -92,7 +93,17 @@ def _positive_int(value, key: str) -> int:
     return int(value)
 
 
-def _row_range(rows, height: int) -> tuple[int, int] | None:
+def _row_range(rows, domain_shard, height: int) -> tuple[int, int] | None:
+    if domain_shard is not None:
+        if rows is not None:
+            raise ValueError("ERA5Dataset: pass rows or domain_shard, not both")
+        ok = isinstance(domain_shard, tuple | list) and len(domain_shard) == 2
+        if not ok or not 0 <= domain_shard[0] < domain_shard[1]:
+            raise ValueError(
+                "ERA5Dataset: domain_shard must be (domain_rank, domain_size) with "
+                f"0 <= domain_rank < domain_size, got {domain_shard!r}"
+            )
+        return shard_range(height, int(domain_shard[1]), int(domain_shard[0]))
     if rows is None:
         return None
     ok = isinstance(rows, tuple | list) and len(rows) == 2
@@ -131,8 +142,8 @@ class ERA5Dataset(Dataset):
     likewise ``y_upper`` / ``y_surface`` over ``forecast_len``; it needs an upper-air variable.
 
     ``rows=(start, stop)``: read only the global latitude rows ``start..stop-1`` (north to south,
-    after any flip) of every sample -- a domain rank's rows (``credit_parallel.data.loader``
-    builds this from the balanced layout).  Samples then have ``stop - start`` rows, and the
+    after any flip) of every sample; ``domain_shard=(domain_rank, domain_size)`` instead: the rows
+    the balanced layout gives that domain rank (``credit_parallel.domain.rows.shard_range``).  Samples then have ``stop - start`` rows, and the
     normalisation runs in float32 (the whole-globe mode ``rows=None`` normalises in float64 and
     rounds once, the single-process reference; the two differ by float32 rounding).  Every
     element is computed by the same float32 operations whatever the row range, so a rank's rows
@@ -168,6 +179,7 @@ class ERA5Dataset(Dataset):
         as_5d: bool = False,
         cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES,
         rows: tuple[int, int] | None = None,
+        domain_shard: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.path = Path(path)
@@ -226,7 +238,7 @@ class ERA5Dataset(Dataset):
         self.longitude = ds[self._lon_dim].values.astype(np.float64)
         self.grid_shape = (self.latitude.size, self.longitude.size)
         self.lat_weights = latitude_weights(self.latitude)
-        self.rows = _row_range(rows, self.grid_shape[0])
+        self.rows = _row_range(rows, domain_shard, self.grid_shape[0])
         first, stop = self.rows if self.rows is not None else (0, self.grid_shape[0])
         self.sample_grid_shape = (stop - first, self.grid_shape[1])
         self.row_lat_weights = self.lat_weights[first:stop]
@@ -383,12 +395,24 @@ class ERA5Dataset(Dataset):
             )
         return mean, std
 
+    @property
+    def channel_mean(self) -> np.ndarray:
+        """Per channel of one time step (``variable_names``), the mean subtracted (float64)."""
+        return np.array(self._mean, dtype=np.float64)
+
+    @property
+    def channel_std(self) -> np.ndarray:
+        """Per channel of one time step, the std divided by (float64)."""
+        return np.array(self._std, dtype=np.float64)
+
     # ---- reading ---------------------------------------------------------------------------
     @property
     def bytes_read(self) -> int:
         """Bytes of the selected variables' chunks fetched from the store by this process."""
         counts = self._store.chunk_bytes
-        return sum(counts.get(name, 0) for name in self.upper_air_variables + self.surface_variables)
+        return sum(
+            counts.get(name, 0) for name in self.upper_air_variables + self.surface_variables
+        )
 
     def reset_bytes_read(self) -> None:
         self._store.reset()

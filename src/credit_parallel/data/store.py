@@ -120,7 +120,9 @@ def compute_normalization_stats(data, out_path=None) -> xr.Dataset:
     one value per level.  Computed in float64, one variable at a time.  Written as a zarr store to
     ``out_path`` when given.  Returns the statistics dataset.
     """
-    ds = data if isinstance(data, xr.Dataset) else open_store(data, "compute_normalization_stats")[0]
+    ds = (
+        data if isinstance(data, xr.Dataset) else open_store(data, "compute_normalization_stats")[0]
+    )
     level_dim = find_dim(ds.dims, LEVEL_NAMES)
     stats = {}
     for name, variable in ds.data_vars.items():
