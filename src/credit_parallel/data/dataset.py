@@ -502,6 +502,7 @@ _CONF_KEYS = (
     "normalize",
     "stats_path",
     "as_5d",
+    "cache_limit_bytes",
 )
 
 
