@@ -203,20 +203,7 @@ class ERA5Dataset(Dataset):
         self.normalize = bool(normalize)
 
         ds, self._store = open_store(self.path, "ERA5Dataset")
-        self._time_dim = find_dim(ds.dims, TIME_NAMES)
-        self._lat_dim = find_dim(ds.dims, LAT_NAMES)
-        self._lon_dim = find_dim(ds.dims, LON_NAMES)
-        for key, dim, names in (
-            ("time", self._time_dim, TIME_NAMES),
-            ("latitude", self._lat_dim, LAT_NAMES),
-            ("longitude", self._lon_dim, LON_NAMES),
-        ):
-            if dim is None:
-                raise ValueError(
-                    f"ERA5Dataset: {str(self.path)!r} has no {key} dimension (looked for "
-                    f"{list(names)}; dims are {list(ds.dims)})"
-                )
-        self._level_dim = find_dim(ds.dims, LEVEL_NAMES)
+        self._find_dims(ds)
         self._check_variables(ds)
         self._level_positions, self.levels = self._select_levels(ds, levels)
         self._time_positions, self.times = self._select_times(ds, time_slice)
@@ -280,6 +267,22 @@ class ERA5Dataset(Dataset):
             for step in range(self.forecast_len)
             for name in self.variable_names
         ]
+
+    def _find_dims(self, ds: xr.Dataset) -> None:
+        self._time_dim = find_dim(ds.dims, TIME_NAMES)
+        self._lat_dim = find_dim(ds.dims, LAT_NAMES)
+        self._lon_dim = find_dim(ds.dims, LON_NAMES)
+        for key, dim, names in (
+            ("time", self._time_dim, TIME_NAMES),
+            ("latitude", self._lat_dim, LAT_NAMES),
+            ("longitude", self._lon_dim, LON_NAMES),
+        ):
+            if dim is None:
+                raise ValueError(
+                    f"ERA5Dataset: {str(self.path)!r} has no {key} dimension (looked for "
+                    f"{list(names)}; dims are {list(ds.dims)})"
+                )
+        self._level_dim = find_dim(ds.dims, LEVEL_NAMES)
 
     def _check_variables(self, ds: xr.Dataset) -> None:
         available = sorted(ds.data_vars)
