@@ -144,6 +144,9 @@ def test_bytes_read_per_rank_per_sample_are_its_share_of_a_globe_read(row_chunke
         for _ in range(3):
             next(batches)
         rows = part.rows[1] - part.rows[0]
+        # nothing else: no metadata, no coordinate array, only the variables' chunks
+        assert part.read_counter.metadata_bytes == 0
+        assert set(part.read_counter.chunk_bytes) == set(UPPER + SURFACE)
         per_sample = part.bytes_read / (3 * 2)
         assert per_sample == window * rows * per_step
         assert per_sample * H == globe.bytes_read * rows  # rows / H of the whole-globe read

@@ -417,6 +417,12 @@ class ERA5Dataset(Dataset):
             counts.get(name, 0) for name in self.upper_air_variables + self.surface_variables
         )
 
+    @property
+    def read_counter(self):
+        """The ``ByteCountingStore`` under this dataset: every byte this process read, by array
+        (``chunk_bytes``) and metadata (``metadata_bytes``)."""
+        return self._store
+
     def reset_bytes_read(self) -> None:
         self._store.reset()
 
