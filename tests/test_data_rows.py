@@ -231,8 +231,45 @@ def test_loader_pins_host_memory_only_for_a_cuda_target(store):
     args = dict(dp_rank=0, dp_size=1, domain_rank=0, domain_size=1, num_workers=0)
     assert build_train_loader(conf, device=torch.device("cuda", 0), **args).pin_memory
     assert not build_train_loader(conf, device="cpu", **args).pin_memory
-    with pytest.raises(ValueError, match="whole globe"):
-        build_train_loader(conf, device="cpu", dataset=ERA5Dataset(store, ["T"]), **args)
+    wrong_rows = ERA5Dataset(store, ["T"], domain_shard=(1, 2))
+    with pytest.raises(ValueError, match=r"owns rows \(0, 17\) of 33"):
+        build_train_loader(conf, device="cpu", dataset=wrong_rows, **{**args, "domain_size": 2})
+
+
+class _InMemory(torch.utils.data.Dataset):
+    """A whole-globe dataset with no ``grid_shape`` and no row reading: 4-D and 5-D samples."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.fields = torch.randn(6, 3, 2, H, 5, generator=gen, dtype=torch.float64)
+        self.lat_weights = torch.linspace(0.5, 1.5, H, dtype=torch.float64)
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return {"x": self.fields[i, :, 0], "z": self.fields[i], "y": self.fields[i + 1, :, 0]}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_whole_globe_datasets_are_cut_to_the_rank_rows_by_row_view(store, n):
+    sources = [ERA5Dataset(store, UPPER, SURFACE), _InMemory()]  # float64 reference path
+    for source in sources:
+        for rank in range(n):
+            start, stop = shard_range(H, n, rank)
+            loader = build_train_loader(
+                _conf(store), dp_rank=0, dp_size=1, domain_rank=rank, domain_size=n,
+                device="cpu", num_workers=0, dataset=source,
+            )  # fmt: skip
+            assert loader.dataset.rows == (start, stop)
+            assert torch.equal(loader.dataset.row_lat_weights, source.lat_weights[start:stop])
+            batches = iter(loader)
+            for m in range(2):
+                batch = next(batches)
+                whole = default_collate([source[i] for i in loader.batch_sampler.batch_indices(m)])
+                for key, value in whole.items():
+                    if value.dim() >= 4:
+                        assert torch.equal(batch[key], value[..., start:stop, :]), key
 
 
 def test_batch_to_device_casts_floating_tensors_only(store):

@@ -7,6 +7,10 @@ a ``StepBatchSampler`` so that the batches are a pure function of ``(trainer.see
 number, dp rank)``.  Ranks that differ only in their tensor-parallel coordinate get the same
 rows of the same samples; ranks of one dp replica get the same samples.
 
+A dataset that cannot read rows (an in-memory or user dataset, anything whose ``rows`` is not
+set) is wrapped in :class:`RowView`: each sample is read whole and cut to the rank's rows, so the
+trainer has one code path; only ``ERA5Dataset`` row reads save the I/O.
+
 A batch read already sharded never passes through ``shard_batch``, which is where the domain
 manager learns the global shape of the coming forward (the token the layers key their global
 heights by).  ``register_row_batch`` registers exactly the token ``shard_batch`` would have
@@ -16,14 +20,16 @@ registered for the whole-globe batch, without building it.
 from __future__ import annotations
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
-from .dataset import ERA5Dataset, dataset_from_conf
+from ..domain.rows import shard_range
+from .dataset import dataset_from_conf
 from .sampler import StepBatchSampler
 
 __all__ = [
     "DEFAULT_NUM_WORKERS",
     "DEFAULT_PREFETCH_FACTOR",
+    "RowView",
     "batch_to_device",
     "build_train_loader",
     "register_row_batch",
@@ -33,6 +39,66 @@ DEFAULT_NUM_WORKERS = 2
 DEFAULT_PREFETCH_FACTOR = 2
 # validation draws its batches from a different stream than training (as the trainer always has)
 _VALID_SEED_OFFSET = 10_000
+
+
+class RowView(Dataset):
+    """The rows ``shard_range(H, domain_size, domain_rank)`` of every sample of a whole-globe
+    dataset: each sample is read whole, then every 3-D / 4-D tensor (a sample of a 4-D / 5-D
+    batch) is cut along dim -2, as ``shard_batch`` cuts the batch.  Other attributes are the
+    wrapped dataset's (``lat_weights``, ``forecast_len``, ...); ``rows`` and
+    ``row_lat_weights`` are this rank's.  ``H`` is ``dataset.grid_shape[0]`` when it has one,
+    else read from its first sample.
+    """
+
+    def __init__(self, dataset, domain_rank: int, domain_size: int):
+        self.dataset = dataset
+        height = _global_height(dataset)
+        self.rows = shard_range(height, int(domain_size), int(domain_rank))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        start, stop = self.rows
+        return {
+            key: value[..., start:stop, :]
+            if isinstance(value, torch.Tensor) and value.dim() in (3, 4)
+            else value
+            for key, value in self.dataset[index].items()
+        }
+
+    @property
+    def row_lat_weights(self) -> torch.Tensor:
+        return self.dataset.lat_weights[self.rows[0] : self.rows[1]]
+
+    def __getattr__(self, name):
+        if name == "dataset":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def _global_height(dataset) -> int:
+    grid = getattr(dataset, "grid_shape", None)
+    if grid is not None:
+        return int(grid[0])
+    for value in dataset[0].values():
+        if isinstance(value, torch.Tensor) and value.dim() in (3, 4):
+            return int(value.shape[-2])
+    raise ValueError("build_train_loader: the dataset's samples have no (C, H, W) tensor")
+
+
+def _rank_rows(dataset, domain_rank: int, domain_size: int):
+    """``dataset`` when it already reads this rank's rows, else a ``RowView`` of it."""
+    if getattr(dataset, "rows", None) is None:
+        return RowView(dataset, domain_rank, domain_size)
+    height = _global_height(dataset)
+    expected = shard_range(height, domain_size, domain_rank)
+    if tuple(dataset.rows) != expected:
+        raise ValueError(
+            f"build_train_loader: the dataset reads rows {tuple(dataset.rows)} but domain rank "
+            f"{domain_rank} of {domain_size} owns rows {expected} of {height}"
+        )
+    return dataset
 
 
 def _trainer_int(conf: dict, key: str, default: int, minimum: int) -> int:
@@ -60,7 +126,7 @@ def build_train_loader(
     start_step: int = 0,
     split: str = "train",
     num_workers: int | None = None,
-    dataset: ERA5Dataset | None = None,
+    dataset=None,
 ) -> DataLoader:
     """The DataLoader of this rank: its domain rows of its dp share, one micro-batch per item.
 
@@ -70,7 +136,10 @@ def build_train_loader(
     ``data.valid_time_slice`` with its own seed stream.  Workers: ``num_workers``, else
     ``data.num_workers`` (default 2); prefetch ``data.prefetch_factor`` batches per worker
     (default 2).  Host batches are pinned only when ``device`` is a CUDA device.  ``dataset``: a
-    row dataset to use instead of building one from ``conf`` (its rows must be this rank's).
+    dataset to use instead of building one from ``conf``: a row dataset of this rank's rows, or
+    a whole-globe one, wrapped in :class:`RowView`.  A dataset with state of its own (one that
+    counts its reads, or looks at the trainer) needs ``num_workers=0``: a worker process reads
+    ahead, from its own copy.
     The loader's ``dataset`` has ``row_lat_weights`` (this rank's loss weights) and
     ``lat_weights`` / ``grid_shape`` (global); ``loader.batch_sampler`` is the
     ``StepBatchSampler``.
@@ -79,11 +148,8 @@ def build_train_loader(
         raise ValueError(f"build_train_loader: split must be 'train' or 'valid', got {split!r}")
     if dataset is None:
         dataset = dataset_from_conf(conf, split, domain_shard=(domain_rank, domain_size))
-    elif dataset.rows is None:
-        raise ValueError(
-            "build_train_loader: the dataset reads the whole globe; build it with "
-            "domain_shard=(domain_rank, domain_size) so that this rank reads only its rows"
-        )
+    else:
+        dataset = _rank_rows(dataset, domain_rank, domain_size)
     seed = _trainer_int(conf, "seed", 0, 0)
     grad_accum = _trainer_int(conf, "grad_accum", 1, 1)
     sampler = StepBatchSampler(
