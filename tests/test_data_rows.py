@@ -112,6 +112,15 @@ def test_row_arguments_are_validated(store):
         ERA5Dataset(store, ["T"], domain_shard=(3, 3))
 
 
+def test_a_rank_without_rows_reads_empty_samples_when_domain_exceeds_h33(row_chunked_store):
+    part = ERA5Dataset(
+        row_chunked_store, ["Z"], ["t2m"], domain_shard=(33, 34), cache_limit_bytes=0
+    )
+    part.reset_bytes_read()
+    assert part.rows == (33, 33) and part[0]["x"].shape == (3, 0, W)
+    assert part.bytes_read == 0 and part.row_lat_weights.shape == (0,)
+
+
 # ---- bytes read per rank per sample ------------------------------------------------------------
 @pytest.mark.parametrize("n", [2, 3])
 def test_bytes_read_per_rank_per_sample_are_its_share_of_a_globe_read(row_chunked_store, n):
