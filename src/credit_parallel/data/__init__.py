@@ -1,9 +1,14 @@
-"""Data layer: a synthetic ERA5-like sample store, the zarr-backed dataset, dp-only sampling.
+"""Data layer: a synthetic ERA5-like sample store, the zarr-backed dataset, dp-only sampling and
+the row-reading training loader of domain-parallel runs.
 
 - ``sample``: ``write_sample_dataset`` (zarr store + statistics store), ``zonal_angular_speed``;
-- ``dataset``: ``ERA5Dataset``, ``latitude_weights``, ``compute_normalization_stats``,
+- ``store``: ``ByteCountingStore`` (bytes read), ``compute_normalization_stats``,
   ``default_stats_path``;
-- ``sampler``: ``DistributedDPSampler``, ``make_dataloader`` (shards over data parallelism only).
+- ``dataset``: ``ERA5Dataset`` (whole globe, or one domain rank's rows), ``latitude_weights``,
+  ``dataset_from_conf``;
+- ``sampler``: ``DistributedDPSampler``, ``StepBatchSampler``, ``make_dataloader`` (shards over
+  data parallelism only);
+- ``loader``: ``build_train_loader``, ``register_row_batch``, ``batch_to_device``.
 
 Names resolve lazily so that importing the sampler does not import xarray.
 """
@@ -20,11 +25,16 @@ _EXPORTS = {
     "ERA5Dataset": "dataset",
     "dataset_from_conf": "dataset",
     "latitude_weights": "dataset",
-    "compute_normalization_stats": "dataset",
-    "default_stats_path": "dataset",
+    "ByteCountingStore": "store",
+    "compute_normalization_stats": "store",
+    "default_stats_path": "store",
     "DEFAULT_CACHE_LIMIT_BYTES": "dataset",
     "DistributedDPSampler": "sampler",
+    "StepBatchSampler": "sampler",
     "make_dataloader": "sampler",
+    "build_train_loader": "loader",
+    "register_row_batch": "loader",
+    "batch_to_device": "loader",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -21,7 +21,6 @@ ddof 0 (``compute_normalization_stats`` writes it).  Normalised channel = (raw -
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,31 +29,28 @@ import torch
 import xarray as xr
 from torch.utils.data import Dataset
 
+from ..domain.rows import shard_range
+from .store import (
+    LAT_NAMES,
+    LEVEL_NAMES,
+    LON_NAMES,
+    STATISTICS,
+    TIME_NAMES,
+    default_stats_path,
+    find_dim,
+    open_store,
+)
+
 __all__ = [
     "DEFAULT_CACHE_LIMIT_BYTES",
     "ERA5Dataset",
-    "compute_normalization_stats",
     "dataset_from_conf",
-    "default_stats_path",
     "latitude_weights",
 ]
 
-# Below this size (float32, selected variables, levels and times) the whole selection is read once
-# and kept in memory, already normalised; above it each sample is read from the store on demand.
+# Below this size (float32, selected variables, levels, times and rows) the whole selection is
+# read once and kept in memory, already normalised; above it each sample is read on demand.
 DEFAULT_CACHE_LIMIT_BYTES = 1 << 30
-
-_TIME_NAMES = ("time",)
-_LAT_NAMES = ("latitude", "lat")
-_LON_NAMES = ("longitude", "lon")
-_LEVEL_NAMES = ("level", "pressure_level", "plev", "isobaricInhPa")
-_STATISTICS = ("mean", "std")
-
-
-def default_stats_path(path) -> Path:
-    """Where the statistics of the store at ``path`` live: ``<stem>_stats.zarr`` beside it."""
-    path = Path(path)
-    stem = path.stem if path.suffix == ".zarr" else path.name
-    return path.with_name(f"{stem}_stats.zarr")
 
 
 def latitude_weights(lat_degrees, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -77,60 +73,6 @@ def latitude_weights(lat_degrees, dtype: torch.dtype = torch.float32) -> torch.T
     return torch.as_tensor(weights / weights.mean(), dtype=dtype)
 
 
-def _open_store(path, what: str) -> xr.Dataset:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{what}: no zarr store at {str(path)!r}; write a sample one with "
-            "credit_parallel.data.write_sample_dataset(path) or `credit-parallel sample-data`"
-        )
-    with warnings.catch_warnings():
-        # stores written without consolidated metadata are fine; do not warn about the fallback
-        warnings.filterwarnings("ignore", message=".*consolidated metadata.*")
-        try:
-            return xr.open_dataset(path, engine="zarr", chunks=None, cache=False)
-        except Exception as err:  # zarr raises several types for "not a store"
-            raise ValueError(f"{what}: {str(path)!r} is not a readable zarr store: {err}") from err
-
-
-def _find_dim(names, candidates: Sequence[str]) -> str | None:
-    for candidate in candidates:
-        if candidate in names:
-            return candidate
-    return None
-
-
-def _level_dim(ds: xr.Dataset) -> str | None:
-    return _find_dim(ds.dims, _LEVEL_NAMES)
-
-
-def compute_normalization_stats(data, out_path=None) -> xr.Dataset:
-    """Mean and std (unweighted over time/latitude/longitude, ddof 0) of every data variable.
-
-    ``data`` is an ``xr.Dataset`` or the path of a zarr store.  Variables with a level dim get one
-    value per level.  Computed in float64, one variable at a time.  Written as a zarr store to
-    ``out_path`` when given.  Returns the statistics dataset (layout in the module docstring).
-    """
-    ds = data if isinstance(data, xr.Dataset) else _open_store(data, "compute_normalization_stats")
-    level_dim = _level_dim(ds)
-    stats = {}
-    for name, variable in ds.data_vars.items():
-        reduce_dims = [dim for dim in variable.dims if dim != level_dim]
-        values = variable.astype(np.float64)
-        mean = values.mean(reduce_dims)
-        std = values.std(reduce_dims, ddof=0)
-        stats[name] = xr.concat([mean, std], dim="statistic")
-    out = xr.Dataset(stats)
-    out.attrs = {
-        "statistic_order": list(_STATISTICS),
-        "description": "normalisation statistics: (raw - mean) / std per variable and level",
-        "reduction": "unweighted over time, latitude and longitude, ddof 0",
-    }
-    if out_path is not None:
-        out.to_zarr(Path(out_path), mode="w", consolidated=False)
-    return out
-
-
 def _as_name_list(names, key: str) -> list[str]:
     if names is None:
         return []
@@ -149,6 +91,29 @@ def _positive_int(value, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise ValueError(f"ERA5Dataset: {key} must be an integer >= 1, got {value!r}")
     return int(value)
+
+
+def _row_range(rows, domain_shard, height: int) -> tuple[int, int] | None:
+    if domain_shard is not None:
+        if rows is not None:
+            raise ValueError("ERA5Dataset: pass rows or domain_shard, not both")
+        ok = isinstance(domain_shard, tuple | list) and len(domain_shard) == 2
+        if not ok or not 0 <= domain_shard[0] < domain_shard[1]:
+            raise ValueError(
+                "ERA5Dataset: domain_shard must be (domain_rank, domain_size) with "
+                f"0 <= domain_rank < domain_size, got {domain_shard!r}"
+            )
+        return shard_range(height, int(domain_shard[1]), int(domain_shard[0]))
+    if rows is None:
+        return None
+    ok = isinstance(rows, tuple | list) and len(rows) == 2
+    ok = ok and all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in rows)
+    if not ok or not 0 <= rows[0] <= rows[1] <= height:
+        raise ValueError(
+            f"ERA5Dataset: rows must be a (start, stop) pair of ints with 0 <= start <= stop <= "
+            f"{height} (the store's latitude count), got {rows!r}"
+        )
+    return int(rows[0]), int(rows[1])
 
 
 def _time_label(offset: int) -> str:
@@ -176,15 +141,27 @@ class ERA5Dataset(Dataset):
     (history step outer, variable inner), ``x_surface`` ``(history_len * n_surface, H, W)`` and
     likewise ``y_upper`` / ``y_surface`` over ``forecast_len``; it needs an upper-air variable.
 
+    ``rows=(start, stop)``: read only the global latitude rows ``start..stop-1`` (north to south,
+    after any flip) of every sample; ``domain_shard=(domain_rank, domain_size)`` instead: the rows
+    the balanced layout gives that domain rank (``credit_parallel.domain.rows.shard_range``).  Samples then have ``stop - start`` rows, and the
+    normalisation runs in float32 (the whole-globe mode ``rows=None`` normalises in float64 and
+    rounds once, the single-process reference; the two differ by float32 rounding).  Every
+    element is computed by the same float32 operations whatever the row range, so a rank's rows
+    are bitwise the same rows of a ``rows=(0, H)`` read.
+
     When the selection is at most ``cache_limit_bytes`` (float32; default 1 GiB) it is read once
     and kept normalised in memory (``.cached``, ``.nbytes``); otherwise each sample reads its
-    window lazily through xarray.
+    window lazily through xarray.  ``bytes_read``: bytes of data-variable chunks this process
+    fetched from the store so far (``reset_bytes_read()`` zeroes it; see ``store.py``).
 
     Attributes: ``channels_in``, ``channels_out``, ``grid_shape`` ``(H, W)``, ``variable_names``
     (the channels of ONE time step, in order), ``channel_names_in`` / ``channel_names_out`` (every
     channel of x / y: ``"T_500@t-1"``, ``"T_500@t"``, ``"T_500@t+1"``, offsets from the last
     input time),
-    ``latitude``, ``longitude``, ``levels``, ``times``, ``lat_weights`` (``latitude_weights``).
+    ``latitude``, ``longitude``, ``levels``, ``times``, ``lat_weights`` (``latitude_weights`` of
+    the GLOBE, shape ``(H,)``); ``rows`` (``None`` or the row range), ``sample_grid_shape`` (rows
+    and columns of a sample), ``row_lat_weights`` (the weights of the sample's rows: the loss
+    weights of a domain rank, normalised over the globe).
     """
 
     def __init__(
@@ -201,6 +178,8 @@ class ERA5Dataset(Dataset):
         *,
         as_5d: bool = False,
         cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES,
+        rows: tuple[int, int] | None = None,
+        domain_shard: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.path = Path(path)
@@ -223,21 +202,8 @@ class ERA5Dataset(Dataset):
         self.as_5d = bool(as_5d)
         self.normalize = bool(normalize)
 
-        ds = _open_store(self.path, "ERA5Dataset")
-        self._time_dim = _find_dim(ds.dims, _TIME_NAMES)
-        self._lat_dim = _find_dim(ds.dims, _LAT_NAMES)
-        self._lon_dim = _find_dim(ds.dims, _LON_NAMES)
-        for key, dim, names in (
-            ("time", self._time_dim, _TIME_NAMES),
-            ("latitude", self._lat_dim, _LAT_NAMES),
-            ("longitude", self._lon_dim, _LON_NAMES),
-        ):
-            if dim is None:
-                raise ValueError(
-                    f"ERA5Dataset: {str(self.path)!r} has no {key} dimension (looked for "
-                    f"{list(names)}; dims are {list(ds.dims)})"
-                )
-        self._level_dim = _level_dim(ds)
+        ds, self._store = open_store(self.path, "ERA5Dataset")
+        self._find_dims(ds)
         self._check_variables(ds)
         self._level_positions, self.levels = self._select_levels(ds, levels)
         self._time_positions, self.times = self._select_times(ds, time_slice)
@@ -259,7 +225,29 @@ class ERA5Dataset(Dataset):
         self.longitude = ds[self._lon_dim].values.astype(np.float64)
         self.grid_shape = (self.latitude.size, self.longitude.size)
         self.lat_weights = latitude_weights(self.latitude)
+        self.rows = _row_range(rows, domain_shard, self.grid_shape[0])
+        first, stop = self.rows if self.rows is not None else (0, self.grid_shape[0])
+        self.sample_grid_shape = (stop - first, self.grid_shape[1])
+        self.row_lat_weights = self.lat_weights[first:stop]
+        self._name_channels()
 
+        if self.normalize:
+            self._mean, self._std = self._load_stats(stats_path)
+        else:
+            self._mean = np.zeros(self.channels_per_step)
+            self._std = np.ones(self.channels_per_step)
+
+        self.nbytes = n_times * self.channels_per_step * int(np.prod(self.sample_grid_shape)) * 4
+        self.cached = self.nbytes <= cache_limit_bytes
+        self._ds = ds
+        self._cache = None
+        self._cache = self._read(0, n_times) if self.cached else None
+        if self.cached:
+            self._ds = None
+            ds.close()
+
+    # ---- construction helpers -------------------------------------------------------------
+    def _name_channels(self) -> None:
         self.variable_names = [
             f"{name}_{_format_level(level)}"
             for name in self.upper_air_variables
@@ -280,22 +268,22 @@ class ERA5Dataset(Dataset):
             for name in self.variable_names
         ]
 
-        if self.normalize:
-            self._mean, self._std = self._load_stats(stats_path)
-        else:
-            self._mean = np.zeros(self.channels_per_step)
-            self._std = np.ones(self.channels_per_step)
+    def _find_dims(self, ds: xr.Dataset) -> None:
+        self._time_dim = find_dim(ds.dims, TIME_NAMES)
+        self._lat_dim = find_dim(ds.dims, LAT_NAMES)
+        self._lon_dim = find_dim(ds.dims, LON_NAMES)
+        for key, dim, names in (
+            ("time", self._time_dim, TIME_NAMES),
+            ("latitude", self._lat_dim, LAT_NAMES),
+            ("longitude", self._lon_dim, LON_NAMES),
+        ):
+            if dim is None:
+                raise ValueError(
+                    f"ERA5Dataset: {str(self.path)!r} has no {key} dimension (looked for "
+                    f"{list(names)}; dims are {list(ds.dims)})"
+                )
+        self._level_dim = find_dim(ds.dims, LEVEL_NAMES)
 
-        self.nbytes = n_times * self.channels_per_step * int(np.prod(self.grid_shape)) * 4
-        self.cached = self.nbytes <= cache_limit_bytes
-        self._ds = ds
-        self._cache = None
-        self._cache = self._read(0, n_times) if self.cached else None
-        if self.cached:
-            self._ds = None
-            ds.close()
-
-    # ---- construction helpers -------------------------------------------------------------
     def _check_variables(self, ds: xr.Dataset) -> None:
         available = sorted(ds.data_vars)
         spatial = {self._time_dim, self._lat_dim, self._lon_dim}
@@ -371,7 +359,7 @@ class ERA5Dataset(Dataset):
                 "credit_parallel.data.compute_normalization_stats(path, out_path), "
                 "or use normalize=False"
             )
-        stats = _open_store(stats_path, "ERA5Dataset statistics")
+        stats, _ = open_store(stats_path, "ERA5Dataset statistics")
         means, stds = [], []
         for name in self.upper_air_variables + self.surface_variables:
             if name not in stats.data_vars:
@@ -380,8 +368,8 @@ class ERA5Dataset(Dataset):
                     "recompute them with compute_normalization_stats"
                 )
             variable = stats[name].load()
-            mean = variable.isel(statistic=_STATISTICS.index("mean"))
-            std = variable.isel(statistic=_STATISTICS.index("std"))
+            mean = variable.isel(statistic=STATISTICS.index("mean"))
+            std = variable.isel(statistic=STATISTICS.index("std"))
             if name in self.upper_air_variables:
                 stat_levels = variable[self._level_dim].values.astype(np.float64)
                 for level in self.levels:
@@ -410,34 +398,77 @@ class ERA5Dataset(Dataset):
             )
         return mean, std
 
+    @property
+    def channel_mean(self) -> np.ndarray:
+        """Per channel of one time step (``variable_names``), the mean subtracted (float64)."""
+        return np.array(self._mean, dtype=np.float64)
+
+    @property
+    def channel_std(self) -> np.ndarray:
+        """Per channel of one time step, the std divided by (float64)."""
+        return np.array(self._std, dtype=np.float64)
+
     # ---- reading ---------------------------------------------------------------------------
+    @property
+    def bytes_read(self) -> int:
+        """Bytes of the selected variables' chunks fetched from the store by this process."""
+        counts = self._store.chunk_bytes
+        return sum(
+            counts.get(name, 0) for name in self.upper_air_variables + self.surface_variables
+        )
+
+    @property
+    def read_counter(self):
+        """The ``ByteCountingStore`` under this dataset: every byte this process read, by array
+        (``chunk_bytes``) and metadata (``metadata_bytes``)."""
+        return self._store
+
+    def reset_bytes_read(self) -> None:
+        self._store.reset()
+
+    def _lat_index(self) -> slice:
+        """Store positions of the sample's rows (ascending; flipped after reading if needed)."""
+        height = self.grid_shape[0]
+        first, stop = self.rows if self.rows is not None else (0, height)
+        return slice(height - stop, height - first) if self._flip_lat else slice(first, stop)
+
     def _read(self, start: int, stop: int) -> np.ndarray:
-        """Times ``start..stop-1`` of the selection as float32 ``(T, channels_per_step, H, W)``."""
+        """Times ``start..stop-1`` of the selection, float32 ``(T, channels_per_step, rows, W)``."""
         if self._cache is not None:
             return self._cache[start:stop]
-        out = np.empty((stop - start, self.channels_per_step, *self.grid_shape), dtype=np.float32)
-        lat_order = slice(None, None, -1) if self._flip_lat else slice(None)
+        out = np.empty((stop - start, self.channels_per_step, *self.sample_grid_shape), np.float32)
         times = self._time_positions[start:stop]
         time_index = slice(int(times[0]), int(times[-1]) + 1, 1)
         if times.size > 1:
             time_index = slice(int(times[0]), int(times[-1]) + 1, int(times[1] - times[0]))
         channel = 0
         for name in self.upper_air_variables + self.surface_variables:
-            variable = self._ds[name]
-            index = {self._time_dim: time_index, self._lat_dim: lat_order}
+            index = {self._time_dim: time_index, self._lat_dim: self._lat_index()}
             dims = [self._time_dim, self._lat_dim, self._lon_dim]
             if name in self.upper_air_variables:
                 index[self._level_dim] = self._level_positions
                 dims.insert(1, self._level_dim)
-            raw = variable.isel(index).transpose(*dims).values.astype(np.float64)
+            raw = self._ds[name].isel(index).transpose(*dims).values
             if raw.ndim == 3:
                 raw = raw[:, None]
+            if self._flip_lat:
+                raw = raw[:, :, ::-1]
             width = raw.shape[1]
-            mean = self._mean[channel : channel + width, None, None]
-            std = self._std[channel : channel + width, None, None]
-            out[:, channel : channel + width] = (raw - mean) / std
+            target = out[:, channel : channel + width]
+            self._normalise_into(target, raw, slice(channel, channel + width))
             channel += width
         return out
+
+    def _normalise_into(self, target: np.ndarray, raw: np.ndarray, channels: slice) -> None:
+        mean = self._mean[channels, None, None]
+        std = self._std[channels, None, None]
+        if self.rows is None:
+            # the single-process reference: float64 arithmetic, rounded once to float32
+            target[...] = (raw.astype(np.float64) - mean) / std
+            return
+        # row mode: float32 end to end, in place (no float64 copy of the rows)
+        np.subtract(raw.astype(np.float32, copy=False), mean.astype(np.float32), out=target)
+        np.divide(target, std.astype(np.float32), out=target)
 
     def __len__(self) -> int:
         return self._length
@@ -451,8 +482,9 @@ class ERA5Dataset(Dataset):
         inputs, targets = window[: self.history_len], window[self.history_len :]
         sample = {"time_index": torch.tensor(int(self._time_positions[index]), dtype=torch.int64)}
         if not self.as_5d:
-            sample["x"] = torch.from_numpy(inputs.reshape(self.channels_in, *self.grid_shape))
-            sample["y"] = torch.from_numpy(targets.reshape(self.channels_out, *self.grid_shape))
+            grid = self.sample_grid_shape
+            sample["x"] = torch.from_numpy(inputs.reshape(self.channels_in, *grid))
+            sample["y"] = torch.from_numpy(targets.reshape(self.channels_out, *grid))
             return sample
         n_levels = len(self.levels)
         for prefix, block in (("x", inputs), ("y", targets)):
@@ -460,10 +492,12 @@ class ERA5Dataset(Dataset):
             upper = block[:, : self.n_upper_channels]
             surface = block[:, self.n_upper_channels :]
             sample[f"{prefix}_upper"] = torch.from_numpy(
-                np.ascontiguousarray(upper).reshape(-1, n_levels, *self.grid_shape)
+                np.ascontiguousarray(upper).reshape(-1, n_levels, *self.sample_grid_shape)
             )
             sample[f"{prefix}_surface"] = torch.from_numpy(
-                np.ascontiguousarray(surface).reshape(steps * surface.shape[1], *self.grid_shape)
+                np.ascontiguousarray(surface).reshape(
+                    steps * surface.shape[1], *self.sample_grid_shape
+                )
             )
         return sample
 
@@ -477,6 +511,7 @@ _CONF_KEYS = (
     "normalize",
     "stats_path",
     "as_5d",
+    "cache_limit_bytes",
 )
 
 

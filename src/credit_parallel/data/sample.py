@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
-from .dataset import compute_normalization_stats, default_stats_path
+from .store import compute_normalization_stats, default_stats_path
 
 __all__ = [
     "SAMPLE_SURFACE_VARIABLES",
@@ -162,6 +162,8 @@ def write_sample_dataset(
     start: str = "2020-01-01T00:00",
     stats_path=None,
     time_chunk: int = 32,
+    lat_chunk: int | None = None,
+    compress: bool = True,
 ) -> Path:
     """Write the sample store to ``path`` (overwritten) and its statistics; return ``Path(path)``.
 
@@ -169,13 +171,17 @@ def write_sample_dataset(
     ``nlon`` longitudes from 0 eastward at spacing 360/nlon, ``n_times`` 6-hourly steps from
     ``start``, ``levels`` pressure levels in hPa (coordinate ``level``).  Statistics go to
     ``stats_path`` (default ``default_stats_path(path)``).  Float32 data, chunked
-    ``time_chunk`` steps at a time.
+    ``time_chunk`` steps at a time and ``lat_chunk`` latitude rows at a time (default: all rows,
+    one chunk per time block, as ERA5 stores usually are).  ``compress=False`` stores chunks
+    uncompressed, so the bytes read from the store equal the decoded bytes (what a test of
+    "bytes read per rank" measures exactly); row chunks let a domain rank fetch only its rows.
     """
     for name, value, minimum in (
         ("n_times", n_times, 1),
         ("nlat", nlat, 2),
         ("nlon", nlon, 1),
         ("time_chunk", time_chunk, 1),
+        ("lat_chunk", nlat if lat_chunk is None else lat_chunk, 1),
     ):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
             raise ValueError(
@@ -227,7 +233,13 @@ def write_sample_dataset(
 
     path = Path(path)
     chunk = min(time_chunk, n_times)
-    encoding = {name: {"chunks": (chunk, *ds[name].shape[1:])} for name in ds.data_vars}
+    rows = nlat if lat_chunk is None else min(lat_chunk, nlat)
+    encoding = {
+        name: {"chunks": (chunk, *ds[name].shape[1:-2], rows, nlon)} for name in ds.data_vars
+    }
+    if not compress:
+        for name in ds.data_vars:
+            encoding[name]["compressors"] = None
     ds.to_zarr(path, mode="w", encoding=encoding, consolidated=False)
     stats = compute_normalization_stats(ds)
     stats.to_zarr(

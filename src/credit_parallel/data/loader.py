@@ -1,0 +1,234 @@
+"""The training DataLoader of a domain-parallel run: each rank reads only its own latitude rows.
+
+``build_train_loader`` builds, for one rank, an ``ERA5Dataset`` restricted to the rows the
+balanced layout gives its domain rank (``domain.rows.shard_range``) and a ``torch`` DataLoader
+over it: worker processes, prefetch, pinned host memory when the batches go to a CUDA device, and
+a ``StepBatchSampler`` so that the batches are a pure function of ``(trainer.seed, micro-batch
+number, dp rank)``.  Ranks that differ only in their tensor-parallel coordinate get the same
+rows of the same samples; ranks of one dp replica get the same samples.
+
+A dataset that cannot read rows (an in-memory or user dataset, anything whose ``rows`` is not
+set) is wrapped in :class:`RowView`: each sample is read whole and cut to the rank's rows, so the
+trainer has one code path; only ``ERA5Dataset`` row reads save the I/O.
+
+A batch read already sharded never passes through ``shard_batch``, which is where the domain
+manager learns the global shape of the coming forward (the token the layers key their global
+heights by).  ``register_row_batch`` registers exactly the token ``shard_batch`` would have
+registered for the whole-globe batch, without building it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from ..domain.rows import shard_range
+from .dataset import dataset_from_conf
+from .sampler import StepBatchSampler
+
+__all__ = [
+    "DEFAULT_NUM_WORKERS",
+    "DEFAULT_PREFETCH_FACTOR",
+    "RowView",
+    "batch_to_device",
+    "build_train_loader",
+    "register_row_batch",
+]
+
+DEFAULT_NUM_WORKERS = 2
+DEFAULT_PREFETCH_FACTOR = 2
+# validation draws its batches from a different stream than training (as the trainer always has)
+_VALID_SEED_OFFSET = 10_000
+
+
+class RowView(Dataset):
+    """The rows ``shard_range(H, domain_size, domain_rank)`` of every sample of a whole-globe
+    dataset: each sample is read whole, then every 3-D / 4-D tensor (a sample of a 4-D / 5-D
+    batch) is cut along dim -2, as ``shard_batch`` cuts the batch.  Other attributes are the
+    wrapped dataset's (``lat_weights``, ``forecast_len``, ...); ``rows`` and
+    ``row_lat_weights`` are this rank's.  ``H`` is ``dataset.grid_shape[0]`` when it has one,
+    else read from its first sample.
+    """
+
+    def __init__(self, dataset, domain_rank: int, domain_size: int):
+        self.dataset = dataset
+        height = _global_height(dataset)
+        self.rows = shard_range(height, int(domain_size), int(domain_rank))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        start, stop = self.rows
+        return {
+            key: value[..., start:stop, :]
+            if isinstance(value, torch.Tensor) and value.dim() in (3, 4)
+            else value
+            for key, value in self.dataset[index].items()
+        }
+
+    @property
+    def row_lat_weights(self) -> torch.Tensor:
+        return self.dataset.lat_weights[self.rows[0] : self.rows[1]]
+
+    def __getattr__(self, name):
+        if name == "dataset":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def _global_height(dataset) -> int:
+    grid = getattr(dataset, "grid_shape", None)
+    if grid is not None:
+        return int(grid[0])
+    for value in dataset[0].values():
+        if isinstance(value, torch.Tensor) and value.dim() in (3, 4):
+            return int(value.shape[-2])
+    raise ValueError("build_train_loader: the dataset's samples have no (C, H, W) tensor")
+
+
+def _rank_rows(dataset, domain_rank: int, domain_size: int):
+    """``dataset`` when it already reads this rank's rows, else a ``RowView`` of it."""
+    if getattr(dataset, "rows", None) is None:
+        return RowView(dataset, domain_rank, domain_size)
+    height = _global_height(dataset)
+    expected = shard_range(height, domain_size, domain_rank)
+    if tuple(dataset.rows) != expected:
+        raise ValueError(
+            f"build_train_loader: the dataset reads rows {tuple(dataset.rows)} but domain rank "
+            f"{domain_rank} of {domain_size} owns rows {expected} of {height}"
+        )
+    return dataset
+
+
+def _trainer_int(conf: dict, key: str, default: int, minimum: int) -> int:
+    value = (conf.get("trainer") or {}).get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"trainer.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _data_int(conf: dict, key: str, default: int, minimum: int) -> int:
+    value = (conf.get("data") or {}).get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"data.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def build_train_loader(
+    conf: dict,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    domain_rank: int,
+    domain_size: int,
+    device,
+    start_step: int = 0,
+    split: str = "train",
+    num_workers: int | None = None,
+    dataset=None,
+) -> DataLoader:
+    """The DataLoader of this rank: its domain rows of its dp share, one micro-batch per item.
+
+    Micro-batch ``m`` (``m = step * trainer.grad_accum + micro``) holds ``trainer.batch_size``
+    samples (per dp rank); the loader starts at ``m = start_step * grad_accum`` and never ends
+    (take ``grad_accum`` batches per optimizer step).  ``split="valid"`` reads
+    ``data.valid_time_slice`` with its own seed stream.  Workers: ``num_workers``, else
+    ``data.num_workers`` (default 2); prefetch ``data.prefetch_factor`` batches per worker
+    (default 2).  Host batches are pinned only when ``device`` is a CUDA device.  ``dataset``: a
+    dataset to use instead of building one from ``conf``: a row dataset of this rank's rows, or
+    a whole-globe one, wrapped in :class:`RowView`.  A dataset with state of its own (one that
+    counts its reads, or looks at the trainer) needs ``num_workers=0``: a worker process reads
+    ahead, from its own copy.
+    The loader's ``dataset`` has ``row_lat_weights`` (this rank's loss weights) and
+    ``lat_weights`` / ``grid_shape`` (global); ``loader.batch_sampler`` is the
+    ``StepBatchSampler``.
+    """
+    if split not in ("train", "valid"):
+        raise ValueError(f"build_train_loader: split must be 'train' or 'valid', got {split!r}")
+    if dataset is None:
+        dataset = dataset_from_conf(conf, split, domain_shard=(domain_rank, domain_size))
+    else:
+        dataset = _rank_rows(dataset, domain_rank, domain_size)
+    seed = _trainer_int(conf, "seed", 0, 0)
+    grad_accum = _trainer_int(conf, "grad_accum", 1, 1)
+    sampler = StepBatchSampler(
+        len(dataset),
+        _trainer_int(conf, "batch_size", 2, 1),
+        dp_rank,
+        dp_size,
+        seed=seed + (_VALID_SEED_OFFSET if split == "valid" else 0),
+        start_batch=int(start_step) * grad_accum,
+    )
+    workers = _data_int(conf, "num_workers", DEFAULT_NUM_WORKERS, 0)
+    workers = workers if num_workers is None else int(num_workers)
+    generator = torch.Generator()  # seeds the workers' RNGs reproducibly (the data uses none)
+    generator.manual_seed(seed)
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=workers,
+        prefetch_factor=(
+            _data_int(conf, "prefetch_factor", DEFAULT_PREFETCH_FACTOR, 1) if workers else None
+        ),
+        persistent_workers=workers > 0,
+        pin_memory=torch.device(device).type == "cuda",
+        generator=generator,
+    )
+
+
+def batch_to_device(batch: dict, device, *, dtype: torch.dtype | None = None) -> dict:
+    """The batch on ``device``; floating tensors cast to ``dtype`` when given.  Copies from
+    pinned memory are issued non-blocking (they overlap with work already queued)."""
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            cast = dtype if dtype is not None and value.is_floating_point() else None
+            value = value.to(device, dtype=cast, non_blocking=value.is_pinned())
+        out[key] = value
+    return out
+
+
+def register_row_batch(
+    batch: dict,
+    global_height: int,
+    *,
+    manager,
+    spatial_dims_5d: int = -2,
+    spatial_dims_4d: int = -2,
+) -> None:
+    """Register with ``manager`` the forward token ``shard_batch`` registers for the global batch.
+
+    ``batch`` holds this rank's rows (as ``build_train_loader`` delivers them); every 4-D and 5-D
+    tensor has the local height of this domain rank along its spatial dim, the global height
+    being ``global_height``.  ``shard_batch`` itself is called on shape-only (meta) tensors of the
+    global shapes, so the token is the one it registers, by construction, with no memory and no
+    communication.  A tensor whose local height is not this rank's share of ``global_height``
+    raises ``ValueError`` (a batch read for another rank or another grid).
+    """
+    from ..domain.rows import shard_sizes
+    from ..domain.sharding import shard_batch
+
+    if manager is None or manager.domain_world_size == 1:
+        return
+    local = shard_sizes(int(global_height), manager.domain_world_size)[manager.domain_rank]
+    placeholders = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() in (4, 5):
+            dim = (spatial_dims_5d if value.dim() == 5 else spatial_dims_4d) % value.dim()
+            if value.shape[dim] != local:
+                raise ValueError(
+                    f"register_row_batch: batch[{key!r}] has {value.shape[dim]} rows along dim "
+                    f"{dim} but domain rank {manager.domain_rank} of "
+                    f"{manager.domain_world_size} owns {local} of {global_height} rows"
+                )
+            shape = list(value.shape)
+            shape[dim] = int(global_height)
+            value = torch.empty(shape, dtype=value.dtype, device="meta")
+        placeholders[key] = value
+    shard_batch(
+        placeholders,
+        spatial_dims_5d=spatial_dims_5d,
+        spatial_dims_4d=spatial_dims_4d,
+        manager=manager,
+    )

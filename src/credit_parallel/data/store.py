@@ -1,0 +1,142 @@
+"""Opening ERA5-style zarr stores, counting the bytes read from them, and their statistics store.
+
+``open_store`` opens a zarr store through :class:`ByteCountingStore`, a ``zarr`` store wrapper
+that adds up the bytes every ``get`` returns, split into chunk bytes per array (``"T"``,
+``"latitude"``, ...) and metadata bytes.  That is what "bytes read" means throughout this package:
+the bytes the storage layer handed to zarr (compressed bytes when the store is compressed), not
+the decoded array size.  Counters live in the process that reads, so a DataLoader worker counts
+its own reads.
+
+Normalisation statistics live in a separate small zarr store (``default_stats_path(path)``); its
+layout is described in ``credit_parallel.data.dataset``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+from zarr.storage import LocalStore, WrapperStore
+
+__all__ = [
+    "LAT_NAMES",
+    "LEVEL_NAMES",
+    "LON_NAMES",
+    "STATISTICS",
+    "TIME_NAMES",
+    "ByteCountingStore",
+    "compute_normalization_stats",
+    "default_stats_path",
+    "find_dim",
+    "open_store",
+]
+
+# accepted names of each dimension, first match wins
+TIME_NAMES = ("time",)
+LAT_NAMES = ("latitude", "lat")
+LON_NAMES = ("longitude", "lon")
+LEVEL_NAMES = ("level", "pressure_level", "plev", "isobaricInhPa")
+STATISTICS = ("mean", "std")  # index order along the statistics store's "statistic" dim
+
+_METADATA_NAMES = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
+
+
+class ByteCountingStore(WrapperStore):
+    """A zarr store wrapper that counts the bytes returned by every read.
+
+    ``chunk_bytes[name]``: bytes of the chunk objects of array ``name`` (the first component of
+    the key, e.g. ``"T/c/0/0/3/0"`` -> ``"T"``); ``metadata_bytes``: bytes of metadata documents.
+    ``reset()`` zeroes both.
+    """
+
+    def __init__(self, store) -> None:
+        super().__init__(store)
+        self.chunk_bytes: dict[str, int] = {}
+        self.metadata_bytes = 0
+
+    def reset(self) -> None:
+        self.chunk_bytes = {}
+        self.metadata_bytes = 0
+
+    def _count(self, key: str, buffer) -> None:
+        if buffer is None:
+            return
+        parts = key.split("/")
+        if parts[-1] in _METADATA_NAMES:
+            self.metadata_bytes += len(buffer)
+        else:
+            self.chunk_bytes[parts[0]] = self.chunk_bytes.get(parts[0], 0) + len(buffer)
+
+    async def get(self, key, prototype, byte_range=None):
+        buffer = await self._store.get(key, prototype, byte_range)
+        self._count(key, buffer)
+        return buffer
+
+    async def get_partial_values(self, prototype, key_ranges):
+        key_ranges = list(key_ranges)
+        buffers = await self._store.get_partial_values(prototype, key_ranges)
+        for (key, _), buffer in zip(key_ranges, buffers):
+            self._count(key, buffer)
+        return buffers
+
+
+def find_dim(names, candidates) -> str | None:
+    """The first of ``candidates`` that is in ``names``, else None."""
+    return next((candidate for candidate in candidates if candidate in names), None)
+
+
+def default_stats_path(path) -> Path:
+    """Where the statistics of the store at ``path`` live: ``<stem>_stats.zarr`` beside it."""
+    path = Path(path)
+    stem = path.stem if path.suffix == ".zarr" else path.name
+    return path.with_name(f"{stem}_stats.zarr")
+
+
+def open_store(path, what: str) -> tuple[xr.Dataset, ByteCountingStore]:
+    """The zarr store at ``path`` as a lazy ``xr.Dataset`` and the counting store under it."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{what}: no zarr store at {str(path)!r}; write a sample one with "
+            "credit_parallel.data.write_sample_dataset(path) or `credit-parallel sample-data`"
+        )
+    store = ByteCountingStore(LocalStore(str(path), read_only=True))
+    with warnings.catch_warnings():
+        # stores written without consolidated metadata are fine; do not warn about the fallback
+        warnings.filterwarnings("ignore", message=".*consolidated metadata.*")
+        try:
+            ds = xr.open_dataset(store, engine="zarr", chunks=None, cache=False)
+        except Exception as err:  # zarr raises several types for "not a store"
+            raise ValueError(f"{what}: {str(path)!r} is not a readable zarr store: {err}") from err
+    return ds, store
+
+
+def compute_normalization_stats(data, out_path=None) -> xr.Dataset:
+    """Mean and std (unweighted over time/latitude/longitude, ddof 0) of every data variable.
+
+    ``data`` is an ``xr.Dataset`` or the path of a zarr store.  Variables with a level dim get
+    one value per level.  Computed in float64, one variable at a time.  Written as a zarr store to
+    ``out_path`` when given.  Returns the statistics dataset.
+    """
+    ds = (
+        data if isinstance(data, xr.Dataset) else open_store(data, "compute_normalization_stats")[0]
+    )
+    level_dim = find_dim(ds.dims, LEVEL_NAMES)
+    stats = {}
+    for name, variable in ds.data_vars.items():
+        reduce_dims = [dim for dim in variable.dims if dim != level_dim]
+        values = variable.astype(np.float64)
+        mean = values.mean(reduce_dims)
+        std = values.std(reduce_dims, ddof=0)
+        stats[name] = xr.concat([mean, std], dim="statistic")
+    out = xr.Dataset(stats)
+    out.attrs = {
+        "statistic_order": list(STATISTICS),
+        "description": "normalisation statistics: (raw - mean) / std per variable and level",
+        "reduction": "unweighted over time, latitude and longitude, ddof 0",
+    }
+    if out_path is not None:
+        out.to_zarr(Path(out_path), mode="w", consolidated=False)
+    return out
