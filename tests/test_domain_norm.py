@@ -15,7 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.norm import DomainParallelGroupNorm, merge_group_moments
+from credit_parallel.domain.norm import (
+    DomainParallelGroupNorm,
+    local_group_moments,
+    merge_group_moments,
+)
 from credit_parallel.domain.rows import shard_range
 from credit_parallel.domain.sharding import gather_tensor
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
@@ -188,6 +192,75 @@ def test_group_norm_keeps_state_dict_keys_and_properties():
     assert (layer.num_groups, layer.num_channels, layer.eps, layer.affine) == (4, 8, 1e-3, True)
     with pytest.raises(TypeError, match="GroupNorm"):
         DomainParallelGroupNorm(nn.LayerNorm(8))
+
+
+def _rows_of_rank_worker(rank, world, h, dtype):
+    """Compare this rank's own output rows and gradient rows with the single-process ones
+    directly (no gather), so that a rank with zero rows is checked too."""
+    mgr = DomainParallelManager(world, world)
+    torch.manual_seed(0)
+    norm = _group_norm(2, True, dtype)()
+    ref = copy.deepcopy(norm)
+    x = _input((2, CHANNELS, h, 6), offset=50.0, dtype=dtype)
+    x_ref = x.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    grad_y = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    (y_ref * grad_y).sum().backward()
+    a, b = shard_range(h, world, rank)
+    x_local = x[:, :, a:b].clone().requires_grad_()
+    layer = DomainParallelGroupNorm(norm, manager=mgr)
+    y = layer(x_local)
+    (y * grad_y[:, :, a:b]).sum().backward()
+
+    def max_abs(t):
+        return float(t.detach().abs().amax()) if t.numel() else 0.0
+
+    errs = {
+        "rows": b - a,
+        "output": max_abs(y - y_ref[:, :, a:b]),
+        "input_grad": max_abs(x_local.grad - x_ref.grad[:, :, a:b]),
+        "finite": bool(torch.isfinite(y).all() and torch.isfinite(x_local.grad).all()),
+    }
+    for name in ("weight", "bias"):
+        grad = getattr(norm, name).grad.clone()
+        dist.all_reduce(grad, group=mgr.domain_group)
+        errs[name] = float((grad - getattr(ref, name).grad).abs().max())
+    return errs
+
+
+def test_group_norm_h2_domain3_rank_with_zero_rows_matches_single_process_float64():
+    results = run_on_ranks(_rows_of_rank_worker, 3, 2, torch.float64)
+    assert [r["rows"] for r in results] == [1, 1, 0]
+    for r in results:
+        assert r["finite"]
+        for key in ("output", "input_grad", "weight", "bias"):
+            assert r[key] <= 1e-10, (key, r)
+
+
+def test_group_norm_h5_domain4_float32_matches_single_process_rows_of_each_rank():
+    results = run_on_ranks(_rows_of_rank_worker, 4, 5, torch.float32)
+    assert [r["rows"] for r in results] == [2, 1, 1, 1]
+    for r in results:
+        # outputs/input gradients are O(1..10); the SPEC's float32 bounds are relative 1e-5
+        assert r["output"] <= 2e-5 and r["input_grad"] <= 1e-5, r
+        assert r["weight"] <= 1e-3 and r["bias"] <= 1e-3, r
+
+
+def test_local_moments_of_uneven_and_empty_pieces_merge_to_the_global_moments():
+    x = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    x = x * 2 + 1.0e4
+    pieces = torch.tensor_split(x, (9, 9, 31), dim=-1)  # sizes 9, 0, 22, 9: one empty
+    stats = []
+    for p in pieces:
+        centred = p - p.mean(-1, keepdim=True) if p.shape[-1] else p
+        hi = p.mean(-1) if p.shape[-1] else torch.zeros(p.shape[:-1], dtype=p.dtype)
+        stats.append(local_group_moments(centred, hi, torch.float64))
+    stats = torch.stack(stats)
+    assert stats[1, 0].eq(0).all() and torch.isfinite(stats).all()
+    mean, m2 = merge_group_moments(stats[:, 0], stats[:, 1], stats[:, 2])
+    var, ref_mean = torch.var_mean(x, dim=-1, correction=0)
+    assert torch.allclose(mean, ref_mean, rtol=0, atol=1e-10)
+    assert torch.allclose(m2 / 40, var, rtol=1e-12, atol=0)
 
 
 def test_chan_merge_of_split_moments_is_stable_at_a_mean_of_1e6():
