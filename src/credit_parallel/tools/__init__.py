@@ -1,0 +1,1 @@
+"""Tools around the library: benchmarking and profiling (not needed to train)."""
