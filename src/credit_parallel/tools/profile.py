@@ -25,7 +25,6 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
