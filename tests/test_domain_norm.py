@@ -184,6 +184,29 @@ def test_group_norm_bf16_input_gives_bf16_output():
         assert err <= 0.05  # bf16 output rounding only (values of a few units)
 
 
+def _bf16_backward_worker(rank, world):
+    mgr = DomainParallelManager(world, world)
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(2, CHANNELS)
+    layer = DomainParallelGroupNorm(copy.deepcopy(norm).bfloat16(), manager=mgr)
+    x = _input((2, CHANNELS, 9, 6), offset=4.0, dtype=torch.bfloat16)
+    grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(7))
+    a, b = shard_range(9, world, rank)
+    x_local = x[:, :, a:b].clone().requires_grad_()
+    layer(x_local).backward(grad_y[:, :, a:b].bfloat16())
+    x_ref = x.float().requires_grad_()
+    norm(x_ref).backward(grad_y)
+    grad = gather_tensor(x_local.grad, -2, mgr)
+    err = float((grad.float() - x_ref.grad).abs().max() / x_ref.grad.abs().max())
+    return x_local.grad.dtype, err
+
+
+def test_group_norm_bf16_backward_gives_bf16_input_grad_close_to_float32():
+    for dtype, err in run_on_ranks(_bf16_backward_worker, 2):
+        assert dtype == torch.bfloat16
+        assert err <= 0.02  # bf16 rounding of the input, the output gradient and the result
+
+
 def test_group_norm_keeps_state_dict_keys_and_properties():
     norm = nn.GroupNorm(4, CHANNELS, eps=1e-3)
     layer = DomainParallelGroupNorm(norm)
