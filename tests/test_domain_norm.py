@@ -326,3 +326,23 @@ def test_conv_stack_benchmark_tiny_run_sends_exactly_the_minimum_halo():
         # 2 convs x 1 interior boundary x 2 directions x 1 row x 8 channels x 32 x 4 bytes
         assert measured == minimum == 2 * 2 * 8 * 32 * 4
     assert re.search(r"P2P calls per exchange\s*\|\s*1\.00", text), text
+
+
+def _load_script(name):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_groupnorm_speed_benchmark_tiny_run_times_all_four_variants():
+    bench = _load_script("groupnorm_speed")
+    argv = ["--channels", "8", "--groups", "2", "--height", "8", "--width", "8"]
+    argv += ["--steps", "1", "--warmup", "0", "--rounds", "1"]
+    with redirect_stdout(io.StringIO()) as out:
+        result = bench.main(argv)
+    assert set(result) == {"native_full", "native_shard", "ours_1rank", "ours_domain"}
+    for r in result.values():
+        assert r["forward_ms"] > 0 and r["backward_ms"] > 0 and r["cpu_ms"] > 0
+    assert "DomainParallelGroupNorm, domain ranks" in out.getvalue()

@@ -108,3 +108,22 @@ def test_profile_domain2_sees_windows_collectives_and_a_late_rank_as_blocked_tim
     assert merged.kinds["conv"].comm == pytest.approx(
         (results[0].kinds["conv"].comm + results[1].kinds["conv"].comm) / 2
     )
+
+
+def test_profile_step_script_tiny_conv_stack_domain1_and_2_prints_a_table_each():
+    import importlib.util
+    import io
+    from contextlib import redirect_stdout
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
+    spec = importlib.util.spec_from_file_location("profile_step_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--models", "conv_stack/tiny", "--domains", "1,2", "--steps", "1", "--warmup", "1"]
+    with redirect_stdout(io.StringIO()) as out:
+        results = script.main(argv)
+    assert set(results) == {("conv_stack/tiny", 1), ("conv_stack/tiny", 2)}
+    assert results[("conv_stack/tiny", 1)].kinds["conv"].comm == 0
+    assert results[("conv_stack/tiny", 2)].kinds["conv"].comm > 0
+    assert out.getvalue().count("layer kind") == 2
