@@ -256,6 +256,11 @@ def main(argv=None) -> list[dict]:
         f"{'workload':<46}| d | {'1p1t ms':>8} | {'1pNt ms':>8} | {'floor ms':>8} | "
         f"{'ours ms':>8} | E ours | E floor | ours/floor | E Nt"
     )
+    if os.getloadavg()[0] > cores / 2:
+        print(
+            f"WARNING: load average {os.getloadavg()[0]:.1f} on {cores} cores: other jobs share "
+            "the machine, the times below measure waiting for a core as much as the work"
+        )
     print(head)
     print("-" * len(head))
     rows = []
