@@ -135,27 +135,10 @@ class StepProfile:
     kinds: dict = field(default_factory=lambda: {k: KindTimes() for k in LAYER_KINDS})
 
 
-class _TimedWork:
-    """A ``Work`` whose ``wait`` runs inside the communication range."""
-
-    def __init__(self, work):
-        self._work = work
-
-    def wait(self, *args, **kwargs):
-        with record_function(_COMM_RANGE):
-            return self._work.wait(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
 def _timed(fn):
     def call(*args, **kwargs):
         with record_function(_COMM_RANGE):
-            result = fn(*args, **kwargs)
-        if isinstance(result, list):
-            return [_TimedWork(w) for w in result]
-        return _TimedWork(result) if result is not None else None
+            return fn(*args, **kwargs)
 
     return call
 
@@ -163,13 +146,18 @@ def _timed(fn):
 @contextlib.contextmanager
 def _marked_communication():
     """Run every ``torch.distributed`` collective (looked up through the module, as the library
-    does) inside the communication range, and the waits of their works too."""
+    and FSDP do) and every ``Work.wait`` inside the communication range.  The works themselves
+    are not wrapped: FSDP2 tells async works apart by their type."""
     originals = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+    work_type = dist.distributed_c10d.Work
+    original_wait = work_type.wait
     try:
         for name, fn in originals.items():
             setattr(dist, name, _timed(fn))
+        work_type.wait = _timed(original_wait)
         yield
     finally:
+        work_type.wait = original_wait
         for name, fn in originals.items():
             setattr(dist, name, fn)
 
