@@ -346,3 +346,23 @@ def test_groupnorm_speed_benchmark_tiny_run_times_all_four_variants():
     for r in result.values():
         assert r["forward_ms"] > 0 and r["backward_ms"] > 0 and r["cpu_ms"] > 0
     assert "DomainParallelGroupNorm, domain ranks" in out.getvalue()
+
+
+def _autocast_worker(rank, world):
+    mgr = DomainParallelManager(world, world)
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(2, CHANNELS)
+    layer = DomainParallelGroupNorm(copy.deepcopy(norm), manager=mgr)
+    x = _input((2, CHANNELS, 9, 6), offset=2.0, dtype=torch.bfloat16)
+    a, b = shard_range(9, world, rank)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x[:, :, a:b])
+        ref = norm(x)
+    full = gather_tensor(y, -2, mgr)
+    return y.dtype, ref.dtype, float((full.float() - ref.float()).abs().max())
+
+
+def test_group_norm_under_cpu_autocast_keeps_the_dtype_nn_group_norm_gives():
+    for dtype, ref_dtype, err in run_on_ranks(_autocast_worker, 2):
+        assert dtype == ref_dtype == torch.bfloat16  # CPU autocast leaves group_norm in bf16
+        assert err <= 0.05  # bf16 output rounding only (values of a few units)

@@ -233,7 +233,18 @@ class DomainParallelGroupNorm(DomainWrapper):
                 f"(B, {self.num_channels}, *spatial) input with at least one (sharded) spatial "
                 f"dim, got shape {tuple(x.shape)}"
             )
-        return _DomainGroupNorm.apply(x.contiguous(), weight, bias, self.num_groups, self.eps, mgr)
+        device = x.device.type
+        if device == "cuda" and torch.is_autocast_enabled(device):
+            # CUDA autocast runs nn.GroupNorm in float32 (its fp32 op list; CPU autocast leaves
+            # it in the input's dtype); the layer's own passes are never re-cast (einsum would
+            # go to bf16), hence autocast off around them
+            x = x.float()
+            weight = weight.float() if weight is not None else None
+            bias = bias.float() if bias is not None else None
+        with torch.autocast(device, enabled=False):
+            return _DomainGroupNorm.apply(
+                x.contiguous(), weight, bias, self.num_groups, self.eps, mgr
+            )
 
     def extra_repr(self) -> str:
         return f"{self.wrapped!r}"
