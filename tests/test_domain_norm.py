@@ -17,6 +17,7 @@ from torch import nn
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.norm import (
     DomainParallelGroupNorm,
+    group_norm_input_grad_coefficients,
     local_group_moments,
     merge_group_moments,
 )
@@ -366,3 +367,34 @@ def test_group_norm_under_cpu_autocast_keeps_the_dtype_nn_group_norm_gives():
     for dtype, ref_dtype, err in run_on_ranks(_autocast_worker, 2):
         assert dtype == ref_dtype == torch.bfloat16  # CPU autocast leaves group_norm in bf16
         assert err <= 0.05  # bf16 output rounding only (values of a few units)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_input_grad_coefficients_give_the_autograd_group_norm_gradient_one_process(affine):
+    gen = torch.Generator().manual_seed(11)
+    b, g, cg, length = 2, 3, 2, 20
+    x = torch.randn(b, g * cg, length, generator=gen, dtype=torch.float64) * 2 + 7
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    weight = torch.randn(g * cg, generator=gen, dtype=torch.float64) if affine else None
+    xr = x.clone().requires_grad_()
+    torch.nn.functional.group_norm(xr, g, weight, None, 1e-5).backward(dy)
+    grouped = x.view(b, g, cg * length)
+    hi = grouped.mean(-1) + 0.25  # any centring close to the mean
+    t = grouped - hi.unsqueeze(-1)
+    var, mean = torch.var_mean(grouped, dim=-1, correction=0)
+    rstd = torch.rsqrt(var + 1e-5)
+    offset = mean - hi
+    w = weight.view(g, cg) if affine else torch.ones(g, cg, dtype=torch.float64)
+    dyg = dy.view(b, g, cg, length) * w.unsqueeze(-1)
+    sum_g = dyg.sum((-1, -2))
+    sum_g_centred = (dyg * (t.view(b, g, cg, length) - offset[..., None, None])).sum((-1, -2))
+    count = torch.full_like(rstd, cg * length)
+    alpha, beta, c = group_norm_input_grad_coefficients(
+        rstd, offset, sum_g, sum_g_centred, count, weight.view(g, cg) if affine else None
+    )
+    dx = (
+        dy.view(b, g, cg, length) * alpha.unsqueeze(-1)
+        + t.view(b, g, cg, length) * beta[..., None, None]
+        + c[..., None, None]
+    )
+    assert torch.allclose(dx.reshape(x.shape), xr.grad, rtol=0, atol=1e-12)

@@ -115,8 +115,8 @@ def group_norm_input_grad_coefficients(rstd, offset, sum_g, sum_g_centred, count
 
     ``rstd``, ``offset`` (global mean minus the centring ``hi``), ``sum_g = sum dy gamma``,
     ``sum_g_centred = sum dy gamma (x - mean)`` and ``count`` (elements of the global group) are
-    (B, G); ``weight`` (G, Cg) or None.  Returns ``alpha`` (B, G, Cg), ``beta`` (B, G) and ``c``
-    (B, G), from ``dx = rstd g - rstd A / M - (x - mean) rstd^3 B / M`` with ``x - mean = t -
+    (B, G); ``weight`` (G, Cg) or None.  Returns ``alpha`` (B, G, Cg; (B, G, 1) without a
+    weight), ``beta`` (B, G) and ``c`` (B, G), from ``dx = rstd g - rstd A / M - (x - mean) rstd^3 B / M`` with ``x - mean = t -
     offset``."""
     k = rstd.pow(3) * sum_g_centred / count
     beta = -k
