@@ -94,7 +94,7 @@ def _domain_worker(rank, world, lag_s):
 
 
 def test_profile_domain2_sees_windows_collectives_and_a_late_rank_as_blocked_time():
-    lag = 0.05
+    lag = 0.3  # long against the scheduling noise of a shared machine
     results = run_on_ranks(_domain_worker, 2, lag)
     for r in results:
         assert r.kinds["conv"].calls == 1 and r.kinds["group norm"].calls == 1
@@ -102,7 +102,7 @@ def test_profile_domain2_sees_windows_collectives_and_a_late_rank_as_blocked_tim
         assert r.kinds["group norm"].comm > 0
     # rank 0 waits for the late rank 1 in the first layer's exchange, every step
     assert results[0].kinds["conv"].comm >= 0.8 * lag
-    assert results[1].kinds["conv"].comm < 0.8 * lag
+    assert results[1].kinds["conv"].comm < 0.5 * lag
     merged = mean_profile(results)
     assert merged.step_s == pytest.approx((results[0].step_s + results[1].step_s) / 2)
     assert merged.kinds["conv"].comm == pytest.approx(
