@@ -206,20 +206,23 @@ def time_workload(w: Workload, domain: int, *, rounds: int, steps: int, warmup: 
     }
 
 
-def efficiencies(times: dict, domain: int, cores: int) -> dict:
-    """The efficiency columns; None where a figure is missing or a run oversubscribes."""
+def efficiencies(times: dict, domain: int, cores: int, loaded: bool = False) -> dict:
+    """The efficiency columns; None where a figure is missing or a run oversubscribes.  On a
+    ``loaded`` machine (other jobs hold the cores) the N-thread reference is oversubscribed
+    too — its threads wait for each other at every parallel region — so it gets no figure."""
 
     def ok(name):
         return isinstance(times.get(name), float)
 
     oversubscribed = domain > cores
-    out = {"oversubscribed": oversubscribed}
+    out = {"oversubscribed": oversubscribed, "loaded": loaded}
     ref, ours, floor, ref_n = times["1p1t"], times["ours"], times["floor"], times[f"1p{domain}t"]
     fair = not oversubscribed
     out["E ours"] = ref / (domain * ours) if fair and ok("1p1t") and ok("ours") else None
     out["E floor"] = ref / (domain * floor) if fair and ok("1p1t") and ok("floor") else None
     out["ours/floor"] = floor / ours if fair and ok("floor") and ok("ours") else None
-    out[f"E {domain}t"] = ref_n / ours if fair and ok(f"1p{domain}t") and ok("ours") else None
+    fair_n = fair and not loaded
+    out[f"E {domain}t"] = ref_n / ours if fair_n and ok(f"1p{domain}t") and ok("ours") else None
     return out
 
 
@@ -256,10 +259,12 @@ def main(argv=None) -> list[dict]:
         f"{'workload':<46}| d | {'1p1t ms':>8} | {'1pNt ms':>8} | {'floor ms':>8} | "
         f"{'ours ms':>8} | E ours | E floor | ours/floor | E Nt"
     )
-    if os.getloadavg()[0] > cores / 2:
+    loaded = os.getloadavg()[0] > cores / 2
+    if loaded:
         print(
             f"WARNING: load average {os.getloadavg()[0]:.1f} on {cores} cores: other jobs share "
-            "the machine, the times below measure waiting for a core as much as the work"
+            "the machine, the times below measure waiting for a core as much as the work; "
+            "the N-thread reference gets no efficiency"
         )
     print(head)
     print("-" * len(head))
@@ -268,7 +273,7 @@ def main(argv=None) -> list[dict]:
         w = known[name]
         for domain in (int(d) for d in args.domains.split(",")):
             t = time_workload(w, domain, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
-            e = efficiencies(t, domain, cores)
+            e = efficiencies(t, domain, cores, loaded)
             rows.append({"workload": name, "domain": domain, "times": t, "efficiency": e})
             ms = [
                 _cell(t[k] * 1e3 if isinstance(t[k], float) else t[k], "8.1f")

@@ -53,6 +53,8 @@ def test_efficiencies_follow_the_definitions_and_oversubscribed_runs_get_none():
     e4 = bench.efficiencies(times4, 4, cores=2)
     assert e4["oversubscribed"]
     assert all(e4[k] is None for k in ("E ours", "E floor", "ours/floor", "E 4t"))
+    loaded = bench.efficiencies(times, 2, cores=2, loaded=True)
+    assert loaded["E 2t"] is None and loaded["E ours"] == e["E ours"]
     failed = dict(times, ours="RankFailure: ...")
     assert bench.efficiencies(failed, 2, cores=2)["E ours"] is None
 
