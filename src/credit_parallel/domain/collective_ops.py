@@ -6,7 +6,8 @@
   gradients computed for its rows).
 * :func:`scatter_rows` — keep this rank's rows of a replicated tensor; backward = all-gather.
 * :func:`all_gather_stacked` — stack one equally shaped tensor per rank (norm statistics);
-  backward = all-reduce of the stacked gradient, each rank keeps its slot.
+  backward = all-reduce of the stacked gradient, each rank keeps its slot;
+* :func:`all_reduce_sum` — plain in-place sum over the domain group (inside a backward).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from .rows import shard_range, shard_sizes
 
-__all__ = ["all_gather_rows", "all_gather_stacked", "scatter_rows"]
+__all__ = ["all_gather_rows", "all_gather_stacked", "all_reduce_sum", "scatter_rows"]
 
 
 def _gather_padded(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
@@ -96,3 +97,10 @@ def scatter_rows(x: torch.Tensor, dim: int, manager) -> torch.Tensor:
 
 def all_gather_stacked(x: torch.Tensor, manager) -> torch.Tensor:
     return _AllGatherStacked.apply(x, manager.domain_rank, manager.domain_group)
+
+
+def all_reduce_sum(x: torch.Tensor, manager) -> torch.Tensor:
+    """Sum ``x`` over the domain group in place and return it (not differentiable: for use
+    inside an autograd Function's backward, e.g. the GroupNorm gradient statistics)."""
+    dist.all_reduce(x, group=manager.domain_group)
+    return x

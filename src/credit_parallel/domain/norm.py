@@ -1,37 +1,55 @@
 """Domain-parallel GroupNorm: statistics over the whole globe, exact forward and backward.
 
 A GroupNorm normalises each (sample, group) over its channels and ALL spatial positions, so a
-rank holding some latitude rows cannot normalise alone.  Each rank reduces its own rows to three
-numbers per (sample, group) — count, mean and M2 (sum of squared deviations from that mean),
-held in float64 for float32/float64 inputs (float32 for bf16/half) — the ranks exchange them in ONE
-differentiable all-gather (:func:`~credit_parallel.domain.collective_ops.all_gather_stacked`),
-and every rank merges them with Chan's parallel formula::
+rank holding some latitude rows cannot normalise alone.  The layer is one autograd Function with
+exactly one collective per direction and a fixed number of fused per-element passes:
 
-    mean = sum_i n_i m_i / N,    M2 = sum_i M2_i + sum_i n_i (m_i - mean)^2
+forward
+    1. centre: ``t = x - hi`` with ``hi`` the LOCAL mean of each (sample, group) — one pass that
+       also serves the normalisation and the backward (``t`` is what is saved, in place of ``x``);
+    2. local moments of ``t``: count, mean and M2 (sum of squared deviations) by the
+       shifted-data algorithm (``M2 = sum t^2 - n mean_t^2`` on data already centred, so nothing
+       cancels), held in float64 for float32/float64 inputs (float32 for bf16/half);
+    3. ONE all-gather of (count, mean, M2) per (sample, group), merged on every rank with Chan's
+       parallel formula ``mean = sum n_i m_i / N, M2 = sum M2_i + sum n_i (m_i - mean)^2``, which
+       never subtracts large sums (a sum / sum-of-squares merge loses every digit once the mean is
+       large against the spread);
+    4. ``y = t * scale + shift`` per (sample, channel) in one fused pass (the native inference
+       batch-norm kernel used as a per-channel affine map); ``shift`` folds in the small offset
+       between the global and the local mean, so a mean far from zero costs no accuracy.
 
-which never subtracts large sums (a naive sum-of-squares merge loses every digit once the mean is
-large against the spread).  The merge and the all-gather are ordinary autograd, so the backward
-carries the gradient of the statistics back to every rank's rows: the input gradient is the exact
-GroupNorm gradient, not the "statistics held fixed" approximation a non-differentiable all-reduce
-would give.  The two per-element steps (local moments, normalisation) are small autograd
-Functions that save only the input, so the layer keeps no more activations than
-``nn.GroupNorm``; they run in the input's precision (float32 for bf16/half) on data shifted by
-the mean (split as ``hi + lo`` in that precision), so a mean far from zero costs no accuracy and
-float32 layers do not pay for float64 passes over the activations.
+backward (``g = dy * gamma``, ``xhat = (x - mean) rstd``, means over the GLOBAL group of M)
+    ``dx = rstd (g - mean(g) - xhat mean(g xhat))``: the two per-(sample, group) sums
+    ``A = sum g`` and ``B = sum g (x - mean)`` are reduced locally from the per-channel sums
+    ``sum dy`` and ``sum dy t`` (one pass over dy and one dot product per channel), summed over
+    the ranks in ONE all-reduce, and ``dx = dy alpha + t beta + c`` is formed in two fused passes.
+    The parameter gradients are this rank's partial sums (the domain gradient sync adds them up).
+
+The per-element passes run in the input's precision (float32 for bf16/half, where ``x`` is
+saved instead of the wider ``t`` and ``t`` is recomputed in the backward).  A rank without rows
+contributes count 0 and takes part in both collectives.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .collective_ops import all_gather_stacked
+from .collective_ops import all_gather_stacked, all_reduce_sum
 from .manager import resolve_manager
 from .wrap import DomainWrapper
 
-__all__ = ["DomainParallelGroupNorm", "merge_group_moments", "statistics_dtype"]
+__all__ = [
+    "DomainParallelGroupNorm",
+    "group_norm_input_grad_coefficients",
+    "local_group_moments",
+    "merge_group_moments",
+    "statistics_dtype",
+]
 
 
 def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,117 +62,140 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _split_mean(mean: torch.Tensor, dtype: torch.dtype):
-    """``mean`` (statistics precision) as ``hi + lo`` with ``hi`` in ``dtype``: ``x - hi`` is then
-    accurate to the rounding of the CENTRED value, and ``lo`` is applied to small sums only."""
-    hi = mean.to(dtype)
-    return hi, mean - hi.to(mean.dtype)
+def _centre(x: torch.Tensor, groups: int):
+    """``(t, hi)``: ``x`` as (B, G, K) minus ``hi``, its per-(sample, group) mean, both in the
+    compute dtype.  ``hi`` only has to be close to the mean (its rounding is corrected later)."""
+    b = x.shape[0]
+    grouped = x.reshape(b, groups, math.prod(x.shape[1:]) // groups)
+    cdt = _compute_dtype(x.dtype)
+    if grouped.shape[-1] == 0:  # a rank without rows: the mean of nothing is not needed
+        hi = grouped.new_zeros((b, groups), dtype=cdt)
+    else:
+        hi = grouped.mean(-1, dtype=cdt)
+    return grouped - hi.unsqueeze(-1), hi
 
 
-class _LocalMoments(torch.autograd.Function):
-    """Per (sample, group) mean and M2 of this rank's rows, returned in the statistics dtype.
-
-    ``x`` is (B, G, K).  The data are shifted by a first estimate of the mean before any sum of
-    squares (the shifted-data algorithm), so a large mean costs no precision even though the
-    per-element passes run in the input's precision.  Backward: d mean/dx = 1/K,
-    d M2/dx = 2 (x - mean).
-    """
-
-    @staticmethod
-    def forward(ctx, x, stat_dtype):
-        xc = x.to(_compute_dtype(x.dtype))
-        count = xc.shape[-1]
-        if count == 0:  # a rank without rows contributes nothing (weight n_i = 0)
-            mean = xc.new_zeros(xc.shape[:-1], dtype=stat_dtype)
-            m2 = torch.zeros_like(mean)
-        else:
-            shift = xc.mean(-1, keepdim=True)
-            centred = xc - shift
-            mean_c = centred.sum(-1).to(stat_dtype) / count
-            mean = shift.squeeze(-1).to(stat_dtype) + mean_c
-            m2 = centred.square_().sum(-1).to(stat_dtype) - count * mean_c**2
-            m2 = m2.clamp_min(0)
-        ctx.save_for_backward(x, mean)
-        return mean, m2
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_mean, grad_m2):
-        x, mean = ctx.saved_tensors
-        count = max(x.shape[-1], 1)
-        xc = x.to(_compute_dtype(x.dtype))
-        hi, lo = _split_mean(mean, xc.dtype)
-        # 2 g_m2 (x - hi - lo) + g_mean / K, with the small terms folded into one constant
-        slope = (2 * grad_m2).unsqueeze(-1)
-        const = (grad_mean / count).unsqueeze(-1) - slope * lo.unsqueeze(-1)
-        grad = (xc - hi.unsqueeze(-1)).mul_(slope.to(xc.dtype)).add_(const.to(xc.dtype))
-        return grad.to(x.dtype), None
-
-
-class _Normalize(torch.autograd.Function):
-    """``y = (x - mean) * rstd * weight + bias`` per (sample, group, channel).
-
-    ``x`` is (B, G, Cg, R); ``mean``/``rstd`` (B, G) in the statistics dtype; ``weight``/``bias``
-    (C,) or None.  The backward returns the direct input gradient and the gradients of ``mean``
-    and ``rstd`` (these flow on through the merge and the all-gather to every rank's rows).
-    """
-
-    @staticmethod
-    def forward(ctx, x, mean, rstd, weight, bias):
-        b, g, cg, _ = x.shape
-        xc = x.to(_compute_dtype(x.dtype))
-        hi, lo = _split_mean(mean, xc.dtype)
-        scale = rstd.view(b, g, 1, 1).expand(b, g, cg, 1)
-        if weight is not None:
-            scale = scale * weight.to(rstd.dtype).view(1, g, cg, 1)
-        shift = -lo.view(b, g, 1, 1) * scale
-        if bias is not None:
-            shift = shift + bias.to(rstd.dtype).view(1, g, cg, 1)
-        y = (xc - hi.view(b, g, 1, 1)).mul_(scale.to(xc.dtype)).add_(shift.to(xc.dtype))
-        ctx.save_for_backward(x, mean, rstd, weight, bias)
-        return y.to(x.dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y):
-        x, mean, rstd, weight, bias = ctx.saved_tensors
-        b, g, cg, _ = x.shape
-        stat = rstd.dtype
-        xc = x.to(_compute_dtype(x.dtype))
-        gy = grad_y.to(xc.dtype)
-        hi, lo = _split_mean(mean, xc.dtype)
-        # per (sample, group, channel): sum(gy) and sum(gy * (x - mean)), the only full passes
-        sum_gy = gy.sum(-1).to(stat)
-        sum_gy_centred = (xc - hi.view(b, g, 1, 1)).mul_(gy).sum(-1).to(stat)
-        sum_gy_centred = sum_gy_centred - lo.view(b, g, 1) * sum_gy
-        w = weight.to(stat).view(1, g, cg) if weight is not None else None
-        grad_weight = grad_bias = None
-        if weight is not None and ctx.needs_input_grad[3]:
-            grad_weight = (sum_gy_centred * rstd.view(b, g, 1)).sum(0).reshape(-1)
-            grad_weight = grad_weight.to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[4]:
-            grad_bias = sum_gy.sum(0).reshape(-1).to(bias.dtype)
-        w_sum_gy = sum_gy if w is None else w * sum_gy
-        w_sum_gy_centred = sum_gy_centred if w is None else w * sum_gy_centred
-        grad_mean = -w_sum_gy.sum(-1) * rstd
-        grad_rstd = w_sum_gy_centred.sum(-1)
-        direct = rstd.view(b, g, 1).expand(b, g, cg) if w is None else w * rstd.view(b, g, 1)
-        grad_x = (gy * direct.unsqueeze(-1).to(xc.dtype)).to(x.dtype)
-        return grad_x, grad_mean, grad_rstd, grad_weight, grad_bias
+def local_group_moments(t: torch.Tensor, hi: torch.Tensor, stat_dtype: torch.dtype):
+    """Count, mean and M2 per (sample, group) of ``x = t + hi`` (``t`` centred, (B, G, K)),
+    stacked as (3, B, G) in ``stat_dtype``.  Shifted-data algorithm: with ``t`` already centred,
+    ``M2 = sum t^2 - K mean_t^2`` subtracts two small numbers."""
+    count = t.shape[-1]
+    mean_t = t.sum(-1).to(stat_dtype) / max(count, 1)
+    sum_sq = torch.linalg.vector_norm(t, dim=-1).to(stat_dtype).square()
+    m2 = (sum_sq - count * mean_t.square()).clamp_min(0)
+    mean = hi.to(stat_dtype) + mean_t
+    return torch.stack((torch.full_like(mean, count), mean, m2))
 
 
 def merge_group_moments(counts, means, m2s):
-    """Chan's parallel merge of per-rank moments stacked along dim 0: returns (mean, M2)."""
+    """Chan's parallel merge of per-rank moments stacked along dim 0: returns (mean, M2).
+    Ranks with count 0 carry no weight (and the total is never 0 for a real grid)."""
     total = counts.sum(0)
     mean = (counts * means).sum(0) / total.clamp_min(1)
     m2 = m2s.sum(0) + (counts * (means - mean) ** 2).sum(0)
     return mean, m2
 
 
+def _affine_per_channel(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor):
+    """``t * scale + shift`` with ``t`` (B, C, L) and ``scale``/``shift`` (B, C), in ONE pass:
+    the native inference batch norm over B*C channels with mean 0, variance 1 and eps 0 is
+    exactly that map (a broadcast addcmul takes about twice as long on CPU)."""
+    b, c, length = t.shape
+    if t.numel() == 0:  # a rank without rows
+        return t.clone()
+    flat = t.reshape(1, b * c, length)
+    zeros = flat.new_zeros(b * c)
+    ones = flat.new_ones(b * c)
+    out = F.batch_norm(flat, zeros, ones, scale.reshape(-1), shift.reshape(-1), False, 0.0, 0.0)
+    return out.view(b, c, length)
+
+
+def group_norm_input_grad_coefficients(rstd, offset, sum_g, sum_g_centred, count, weight):
+    """Coefficients of ``dx = dy * alpha + t * beta + c`` for GroupNorm, from GLOBAL sums.
+
+    ``rstd``, ``offset`` (global mean minus the centring ``hi``), ``sum_g = sum dy gamma``,
+    ``sum_g_centred = sum dy gamma (x - mean)`` and ``count`` (elements of the global group) are
+    (B, G); ``weight`` (G, Cg) or None.  Returns ``alpha`` (B, G, Cg; (B, G, 1) without a
+    weight), ``beta`` (B, G) and ``c`` (B, G), from ``dx = rstd g - rstd A / M - (x - mean) rstd^3 B / M`` with ``x - mean = t -
+    offset``."""
+    k = rstd.pow(3) * sum_g_centred / count
+    beta = -k
+    c = -rstd * sum_g / count + offset * k
+    alpha = rstd.unsqueeze(-1) if weight is None else rstd.unsqueeze(-1) * weight
+    return alpha, beta, c
+
+
+class _DomainGroupNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps, manager):
+        b, c = x.shape[:2]
+        cg, length = c // groups, math.prod(x.shape[2:])
+        stat = statistics_dtype(x.dtype)
+        t, hi = _centre(x, groups)
+        moments = local_group_moments(t, hi, stat)
+        gathered = all_gather_stacked(moments, manager)  # (ranks, 3, B, G): the one collective
+        mean, m2 = merge_group_moments(gathered[:, 0], gathered[:, 1], gathered[:, 2])
+        count = gathered[:, 0].sum(0)
+        rstd = torch.rsqrt(m2 / count + eps)  # biased variance, like nn.GroupNorm
+        offset = mean - hi.to(stat)
+        scale = rstd.unsqueeze(-1).expand(b, groups, cg)
+        if weight is not None:
+            scale = scale * weight.to(stat).view(1, groups, cg)
+        shift = -offset.unsqueeze(-1) * scale
+        if bias is not None:
+            shift = shift + bias.to(stat).view(1, groups, cg)
+        cdt = t.dtype
+        y = _affine_per_channel(t.view(b, c, length), scale.to(cdt), shift.to(cdt))
+        keep_centred = t.dtype == x.dtype  # bf16/half: t is wider than x; recompute it later
+        ctx.save_for_backward(t if keep_centred else x, rstd, offset, count, weight, bias)
+        ctx.keep_centred, ctx.groups = keep_centred, groups
+        ctx.manager = manager
+        return y.view(x.shape).to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        saved, rstd, offset, count, weight, bias = ctx.saved_tensors
+        groups = ctx.groups
+        t = saved if ctx.keep_centred else _centre(saved, groups)[0]
+        b, c = grad_y.shape[:2]
+        cg, length = c // groups, math.prod(grad_y.shape[2:])
+        stat = rstd.dtype
+        gy = grad_y.to(t.dtype).reshape(b, c, length)
+        t_c = t.view(b, c, length)
+        # per (sample, channel): sum dy and sum dy*t — the only full reductions
+        sum_dy = gy.sum(-1).to(stat).view(b, groups, cg)
+        # a batched dot product: einsum takes a fused path here, bmm with (1, L) x (L, 1)
+        # matrices is ten times slower on CPU
+        sum_dy_t = torch.einsum("bcl,bcl->bc", gy, t_c).view(b, groups, cg)
+        sum_dy_centred = sum_dy_t.to(stat) - offset.unsqueeze(-1) * sum_dy  # sum dy (x - mean)
+        w = weight.to(stat).view(groups, cg) if weight is not None else None
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            g_dy = sum_dy if w is None else sum_dy * w
+            g_dy_centred = sum_dy_centred if w is None else sum_dy_centred * w
+            sums = all_reduce_sum(torch.stack((g_dy.sum(-1), g_dy_centred.sum(-1))), ctx.manager)
+            alpha, beta, const = group_norm_input_grad_coefficients(
+                rstd, offset, sums[0], sums[1], count, w
+            )
+            cdt = t.dtype
+            const = const.unsqueeze(-1).expand(b, groups, cg)
+            grad_x = _affine_per_channel(gy, alpha.expand(b, groups, cg).to(cdt), const.to(cdt))
+            grad_x.view(b, groups, cg * length).addcmul_(t, beta.to(cdt).unsqueeze(-1))
+            grad_x = grad_x.view(grad_y.shape).to(saved.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (sum_dy_centred * rstd.unsqueeze(-1)).sum(0).reshape(-1)
+            grad_weight = grad_weight.to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.sum(0).reshape(-1).to(bias.dtype)
+        return grad_x, grad_weight, grad_bias, None, None, None
+
+
 class DomainParallelGroupNorm(DomainWrapper):
     """Domain-parallel ``nn.GroupNorm``: statistics over the channels of a group and every
     spatial position of every rank (any spatial rank: B,C,H,W and B,C,Z,H,W alike).  Shares the
-    norm's parameters and state_dict keys; exact forward and backward; one all-gather per call."""
+    norm's parameters and state_dict keys; exact forward and backward; one all-gather forward
+    and one all-reduce backward per call."""
 
     def __init__(self, norm: nn.GroupNorm, manager=None):
         if not isinstance(norm, nn.GroupNorm):
@@ -192,18 +233,18 @@ class DomainParallelGroupNorm(DomainWrapper):
                 f"(B, {self.num_channels}, *spatial) input with at least one (sharded) spatial "
                 f"dim, got shape {tuple(x.shape)}"
             )
-        b, c = x.shape[:2]
-        g = self.num_groups
-        stat = statistics_dtype(x.dtype)
-        grouped = x.reshape(b, g, -1)
-        mean, m2 = _LocalMoments.apply(grouped, stat)
-        count = torch.full_like(mean, grouped.shape[-1])
-        gathered = all_gather_stacked(torch.stack((count, mean, m2)), mgr)
-        mean, m2 = merge_group_moments(gathered[:, 0], gathered[:, 1], gathered[:, 2])
-        var = m2 / gathered[:, 0].sum(0)  # biased, like nn.GroupNorm
-        rstd = torch.rsqrt(var + self.eps)
-        y = _Normalize.apply(x.reshape(b, g, c // g, -1), mean, rstd, weight, bias)
-        return y.reshape(x.shape)
+        device = x.device.type
+        if device == "cuda" and torch.is_autocast_enabled(device):
+            # CUDA autocast runs nn.GroupNorm in float32 (its fp32 op list; CPU autocast leaves
+            # it in the input's dtype); the layer's own passes are never re-cast (einsum would
+            # go to bf16), hence autocast off around them
+            x = x.float()
+            weight = weight.float() if weight is not None else None
+            bias = bias.float() if bias is not None else None
+        with torch.autocast(device, enabled=False):
+            return _DomainGroupNorm.apply(
+                x.contiguous(), weight, bias, self.num_groups, self.eps, mgr
+            )
 
     def extra_repr(self) -> str:
         return f"{self.wrapped!r}"
