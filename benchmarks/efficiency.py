@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from credit_parallel.tools.bench import Layout, build_conv_stack
 from credit_parallel.domain.rows import shard_range
+from credit_parallel.tools.bench import Layout, build_conv_stack
 
 __all__ = ["PlainUNet", "Workload", "default_workloads", "main", "parse_args", "time_workload"]
 

@@ -126,3 +126,25 @@ def test_bench_rejects_unknown_models_and_bad_layouts(tmp_path):
         run_bench(argparse.Namespace(models="mlp/huge", layouts=None, **base))
     with pytest.raises(ValueError, match="dp x tp x domain"):
         run_bench(argparse.Namespace(models=None, layouts="2-2", **base))
+
+
+def test_bench_profile_prints_one_table_per_model_and_layout(capsys):
+    args = argparse.Namespace(
+        quick=True,
+        output=None,
+        models="conv_stack/tiny",
+        layouts="1x1x2",
+        steps=1,
+        warmup=1,
+        no_memory=True,
+        docs=None,
+        profile=True,
+    )
+    assert run_bench(args) == 0
+    out = capsys.readouterr().out
+    assert "dp1 tp1 d2" in out and "window ms" in out and "comm ms" in out
+    rows = {line.split("|")[0].strip(): line for line in out.splitlines() if "|" in line}
+    # the conv stack's convolutions exchange halos and its norms reduce statistics
+    assert {"conv", "group norm", "all"} <= set(rows)
+    comm_ms = float(rows["all"].split("|")[4])
+    assert comm_ms > 0.0

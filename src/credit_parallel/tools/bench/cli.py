@@ -10,6 +10,8 @@ import sys
 import time
 from dataclasses import asdict
 
+from ..profile import format_profile, mean_profile
+from .measure import measure
 from .report import (
     LEGEND,
     NOTES,
@@ -22,7 +24,7 @@ from .report import (
 from .specs import Layout, default_layouts, default_models
 from .suite import _loadavg, _machine, run_suite
 
-__all__ = ["add_bench_arguments", "main", "parse_args", "run_bench"]
+__all__ = ["add_bench_arguments", "main", "parse_args", "run_bench", "run_profile"]
 
 
 def add_bench_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -38,6 +40,11 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--rounds", type=int, default=None, help="interleaved repeats pooled per run (default 1)"
     )
     ap.add_argument("--docs", default=None, help="also write the Markdown page here")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="per layer kind: compute, window assembly, blocked in communication, overhead",
+    )
     return ap
 
 
@@ -85,6 +92,8 @@ def run_bench(args) -> int:
     memory = not getattr(args, "no_memory", False)
     rounds = getattr(args, "rounds", None) or 1
     models, layouts = _select(args)
+    if getattr(args, "profile", False):
+        return run_profile(models, layouts, steps=steps, warmup=warmup)
     os.makedirs(output, exist_ok=True)
     command = getattr(args, "command_line", None) or "credit-parallel bench " + " ".join(
         sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "bench" else sys.argv[1:]
@@ -134,6 +143,17 @@ def run_bench(args) -> int:
         result["chart"] = os.path.basename(chart)
         write_markdown(result, docs)
     print(f"\nwrote {os.path.join(output, 'bench.json')} and {os.path.join(output, 'bench.png')}")
+    return 0
+
+
+def run_profile(models, layouts, *, steps: int, warmup: int) -> int:
+    """``bench --profile``: one per-layer-kind table per model and layout (mean over ranks)."""
+    for spec in models:
+        for layout in layouts:
+            per_rank = measure(spec, layout, steps=steps, warmup=warmup, memory=False, profile=True)
+            title = f"{spec.describe()}; {layout.name}"
+            print(format_profile(mean_profile([r["profile"] for r in per_rank]), title))
+            print()
     return 0
 
 

@@ -25,6 +25,7 @@ from ...domain.rows import shard_range
 from ...plan import make_plan
 from ...testing import run_on_ranks
 from ...train.step import TrainStep
+from ..profile import profile_step
 from .specs import Layout, ModelSpec
 
 __all__ = ["KINDS", "measure", "predicted_kinds", "setup_run"]
@@ -215,6 +216,8 @@ def _worker(rank, world, spec: ModelSpec, layout: Layout, overlap: bool, opts: d
     for _ in range(opts["warmup"]):
         step()
     barrier()
+    if opts.get("profile"):
+        return {"profile": profile_step(step, model, steps=opts["steps"], warmup=0)}
     exchange_stats.reset()
     counter = _collective_counter()
     with counter:
@@ -273,10 +276,13 @@ def measure(
     memory: bool = True,
     timeout: float = 3600.0,
     device: torch.device | None = None,
+    profile: bool = False,
 ) -> list[dict]:
     """One run of ``spec`` under ``layout``: the per-rank results of :func:`_worker`.
 
-    ``device``: where every rank computes (default: its process group's device)."""
+    ``device``: where every rank computes (default: its process group's device).
+    ``profile``: instead of timings, each rank returns ``{"profile": StepProfile}`` (per layer
+    kind: compute, window assembly, blocked in communication, overhead; tools/profile.py)."""
     opts = dict(
         steps=steps,
         warmup=max(warmup, 2 if layout.dp > 1 else warmup),  # DDP rebuilds buckets at step 2
@@ -284,5 +290,6 @@ def measure(
         batch_scale=batch_scale,
         memory=memory,
         device=device,
+        profile=profile,
     )
     return run_on_ranks(_worker, layout.world, spec, layout, overlap, opts, timeout=timeout)
