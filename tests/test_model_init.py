@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from credit_parallel import gather_tensor, get_domain_manager, shard_tensor
 from credit_parallel.model_init import build_parallel_model, record_meta_build
 from credit_parallel.models import build_model
 from credit_parallel.testing import run_on_ranks
@@ -90,17 +91,25 @@ def test_a_buffer_from_python_data_is_refused_by_name():
         build_parallel_model(FromData, {"trainer": {"parallelism": {}}}, device="cpu")
 
 
+def _input():
+    return torch.randn(2, 4, 13, 8, generator=torch.Generator().manual_seed(2))
+
+
 def _layout_worker(rank, world, block):
     conf = {"trainer": {"parallelism": block}}
     model = build_parallel_model(unet, conf, device="cpu", seed=SEED)
     raw = model.module if hasattr(model, "module") else model
+    # the forward runs on what FSDP2 / DDP actually hold, not only on what full_tensor() reads
+    manager = get_domain_manager(model)
+    with torch.no_grad():
+        out = gather_tensor(model(shard_tensor(_input(), manager=manager)), manager=manager)
     local, full = 0, 0
     values = {}
     for name, p in raw.named_parameters():
         local += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
         full += p.numel()
         values[name] = _full(p.detach())
-    return values, local, full, torch.rand(4)
+    return values, local, full, torch.rand(4), out
 
 
 @pytest.mark.parametrize(
@@ -114,8 +123,12 @@ def _layout_worker(rank, world, block):
 )
 def test_meta_init_materialised_sharded_equals_plain_single_process_build(world, block):
     want, rng_after = _plain(unet)
-    for values, local, full, rng in run_on_ranks(_layout_worker, world, block, timeout=240):
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        want_out = unet()(_input())
+    for values, local, full, rng, out in run_on_ranks(_layout_worker, world, block, timeout=240):
         assert torch.equal(rng, rng_after)
+        assert float((out - want_out).abs().max()) <= 1e-5 * float(want_out.abs().max())
         params = {n for n, _ in unet().named_parameters()}
         assert set(values) == params
         for name in params:
