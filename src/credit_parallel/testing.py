@@ -86,6 +86,10 @@ def _worker(fn, rank, world_size, port, pg_timeout, args, kwargs, conn):
         conn.close()
     if status == "ok":
         with contextlib.suppress(Exception):
+            # rank 0 hosts the rendezvous store: it must not leave while another rank still
+            # talks to it (e.g. creating a group); the parent kills everyone once all results
+            # are in, so this cannot hang when some other rank failed
+            dist.barrier()
             dist.destroy_process_group()
     os._exit(0)
 
