@@ -15,7 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from credit_parallel.domain.exchange import HaloExchange, exchange_rows, exchange_stats
+from credit_parallel.domain.exchange import (
+    HaloExchange,
+    exchange_rows,
+    exchange_stats,
+    record_exchange_stats,
+)
 from credit_parallel.domain.manager import DomainParallelManager, get_domain_parallel_manager
 from credit_parallel.domain.rows import FILL, shard_range
 from credit_parallel.testing import RankFailure, run_on_ranks
@@ -99,8 +104,7 @@ def _halo_worker(rank, world):
 
         halo = HaloExchange((before, after), dim=-2, manager=mgr, mode=mode)
         xl = x[..., start:stop, :].clone().requires_grad_(True)
-        exchange_stats.reset()
-        with _CountP2P() as count:
+        with record_exchange_stats(), _CountP2P() as count:
             win = halo(xl)
             fwd_calls = count.calls
             (win * grads[rank][..., : win.shape[-2], :]).sum().backward()

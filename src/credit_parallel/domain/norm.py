@@ -156,6 +156,9 @@ class DomainParallelGroupNorm(DomainWrapper):
     spatial position of every rank (any spatial rank: B,C,H,W and B,C,Z,H,W alike).  Shares the
     norm's parameters and state_dict keys; exact forward and backward; one all-gather per call."""
 
+    domain_form = "collective"
+    domain_kind = "group_norm"
+
     def __init__(self, norm: nn.GroupNorm, manager=None):
         if not isinstance(norm, nn.GroupNorm):
             raise TypeError(
@@ -163,6 +166,13 @@ class DomainParallelGroupNorm(DomainWrapper):
             )
         super().__init__(norm)
         self.manager = manager
+
+    # ---- geometry (domain/geometry.py): row-local, plus one statistics collective
+    def output_height(self, input_height: int) -> int:
+        return input_height
+
+    def input_windows(self, input_height: int, n: int) -> None:
+        return None
 
     @property
     def num_groups(self) -> int:

@@ -8,6 +8,8 @@ steady state (see ``manager.py``).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +21,12 @@ __all__ = ["gather_tensor", "shard_batch", "shard_spatial", "shard_tensor", "unp
 
 
 class _GatherOwner:
-    """Cache owner for gather_tensor's global-height lookups."""
+    """Names gather_tensor / unpad_shard_interp in a height lookup's errors (never cached)."""
+
+
+_GATHER_OWNER = _GatherOwner()
+# one interpolator per (manager, target size), so its global-height lookups stay cached
+_UNPAD_INTERPOLATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _manager_or_none(manager):
@@ -54,7 +61,7 @@ def gather_tensor(x: torch.Tensor, dim: int = -2, manager=None) -> torch.Tensor:
     if mgr is None:
         return x
     d = dim % x.dim()
-    owner = mgr.__dict__.setdefault("_cp_gather_owner", _GatherOwner())
+    owner = _GATHER_OWNER
     # not cached: gather_tensor is handed unrelated tensors under one registered token (the
     # outputs of different models or layers), so (token, call index) does not determine the
     # height; it is itself a collective, and one tiny length all_gather more is cheap
@@ -135,8 +142,7 @@ def unpad_shard_interp(
         y = y_pred.narrow(dim, pad_n, h - pad_n - pad_s)
     else:
         n = mgr.domain_world_size
-        owner = mgr.__dict__.setdefault("_cp_unpad_owner", _GatherOwner())
-        length = mgr.global_length(owner, y_pred.shape[dim], cached=False)  # as gather_tensor
+        length = mgr.global_length(_GATHER_OWNER, y_pred.shape[dim], cached=False)  # as gather_tensor
         new_len = length - pad_n - pad_s
         if new_len < n:
             raise ValueError(f"unpad_shard_interp: {new_len} rows left after removing the padding")
@@ -150,8 +156,7 @@ def unpad_shard_interp(
     if (global_h, y.shape[-1]) != (image_h, image_w):
         if mgr is None:
             return F.interpolate(y, size=(image_h, image_w), mode="bilinear")
-        # one interpolator per target size, so its global-height lookups stay cached
-        cache = mgr.__dict__.setdefault("_cp_unpad_interp", {})
+        cache = _UNPAD_INTERPOLATORS.setdefault(mgr, {})
         interp = cache.get((image_h, image_w))
         if interp is None:
             interp = DomainParallelInterpolate(
