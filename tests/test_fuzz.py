@@ -25,7 +25,7 @@ from credit_parallel.config import (
 from credit_parallel.layout import RankLayout
 from credit_parallel.mesh import build_device_mesh, dp_world_size, full_rank_layout
 from credit_parallel.models import build_model
-from credit_parallel.plan import make_plan
+from credit_parallel.planner import make_plan
 from credit_parallel.testing import fake_process_group
 from credit_parallel.validate import validate_run
 

@@ -1,4 +1,4 @@
-"""The layout planner (``credit_parallel.plan``): rows and halos per domain rank against what the
+"""The layout planner (``credit_parallel.planner``): rows and halos per domain rank against what the
 model and the layers really do, the rank layout, memory and collective estimates, collected
 violations, and the report text.  Pure except for one multi-rank run that checks the halo-byte and
 P2P predictions against the exchange counters of a real forward + backward."""
@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from credit_parallel.domain import conv as conv_mod
+from credit_parallel.domain.conv_geometry import ConvGeometry, conv_transpose_windows, conv_windows
 from credit_parallel.domain.convert import convert_to_domain_parallel
-from credit_parallel.domain.exchange import exchange_stats
+from credit_parallel.domain.exchange import record_exchange_stats
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import plan_exchange, shard_range, shard_sizes
 from credit_parallel.models import PeriodicConv2d, UNet
-from credit_parallel.plan import (
+from credit_parallel.planner import (
     format_plan,
     make_plan,
     predicted_collectives,
@@ -102,7 +102,7 @@ def test_conv_k3s2p1_rows_equal_conv_windows_and_plan_exchange(n):
     conv = nn.Conv2d(2, 3, 3, stride=2, padding=1)
     plan = make_plan(_conf(domain=n), n, model=nn.Sequential(conv), input_shapes=[(2, 33, 8)])
     (layer,) = plan.layers
-    windows, out_len = conv_mod._conv_windows(conv_mod.ConvGeometry.of(conv), 0, 33, n)
+    windows, out_len = conv_windows(ConvGeometry.of(conv), 0, 33, n)
     expected = plan_exchange(33, n, windows)
     assert (layer.in_height, layer.out_height) == (33, out_len) == (33, 17)
     assert layer.out_rows == shard_sizes(17, n)
@@ -128,7 +128,7 @@ def test_transposed_conv_and_pixel_shuffle_windows_come_from_the_layers():
         (20, 40),
         (40, 43),
     ]
-    windows, _ = conv_mod._convt_windows(conv_mod.ConvGeometry.of(model[0]), 0, 10, 3)
+    windows, _ = conv_transpose_windows(ConvGeometry.of(model[0]), 0, 10, 3)
     assert plan.layers[0].rows_received == tuple(
         p.rows_received for p in plan_exchange(10, 3, windows)
     )
@@ -336,9 +336,9 @@ def _halo_worker(rank, world):
     a, b = shard_range(19, world, rank)
     mgr.begin_forward(("plan-test", tuple(x.shape)))
     local = x[:, :, a:b].clone().requires_grad_()
-    exchange_stats.reset()
-    model(local).square().sum().backward()
-    return exchange_stats.bytes_sent, exchange_stats.p2p_calls
+    with record_exchange_stats() as stats:
+        model(local).square().sum().backward()
+    return stats.bytes_sent, stats.p2p_calls
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -326,16 +326,16 @@ def _warm_profiler() -> None:
 def _worker(rank, world, spec: ModelSpec, layout: Layout, overlap: bool, opts: dict):
     from .collectives import sync_domain_gradients
     from .composition import get_domain_manager, get_raw_model, parallelize
-    from .domain.conv import set_halo_overlap
-    from .domain.exchange import exchange_stats
+    from .domain.exchange import record_exchange_stats
+    from .domain.overlap import set_model_overlap
     from .domain.rows import shard_range
 
     torch.set_num_threads(opts["threads"])
-    set_halo_overlap(overlap)
     torch.manual_seed(0)
     model = spec.build()
     if layout.world > 1:
         model = parallelize(model, layout.conf(spec.batch))
+    set_model_overlap(model, overlap)
     manager = get_domain_manager(model)
     raw = get_raw_model(model)
     domain_rank = rank % layout.domain
@@ -367,21 +367,20 @@ def _worker(rank, world, spec: ModelSpec, layout: Layout, overlap: bool, opts: d
     for _ in range(opts["warmup"]):
         step()
     barrier()
-    exchange_stats.reset()
     counter = _collective_counter()
-    with counter:
+    with counter, record_exchange_stats() as exchange_stats:
         saved = _saved_bytes(step, list(model.parameters()))
     counts = dict(counter.counts)
     counts["p2p"] = exchange_stats.p2p_calls
     barrier()
     peak = _peak_bytes(step) if opts["memory"] else 0
     times = []
-    exchange_stats.reset()
-    for _ in range(opts["steps"]):
-        barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    with record_exchange_stats() as exchange_stats:
+        for _ in range(opts["steps"]):
+            barrier()
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
     n = opts["steps"]
     return {
         "median_s": statistics.median(times),
@@ -399,7 +398,7 @@ def _worker(rank, world, spec: ModelSpec, layout: Layout, overlap: bool, opts: d
 
 
 def _plan(spec: ModelSpec, layout: Layout):
-    from .plan import make_plan
+    from .planner import make_plan
 
     conf = layout.conf(spec.batch)
     conf["model"] = {"type": spec.kind}
@@ -750,7 +749,7 @@ NOTES = (
     "(tests/test_overlap.py).  It is off by default (on this 2-core machine the split "
     "convolution costs more than the halo time it hides; on CUDA cuDNN may choose other "
     "algorithms for a few boundary rows): turn it on with "
-    "credit_parallel.domain.conv.set_halo_overlap(True).",
+    "credit_parallel.domain.overlap.set_model_overlap(model, True).",
     "Efficiency is measured against ONE process using as many intra-op threads as the layout "
     "has ranks, on the same global batch: 1.0 means domain/tensor/data parallelism over N "
     "processes is as fast as N threads in one process.  tp layouts replicate every layer that "

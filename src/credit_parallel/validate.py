@@ -200,7 +200,7 @@ def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> li
     needed or used.
     """
     from .config import ParallelDims, parse_parallelism_conf
-    from .plan import _build_meta_model, make_plan, model_input_shapes
+    from .planner import build_meta_model, make_plan, model_input_shapes
     from .train.trainer import TrainConfig
 
     if not isinstance(conf, dict):
@@ -238,7 +238,7 @@ def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> li
         if model is not None:
             meta_model = copy.deepcopy(model).to("meta")
         else:
-            meta_model, _ = _build_meta_model(conf)
+            meta_model, _ = build_meta_model(conf)
     except (ValueError, TypeError) as err:
         violations.append(str(err))
     if meta_model is not None:

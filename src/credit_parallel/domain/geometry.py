@@ -31,6 +31,7 @@ __all__ = [
     "DomainLayer",
     "domain_form_of",
     "domain_kind_of",
+    "input_windows_of",
     "is_domain_layer",
 ]
 
@@ -61,3 +62,12 @@ def domain_form_of(module) -> str | None:
 def domain_kind_of(module) -> str:
     """The layer's report label: its ``domain_kind``, else its class name."""
     return getattr(module, "domain_kind", None) or type(module).__name__
+
+
+def input_windows_of(layer, input_height: int, n: int, *, double: bool = False):
+    """``layer.input_windows(input_height, n)``; a layer whose windows depend on the arithmetic
+    precision (``windows_depend_on_precision = True``, e.g. interpolation indices) is asked for
+    those of float64 inputs when ``double``."""
+    if getattr(layer, "windows_depend_on_precision", False):
+        return layer.input_windows(input_height, n, double=double)
+    return layer.input_windows(input_height, n)

@@ -104,6 +104,7 @@ class DomainParallelInterpolate(nn.Module):
     _domain_parallel = True
     domain_form = "halo"
     domain_kind = "interpolate"
+    windows_depend_on_precision = True  # input_windows(..., double=) (domain/geometry.py)
 
     def __init__(
         self,
