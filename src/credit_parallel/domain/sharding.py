@@ -142,7 +142,9 @@ def unpad_shard_interp(
         y = y_pred.narrow(dim, pad_n, h - pad_n - pad_s)
     else:
         n = mgr.domain_world_size
-        length = mgr.global_length(_GATHER_OWNER, y_pred.shape[dim], cached=False)  # as gather_tensor
+        length = mgr.global_length(
+            _GATHER_OWNER, y_pred.shape[dim], cached=False
+        )  # as gather_tensor
         new_len = length - pad_n - pad_s
         if new_len < n:
             raise ValueError(f"unpad_shard_interp: {new_len} rows left after removing the padding")

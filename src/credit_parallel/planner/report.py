@@ -28,18 +28,9 @@ def _table(rows: list[list[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
 
-def format_plan(plan: Plan) -> str:
-    """A readable multi-section report of ``plan`` (what ``credit-parallel plan`` prints)."""
+def _layout_section(plan: Plan) -> list[str]:
     out: list[str] = []
     n = plan.domain
-    shapes = ", ".join(str((plan.batch_size, *s)) for s in plan.input_shapes)
-    out.append(
-        f"credit-parallel plan: model {plan.model_type} ({plan.model_class}, "
-        f"{plan.parameter_count:,} parameters), world size {plan.world_size}"
-    )
-    out.append(f"inputs per rank (batch x shape): {shapes}; amp={plan.amp}")
-
-    out.append("")
     out.append("== Layout ==")
     dp = plan.dp if plan.dims is not None else "-"
     out.append(
@@ -77,16 +68,23 @@ def format_plan(plan: Plan) -> str:
             )
     else:
         out.append("no rank layout (see violations)")
+    return out
 
-    out.append("")
+
+def _levels_section(plan: Plan) -> list[str]:
+    out: list[str] = []
+    n = plan.domain
     out.append(f"== Rows per domain rank by resolution level (domain = {n}) ==")
     for index, (h, sizes) in enumerate(plan.levels):
         if sizes:
             out.append(f"level {index}: H={h}  rows {list(sizes)}  {_ranges(h, n)}")
         else:
             out.append(f"level {index}: H={h}  fewer rows than domain ranks")
+    return out
 
-    out.append("")
+
+def _layers_section(plan: Plan) -> list[str]:
+    out: list[str] = []
     out.append(f"== Domain-parallel layers ({len(plan.layers)} calls) ==")
     if plan.layers:
         rows = [["module", "kind", "H in->out", "out rows/rank", "halo before", "halo after", ""]]
@@ -105,9 +103,12 @@ def format_plan(plan: Plan) -> str:
         out.extend(_table(rows))
     else:
         out.append("(none)")
+    return out
 
+
+def _memory_section(plan: Plan) -> list[str]:
+    out: list[str] = []
     m = plan.memory
-    out.append("")
     out.append("== Memory per rank (estimate) ==")
     if plan.data == DataMode.FSDP2:
         sharding = f"sharded over dp={max(plan.dp, 1)} (FSDP2, dim 0 padded)"
@@ -131,8 +132,12 @@ def format_plan(plan: Plan) -> str:
             f"FSDP2 units: {len(plan.fsdp_units)} (largest unsharded while in use: "
             f"{_human(m.fsdp_largest_unit_bytes)})"
         )
+    return out
 
-    out.append("")
+
+def _communication_section(plan: Plan) -> list[str]:
+    out: list[str] = []
+    n = plan.domain
     out.append("== Communication per training step ==")
     per_rank = ", ".join(f"r{r}: {_human(b)}" for r, b in enumerate(plan.halo_bytes_per_rank))
     out.append(
@@ -149,8 +154,11 @@ def format_plan(plan: Plan) -> str:
     if plan.tp_targets and plan.tp > 1:
         listed = ", ".join(f"{p} ({role})" for p, role in plan.tp_targets)
         out.append(f"tensor-parallel layers: {listed}")
+    return out
 
-    out.append("")
+
+def _constraints_section(plan: Plan) -> list[str]:
+    out: list[str] = []
     out.append(f"== Constraints ({len(plan.violations)} violated) ==")
     if plan.violations:
         out.extend(f"- {v}" for v in plan.violations)
@@ -160,4 +168,26 @@ def format_plan(plan: Plan) -> str:
         out.append("")
         out.append("== Notes ==")
         out.extend(f"- {note}" for note in plan.notes)
+    return out
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable multi-section report of ``plan`` (what ``credit-parallel plan`` prints)."""
+    out: list[str] = []
+    shapes = ", ".join(str((plan.batch_size, *s)) for s in plan.input_shapes)
+    out.append(
+        f"credit-parallel plan: model {plan.model_type} ({plan.model_class}, "
+        f"{plan.parameter_count:,} parameters), world size {plan.world_size}"
+    )
+    out.append(f"inputs per rank (batch x shape): {shapes}; amp={plan.amp}")
+    for section in (
+        _layout_section,
+        _levels_section,
+        _layers_section,
+        _memory_section,
+        _communication_section,
+        _constraints_section,
+    ):
+        out.append("")
+        out.extend(section(plan))
     return "\n".join(out) + "\n"
