@@ -143,23 +143,27 @@ def test_world_size_not_divisible_by_tensor_times_domain_is_a_violation_not_an_e
     assert "no rank layout" in format_plan(plan)
 
 
-def test_domain_8_on_33_rows_with_3_stride2_levels_reports_fewer_than_domain_ranks():
+def test_domain_8_on_33_rows_with_3_stride2_levels_notes_the_empty_ranks_of_the_5_row_level():
     model = nn.Sequential(
         *(nn.Conv2d(2, 2, 3, stride=2, padding=1) for _ in range(3))
     )  # 33 -> 17 -> 9 -> 5
     plan = make_plan(_conf(domain=8), 8, model=model, input_shapes=[(2, 33, 8)])
     assert [h for h, _ in plan.levels] == [33, 17, 9, 5]
-    bad = [v for v in plan.violations if "fewer than domain ranks" in v]
-    assert bad == [v for v in bad if v.startswith("level 3 has 5 rows")] and len(bad) == 1
-    assert "trainer.parallelism.domain" in bad[0]
+    # empty shards are exact (SPEC §3): a note, not a violation
+    assert plan.violations == []
+    noted = [v for v in plan.notes if "fewer than domain ranks" in v]
+    assert len(noted) == 1 and noted[0].startswith("level 3 has 5 rows")
+    assert "domain ranks 5..7 hold no rows" in noted[0]
+    assert plan.levels[3][1] == (1, 1, 1, 1, 1, 0, 0, 0)
+    assert plan.layers[2].out_rows == (1, 1, 1, 1, 1, 0, 0, 0)
+    assert "(3 empty ranks)" in format_plan(plan)
 
 
-def test_real_unet_with_four_levels_over_domain_8_reports_the_coarse_level():
+def test_real_unet_with_four_levels_over_domain_8_notes_the_coarse_level():
     model = dict(_UNET, channel_mults=[1, 1, 1, 1])
     plan = make_plan(_conf("none", 1, 8, model), 8)
-    assert any(
-        v.startswith("level 3 has 5 rows, fewer than domain ranks (8)") for v in plan.violations
-    )
+    assert any(v.startswith("level 3 has 5 rows, fewer than domain ranks (8)") for v in plan.notes)
+    assert not any("fewer than domain ranks" in v for v in plan.violations)
 
 
 def test_tensor_parallel_divisibility_names_the_layer_and_all_problems_are_collected():

@@ -27,7 +27,7 @@ from .conv_geometry import (
 from .exchange import exchange_rows
 from .manager import resolve_manager
 from .overlap import OverlappedConv, check_overlap, overlap_enabled
-from .rows import check_min_rows, plan_exchange, shard_range
+from .rows import plan_exchange, shard_range
 from .shared_input import SharedInputExchange
 from .wrap import DomainWrapper, run_forward_pre_hooks
 
@@ -115,22 +115,40 @@ class _DomainParallelConvNd(DomainWrapper):
         dim = i + 2
         n = mgr.domain_world_size
         length = mgr.global_length(self, x.shape[dim])
-        check_min_rows(self.output_height(length), n, self._describe(length))
         if self.geometry.transposed:
             return self._forward_transposed(x, weight, bias, mgr, length, n, dim)
+        o0, o1 = shard_range(self.output_height(length), n, mgr.domain_rank)
         if self.shared_input is not None:
             window = self.shared_input.window_for(self, x, length, n, dim, mgr)
-            return self.op(window, weight, bias)
-        windows = self.input_windows(length, n)
-        if overlap_enabled(self.overlap):
-            plan = plan_exchange(length, n, windows)[mgr.domain_rank]
+        else:
+            windows = self.input_windows(length, n)
             split = overlap_split(self.geometry, i, length, n, mgr.domain_rank)
-            if split is not None and (plan.sends or plan.recvs):
-                return OverlappedConv.apply(
-                    x, weight, bias, self.op, plan, dim, split, mgr.domain_ranks, mgr.domain_group
-                )
-        window = exchange_rows(x, windows, length, dim, mgr)
+            if overlap_enabled(self.overlap) and split is not None:
+                plan = plan_exchange(length, n, windows)[mgr.domain_rank]
+                if plan.sends or plan.recvs:
+                    return OverlappedConv.apply(
+                        x, weight, bias, self.op, plan, dim, split, mgr.domain_ranks,
+                        mgr.domain_group,
+                    )  # fmt: skip
+            # every rank takes part in the exchange, also one that owns no output row
+            window = exchange_rows(x, windows, length, dim, mgr)
+        if o0 == o1:
+            return self._bias_only(x, window, weight, bias, 0)
         return self.op(window, weight, bias)
+
+    def _bias_only(self, x, window, weight, bias, rows: int) -> torch.Tensor:
+        """Output rows no input row reaches (an empty shard, or kernel*dilation gaps < stride of a
+        transposed conv): exactly the bias, attached to the graph of the window and the weight
+        so that the exchange's backward runs on this rank too."""
+        geo, i = self.geometry, self.spatial_index
+        channels = weight.shape[1] * geo.groups if geo.transposed else weight.shape[0]
+        shape = [x.shape[0], channels]
+        for j in range(self.nd):
+            shape.append(rows if j == i else geo.output_length(x.shape[j + 2], j))
+        y = (window.sum() + weight.sum()) * 0.0 + x.new_zeros(shape)
+        if bias is not None:
+            y = y + bias.view(1, -1, *([1] * self.nd))
+        return y
 
     def _forward_transposed(self, x, weight, bias, mgr, length, n, dim):
         geo, i = self.geometry, self.spatial_index
@@ -140,15 +158,7 @@ class _DomainParallelConvNd(DomainWrapper):
         window = exchange_rows(x, windows, length, dim, mgr)
         o0, o1 = shard_range(out_len, n, mgr.domain_rank)
         if not lo_hi:
-            # no input row reaches this rank's outputs (kernel*dilation gaps < stride, or no
-            # output rows): they are exactly the bias; keep the result attached to the graph
-            shape = [x.shape[0], weight.shape[1] * geo.groups]
-            for j in range(self.nd):
-                shape.append(o1 - o0 if j == i else geo.output_length(x.shape[j + 2], j))
-            y = (window.sum() + weight.sum()) * 0.0 + x.new_zeros(shape)
-            if bias is not None:
-                y = y + bias.view(1, -1, *([1] * self.nd))
-            return y
+            return self._bias_only(x, window, weight, bias, o1 - o0)
         pads = tuple(p[0] if j != i else 0 for j, p in enumerate(geo.pads))
         out_pad = tuple(p if j != i else 0 for j, p in enumerate(geo.output_padding))
         y = _CONVT[self.nd](

@@ -22,6 +22,8 @@ float32 layers do not pay for float64 passes over the activations.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -205,14 +207,16 @@ class DomainParallelGroupNorm(DomainWrapper):
         b, c = x.shape[:2]
         g = self.num_groups
         stat = statistics_dtype(x.dtype)
-        grouped = x.reshape(b, g, -1)
+        # explicit sizes: a rank with an empty shard reshapes a tensor of 0 elements
+        positions = math.prod(x.shape[2:])
+        grouped = x.reshape(b, g, (c // g) * positions)
         mean, m2 = _LocalMoments.apply(grouped, stat)
         count = torch.full_like(mean, grouped.shape[-1])
         gathered = all_gather_stacked(torch.stack((count, mean, m2)), mgr)
         mean, m2 = merge_group_moments(gathered[:, 0], gathered[:, 1], gathered[:, 2])
         var = m2 / gathered[:, 0].sum(0)  # biased, like nn.GroupNorm
         rstd = torch.rsqrt(var + self.eps)
-        y = _Normalize.apply(x.reshape(b, g, c // g, -1), mean, rstd, weight, bias)
+        y = _Normalize.apply(x.reshape(b, g, c // g, positions), mean, rstd, weight, bias)
         return y.reshape(x.shape)
 
     def extra_repr(self) -> str:

@@ -24,7 +24,7 @@ from torch import nn
 
 from .exchange import exchange_rows
 from .manager import resolve_manager
-from .rows import FILL, check_min_rows, edge_source_row, shard_range
+from .rows import FILL, edge_source_row, shard_range
 from .wrap import DomainWrapper
 
 __all__ = ["DomainParallelPad", "checked_pad_windows", "pad_mode_of", "pad_windows"]
@@ -55,7 +55,6 @@ def pad_windows(length: int, n: int, top: int, bottom: int, mode: str) -> tuple:
     kept_start = max(0, -top)  # negative padding crops first ...
     kept = length - kept_start - max(0, -bottom)
     out_len = length + top + bottom
-    check_min_rows(out_len, n, f"padding (top={top}, bottom={bottom}) of {length} rows")
     windows = []
     for r in range(n):
         o0, o1 = shard_range(out_len, n, r)

@@ -11,7 +11,7 @@ from torch import nn
 
 from .exchange import exchange_rows
 from .manager import resolve_manager
-from .rows import check_min_rows, shard_range
+from .rows import shard_range
 from .wrap import DomainWrapper
 
 __all__ = [
@@ -78,11 +78,12 @@ class DomainParallelPixelShuffle(DomainWrapper):
         n, r = mgr.domain_world_size, self.upscale_factor
         dim = x.dim() - 2
         in_h = mgr.global_length(self, x.shape[dim])
-        check_min_rows(in_h * r, n, f"DomainParallelPixelShuffle(upscale_factor={r})")
         windows = self.input_windows(in_h, n)
         window = exchange_rows(x, windows, in_h, dim, mgr)
         y = F.pixel_shuffle(window, r)
         o0, o1 = shard_range(in_h * r, n, mgr.domain_rank)
+        if o0 == o1:  # an empty shard: no output row, an empty window
+            return y
         return y.narrow(dim, o0 - windows[mgr.domain_rank][0] * r, o1 - o0)
 
     def extra_repr(self) -> str:
@@ -126,9 +127,12 @@ class DomainParallelPixelUnshuffle(DomainWrapper):
         n, r = mgr.domain_world_size, self.downscale_factor
         dim = x.dim() - 2
         in_h = mgr.global_length(self, x.shape[dim])
-        out_h = self.output_height(in_h)
-        check_min_rows(out_h, n, f"DomainParallelPixelUnshuffle(downscale_factor={r})")
         window = exchange_rows(x, self.input_windows(in_h, n), in_h, dim, mgr)
+        if window.shape[dim] == 0:
+            # an empty shard (F.pixel_unshuffle returns an empty input unchanged); a reshape
+            # keeps it attached to the graph
+            *lead, c, _, w = window.shape
+            return window.reshape(*lead, c * r * r, 0, w // r)
         return F.pixel_unshuffle(window, r)
 
     def extra_repr(self) -> str:

@@ -45,7 +45,6 @@ from .pixel_shuffle import (
     pixel_shuffle_windows,
     pixel_unshuffle_windows,
 )
-from .rows import check_min_rows
 
 # the interpolation arithmetic and the pixel (un)shuffle layers live in their own modules;
 # their names stay importable from here
@@ -242,7 +241,6 @@ class DomainParallelInterpolate(nn.Module):
         out_hw, scales = interp_output_size(
             in_hw, self.size, self.scale_factor, self.recompute_scale_factor
         )
-        check_min_rows(out_hw[0], n, f"DomainParallelInterpolate(output height {out_hw[0]})")
         # the kernels compute indices and weights in float64 for float64, else in float32
         compute_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
         traits = kernel_traits(x.device, compute_dtype)

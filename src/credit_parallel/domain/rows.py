@@ -2,7 +2,9 @@
 
 Everything here is integer arithmetic on GLOBAL row indices along the sharded dim (latitude):
 
-* the balanced shard layout (``torch.tensor_split``): which rows each domain rank owns;
+* the balanced shard layout (``torch.tensor_split``): which rows each domain rank owns (a dim
+  shorter than the number of ranks leaves the last ranks empty: they own no row, still take part
+  in every exchange, and their windows are empty or made of other ranks' rows);
 * for each layer family, which input rows the output rows of a rank need.  A needed row outside
   the globe is mapped by the layer's boundary rule (:func:`edge_source_row`) to a real row or to
   :data:`FILL` (a row of zeros / the pad constant);
@@ -25,7 +27,6 @@ __all__ = [
     "conv_transpose_output_length",
     "conv_window",
     "ceil_div",
-    "check_min_rows",
     "conv_transpose_input_range",
     "edge_source_row",
     "interp_source_rows",
@@ -245,8 +246,6 @@ def plan_exchange(length: int, n: int, windows: tuple) -> tuple[RankExchangePlan
     that each rank must assemble from a dim of ``length`` rows in the balanced layout."""
     if len(windows) != n:
         raise ValueError(f"need one window per rank ({n}), got {len(windows)}")
-    if length < n:
-        raise ValueError(f"a dim of {length} rows cannot be sharded over {n} domain ranks")
     ranges = [shard_range(length, n, r) for r in range(n)]
     # needed[r][q] = sorted global rows rank r needs from peer q != r
     needed = []
@@ -303,11 +302,3 @@ def plan_exchange(length: int, n: int, windows: tuple) -> tuple[RankExchangePlan
 
 def ceil_div(a: int, b: int) -> int:
     return -((-a) // b)
-
-
-def check_min_rows(length: int, n: int, what: str) -> None:
-    if length < n:
-        raise ValueError(
-            f"{what}: a global height of {length} rows cannot be split over {n} domain ranks "
-            f"(every rank needs at least one row; use a smaller trainer.parallelism.domain)"
-        )

@@ -29,6 +29,16 @@ _GATHER_OWNER = _GatherOwner()
 _UNPAD_INTERPOLATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _check_dim(x: torch.Tensor, dim: int, what: str) -> int:
+    """``dim`` as a non-negative index of ``x``'s dimensions; ``ValueError`` outside them."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{what}: dim {dim!r} is not a dimension of a {x.dim()}-D tensor of shape "
+            f"{tuple(x.shape)} (valid: {-x.dim()} .. {x.dim() - 1})"
+        )
+    return dim % x.dim()
+
+
 def _manager_or_none(manager):
     mgr = manager if manager is not None else get_domain_parallel_manager()
     if mgr is None or mgr.domain_world_size == 1:
@@ -40,15 +50,12 @@ def shard_tensor(
     x: torch.Tensor, dim: int = -2, manager=None, *, register: bool = True
 ) -> torch.Tensor:
     """This rank's balanced shard (``torch.tensor_split``) of the global tensor ``x`` along
-    ``dim``.  Differentiable; its backward all-gathers.  Identity without a manager / domain 1."""
+    ``dim``.  Differentiable; its backward all-gathers.  Identity without a manager / domain 1.
+    A dim shorter than the number of ranks leaves the last ranks with empty shards."""
+    d = _check_dim(x, dim, "shard_tensor")
     mgr = _manager_or_none(manager)
     if mgr is None:
         return x
-    d = dim % x.dim()
-    if x.shape[d] < mgr.domain_world_size:
-        raise ValueError(
-            f"shard_tensor: dim {dim} has {x.shape[d]} rows, fewer than the {mgr.domain_world_size} domain ranks"
-        )
     if register:
         mgr.begin_forward(("shard_tensor", tuple(x.shape), d))
     return scatter_rows(x, d, mgr)
@@ -57,10 +64,10 @@ def shard_tensor(
 def gather_tensor(x: torch.Tensor, dim: int = -2, manager=None) -> torch.Tensor:
     """All-gather the balanced shards back into the global tensor (uneven sizes supported).
     Differentiable: each rank's gradient is the sum over ranks of the gradients of its rows."""
+    d = _check_dim(x, dim, "gather_tensor")
     mgr = _manager_or_none(manager)
     if mgr is None:
         return x
-    d = dim % x.dim()
     owner = _GATHER_OWNER
     # not cached: gather_tensor is handed unrelated tensors under one registered token (the
     # outputs of different models or layers), so (token, call index) does not determine the
@@ -146,7 +153,7 @@ def unpad_shard_interp(
             _GATHER_OWNER, y_pred.shape[dim], cached=False
         )  # as gather_tensor
         new_len = length - pad_n - pad_s
-        if new_len < n:
+        if new_len < 1:
             raise ValueError(f"unpad_shard_interp: {new_len} rows left after removing the padding")
         windows = tuple(
             tuple(range(a + pad_n, b + pad_n))

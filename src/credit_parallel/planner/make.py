@@ -218,20 +218,17 @@ def _levels(shapes, layers, trace, n: int, violations: list, notes: list):
         if len(s) >= 3:
             first_seen.setdefault(s[SHARD_DIM % len(s)], "model output")
     heights = sorted(first_seen, reverse=True)
-    levels = [(h, shard_sizes(h, n) if h >= n else ()) for h in heights]
+    levels = [(h, shard_sizes(h, n)) for h in heights]
     for index, h in enumerate(heights):
         if h < n:
-            violations.append(
+            # exact (SPEC §3), but the empty ranks idle through this level
+            notes.append(
                 f"level {index} has {h} rows, fewer than domain ranks ({n}) ({first_seen[h]}): "
-                f"use trainer.parallelism.domain <= {h}, or a larger model.image_height / fewer "
-                "down-sampling levels"
+                f"domain ranks {h}..{n - 1} hold no rows there (exact; they idle at this level)"
             )
     for layer in layers:
-        if layer.error is None:
-            continue
-        if layer.in_height < n or layer.out_height < n:
-            continue  # already reported as a level with fewer rows than ranks
-        violations.append(f"{layer.path}: cannot run over {n} domain ranks: {layer.error}")
+        if layer.error is not None:
+            violations.append(f"{layer.path}: cannot run over {n} domain ranks: {layer.error}")
     for layer in layers:
         for r, peers in enumerate(layer.peers):
             far = [q for q in peers if abs(q - r) > 1 and {q, r} != {0, n - 1}]

@@ -76,10 +76,8 @@ def _levels_section(plan: Plan) -> list[str]:
     n = plan.domain
     out.append(f"== Rows per domain rank by resolution level (domain = {n}) ==")
     for index, (h, sizes) in enumerate(plan.levels):
-        if sizes:
-            out.append(f"level {index}: H={h}  rows {list(sizes)}  {_ranges(h, n)}")
-        else:
-            out.append(f"level {index}: H={h}  fewer rows than domain ranks")
+        empty = f"  ({n - h} empty ranks)" if h < n else ""
+        out.append(f"level {index}: H={h}  rows {list(sizes)}  {_ranges(h, n)}{empty}")
     return out
 
 
