@@ -255,7 +255,8 @@ def test_make_plan_accepts_and_the_model_runs_or_a_value_error_names_the_key(run
     assert all(isinstance(v, str) and v for v in plan.violations)
     n = plan.domain
     if plan.ok:
-        assert all(h >= n for h, _ in plan.levels)
+        # every level in the balanced layout, empty shards included (SPEC §3)
+        assert all(sum(sizes) == h and len(sizes) == n for h, sizes in plan.levels)
         assert plan.dims is not None and plan.dp * plan.tp * n == world
         torch.manual_seed(0)
         model = build_model(conf["model"])  # the accepted model really runs on its grid

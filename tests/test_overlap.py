@@ -425,13 +425,13 @@ class _CrossScale(nn.Module):
 
 
 def _unfused_convert(model, mgr):
-    return convert_to_domain_parallel(model, mgr)
+    return convert_to_domain_parallel(model, mgr, fuse_exchanges=False)
 
 
 def _shared_convert(model, mgr):
     from credit_parallel.domain.shared_input import share_input_exchange
 
-    convert_to_domain_parallel(model, mgr)
+    _unfused_convert(model, mgr)
     share_input_exchange(*model.convs)
     return model
 
@@ -454,7 +454,7 @@ def _shared_worker(rank, world):
     a, b = shard_range(16, world, rank)
     t1, t2 = torch.randn(1, 3, 16, 8), torch.randn(1, 3, 16, 8)
     ys = [conv(t) for conv, t in zip(model.convs, (t1[:, :, a:b], t2[:, :, a:b], t1[:, :, a:b]))]
-    ref_model = convert_to_domain_parallel(copy.deepcopy(_CrossScale()), mgr)
+    ref_model = _unfused_convert(copy.deepcopy(_CrossScale()), mgr)
     ref_model.load_state_dict(model.state_dict())
     refs = [
         conv(t) for conv, t in zip(ref_model.convs, (t1[:, :, a:b], t2[:, :, a:b], t1[:, :, a:b]))

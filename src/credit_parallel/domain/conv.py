@@ -24,9 +24,10 @@ from .conv_geometry import (
     conv_windows,
     overlap_split,
 )
-from .exchange import exchange_rows
+from .exchange import compose_windows, exchange_rows
 from .manager import resolve_manager
 from .overlap import OverlappedConv, check_overlap, overlap_enabled
+from .padding import DomainParallelPad
 from .rows import plan_exchange, shard_range
 from .shared_input import SharedInputExchange
 from .wrap import DomainWrapper, run_forward_pre_hooks
@@ -42,6 +43,13 @@ __all__ = [
 ]
 
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def fused_pad_windows(pad, conv, length: int, n: int) -> tuple:
+    """Windows, over the pad's input of ``length`` rows, of the padding layer ``pad`` followed by
+    the (non-transposed) domain conv ``conv``: the two row maps composed into one."""
+    padded = pad.output_height(length)
+    return compose_windows(pad.input_windows(length, n), padded, conv.input_windows(padded, n))
 
 
 class _DomainParallelConvNd(DomainWrapper):
@@ -78,6 +86,8 @@ class _DomainParallelConvNd(DomainWrapper):
         self.op = ConvOp.of(self.geometry, self.spatial_index)
         # set by share_input_exchange / the converter's fusion of sibling convolutions
         self.shared_input: SharedInputExchange | None = None
+        # a padding layer whose exchange this conv does (fusion.py); x is then the PAD's input
+        self.fused_pad: DomainParallelPad | None = None
         # the module path, set by convert_to_domain_parallel (named in errors)
         self.module_path: str | None = None
         if self.geometry.transposed and self.geometry.edge_mode != "zeros":
@@ -94,11 +104,6 @@ class _DomainParallelConvNd(DomainWrapper):
     def input_windows(self, input_height: int, n: int) -> tuple:
         windows_of = conv_transpose_windows if self.geometry.transposed else conv_windows
         return windows_of(self.geometry, self.spatial_index, input_height, n)[0]
-
-    def _describe(self, length: int) -> str:
-        path = self.module_path
-        where = f"{path} ({type(self.wrapped).__name__})" if path else repr(self.wrapped)
-        return f"{type(self).__name__} {where}, output of an input of {length} rows"
 
     def _weight_and_bias(self, x):
         conv = self.wrapped_weights(x)
@@ -117,8 +122,10 @@ class _DomainParallelConvNd(DomainWrapper):
         length = mgr.global_length(self, x.shape[dim])
         if self.geometry.transposed:
             return self._forward_transposed(x, weight, bias, mgr, length, n, dim)
+        if self.fused_pad is not None:
+            return self._forward_fused_pad(x, weight, bias, mgr, length, n, dim)
         o0, o1 = shard_range(self.output_height(length), n, mgr.domain_rank)
-        if self.shared_input is not None:
+        if self.shared_input is not None and self.shared_input.active:
             window = self.shared_input.window_for(self, x, length, n, dim, mgr)
         else:
             windows = self.input_windows(length, n)
@@ -134,6 +141,18 @@ class _DomainParallelConvNd(DomainWrapper):
             window = exchange_rows(x, windows, length, dim, mgr)
         if o0 == o1:
             return self._bias_only(x, window, weight, bias, 0)
+        return self.op(window, weight, bias)
+
+    def _forward_fused_pad(self, x, weight, bias, mgr, length, n, dim):
+        """The padding layer ``fused_pad`` then this conv, with ONE exchange of the pad's input
+        (``length`` rows): the two row maps composed (``exchange.compose_windows``)."""
+        pad = self.fused_pad
+        windows = fused_pad_windows(pad, self, length, n)
+        window = exchange_rows(x, windows, length, dim, mgr, fill_value=pad.value)
+        window = pad.pad_width(window)
+        o0, o1 = shard_range(self.output_height(pad.output_height(length)), n, mgr.domain_rank)
+        if o0 == o1:
+            return self._bias_only(window, window, weight, bias, 0)
         return self.op(window, weight, bias)
 
     def _bias_only(self, x, window, weight, bias, rows: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from .conv import (
     DomainParallelPeriodicConv2d,
     conv_needs_domain_wrapper,
 )
+from .fusion import fuse_exchanges as fuse_layer_exchanges
 from .norm import DomainParallelGroupNorm
 from .padding import DomainParallelPad
 from .pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
@@ -259,6 +260,8 @@ def convert_to_domain_parallel(
     shard_dim: int = -2,
     custom_converters: dict[type, Callable] | None = None,
     allow_unsafe: bool = False,
+    *,
+    fuse_exchanges: bool = True,
 ) -> nn.Module:
     """Replace, in place, the modules of ``model`` that need neighbouring rows by their
     domain-parallel layers; returns the model (also attached as ``model._domain_manager``).
@@ -266,7 +269,9 @@ def convert_to_domain_parallel(
     ``custom_converters`` maps a module type to ``callable(module) -> replacement``; it is
     checked before the built-in rules and the children of a replaced module are not visited.
     Modules that would be silently wrong under H-sharding raise ``ValueError`` listing their
-    paths, unless ``allow_unsafe=True`` (then a warning lists them).
+    paths, unless ``allow_unsafe=True`` (then a warning lists them).  ``fuse_exchanges``: let
+    a padding layer and the conv after it, and sibling convs on one input, share exchanges
+    (``fusion.py``; the results are the same).
     """
     if shard_dim >= 0 or shard_dim < -3:
         raise ValueError(
@@ -313,6 +318,8 @@ def convert_to_domain_parallel(
         if not allow_unsafe:
             raise ValueError(message)
         warnings.warn(message, stacklevel=2)
+    if fuse_exchanges:
+        fuse_layer_exchanges(model)
     try:
         object.__setattr__(model, "_domain_manager", manager)
     except AttributeError:

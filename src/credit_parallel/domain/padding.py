@@ -92,6 +92,8 @@ class DomainParallelPad(DomainWrapper):
         super().__init__(pad_module)
         self.mode = mode
         self.manager = manager
+        # the conv that does this layer's exchange together with its own (fusion.py)
+        self.fused_into: nn.Module | None = None
 
     @property
     def padding(self) -> tuple:
@@ -123,9 +125,15 @@ class DomainParallelPad(DomainWrapper):
         length = mgr.global_length(self, x.shape[dim])
         if n == 1:
             return self.wrapped(x)
-        left, right, _, _ = self.padding
+        if self.fused_into is not None:
+            return x  # the next conv exchanges for both (fusion.py): it receives our input
         windows = self.input_windows(length, n)
         rows = exchange_rows(x, windows, length, dim, mgr, fill_value=self.value)
+        return self.pad_width(rows)
+
+    def pad_width(self, rows: torch.Tensor) -> torch.Tensor:
+        """The padding of the unsharded width (W, the last dim), applied locally."""
+        left, right, _, _ = self.padding
         if left == 0 and right == 0:
             return rows
         if self.mode == "constant":

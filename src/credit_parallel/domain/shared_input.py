@@ -62,16 +62,21 @@ class SharedInputExchange:
     def __init__(self, layers):
         self.layers = tuple(layers)
         self._entry = None  # (weakref to the input, its version, length, window, served ids)
+        # False once the layers were seen called on different tensors (a stack applied one
+        # after the other, not branches): they then exchange alone.  Every rank sees the same
+        # sequence of calls, so every rank switches at the same call.
+        self.active = True
 
     # a copied or pickled model must not carry (or fail on) the window of a forward in flight
     def __deepcopy__(self, memo):
         new = SharedInputExchange(())
+        new.active = self.active
         memo[id(self)] = new  # the layers refer back to this group
         new.layers = copy.deepcopy(self.layers, memo)
         return new
 
     def __getstate__(self):
-        return {"layers": self.layers, "_entry": None}
+        return {"layers": self.layers, "_entry": None, "active": self.active}
 
     def window_for(self, layer, x, length: int, n: int, dim: int, mgr):
         geometries = tuple(m.geometry for m in self.layers)
@@ -87,6 +92,9 @@ class SharedInputExchange:
             or entry[2] != length
             or index in entry[4]
         )
+        if fresh and entry is not None and entry[0]() is not x and len(entry[4]) == 1:
+            # the previous tensor served only the layer that exchanged it: not siblings
+            self.active = False
         if fresh:
             # every rank sees the same sequence of calls, so all ranks exchange together
             window = exchange_rows(x, windows, length, dim, mgr)
