@@ -283,3 +283,35 @@ def test_halo_exchange_arguments_and_trim_are_checked():
     if get_domain_parallel_manager() is None:
         with pytest.raises(RuntimeError, match="no DomainParallelManager"):
             HaloExchange(1)(x)
+
+
+# --------------------------------------------------------------------------- side stream
+def _side_stream_worker(rank, world):
+    mgr = DomainParallelManager(world, world)
+    x = torch.randn(2, 3, 11, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    a, b = shard_range(11, world, rank)
+    windows = tuple(
+        tuple(range(max(0, s - 2), min(11, e + 1)))
+        for s, e in (shard_range(11, world, r) for r in range(world))
+    )
+    out = []
+    for side in (False, True):
+        xl = x[:, :, a:b].clone().requires_grad_()
+        mgr.begin_forward(("side", side))
+        y = exchange_rows(xl, windows, 11, 2, mgr, side_stream=side)
+        (y * y).sum().backward()
+        out.append((y.detach(), xl.grad))
+    return all(torch.equal(p, q) for p, q in zip(out[0], out[1]))
+
+
+def test_side_stream_exchange_degrades_to_the_same_path_on_cpu():
+    from credit_parallel.domain.streams import comm_stream_for
+
+    stream = comm_stream_for("cpu")
+    assert not stream.active and stream is comm_stream_for(torch.device("cpu"))
+    with stream.posting():  # a no-op context
+        t = torch.ones(2)
+    stream.keep([t])
+    stream.handoff([t])
+    stream.join()
+    assert run_on_ranks(_side_stream_worker, 3) == [True] * 3

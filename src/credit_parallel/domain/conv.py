@@ -82,6 +82,8 @@ class _DomainParallelConvNd(DomainWrapper):
         self.geometry = geometry if geometry is not None else ConvGeometry.of(conv)
         self.manager = manager
         self.overlap: bool | None = check_overlap(overlap)  # None: the default (off)
+        # pack and post the exchange on the device's exchange stream (streams.py; CUDA only)
+        self.side_stream: bool = False
         # the local op along the other dims, fixed by the geometry
         self.op = ConvOp.of(self.geometry, self.spatial_index)
         # set by share_input_exchange / the converter's fusion of sibling convolutions
@@ -138,7 +140,7 @@ class _DomainParallelConvNd(DomainWrapper):
                         mgr.domain_group,
                     )  # fmt: skip
             # every rank takes part in the exchange, also one that owns no output row
-            window = exchange_rows(x, windows, length, dim, mgr)
+            window = exchange_rows(x, windows, length, dim, mgr, side_stream=self.side_stream)
         if o0 == o1:
             return self._bias_only(x, window, weight, bias, 0)
         return self.op(window, weight, bias)

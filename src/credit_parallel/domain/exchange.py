@@ -37,6 +37,7 @@ from torch import nn
 
 from .manager import resolve_manager
 from .rows import FILL, edge_source_row, plan_exchange, row_owner, shard_range
+from .streams import comm_stream_for
 
 __all__ = [
     "ExchangeStats",
@@ -101,11 +102,20 @@ def _recorder() -> ExchangeStats | None:
     return _recording[-1] if _recording else None
 
 
+def _flat_tensors(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return [t for item in obj for t in _flat_tensors(item)]
+
+
 class PendingExchange:
     """A posted batched exchange; :meth:`wait` completes it (once) and returns its result."""
 
-    def __init__(self, works: list, direction: str, result, finish=None, keep=(), posted_s=0.0):
+    def __init__(
+        self, works: list, direction: str, result, finish=None, keep=(), posted_s=0.0, stream=None
+    ):
         self._works = works
+        self._stream = stream  # a CommStream the exchange was posted on, or None
         self._keep = keep  # send buffers stay alive until the exchange completes
         self._direction = direction
         self._result = result
@@ -115,12 +125,18 @@ class PendingExchange:
         if stats is not None:
             stats.seconds[direction] += posted_s
 
+    def _keep_tensors(self) -> list:
+        return [t for _, t in self._keep]
+
     def wait(self):
         if not self._done:
             stats = _recorder()
             t0 = time.perf_counter() if stats is not None else 0.0
             for work in self._works:
                 work.wait()
+            if self._stream is not None:
+                self._stream.join()
+                self._stream.handoff(_flat_tensors(self._result))
             if stats is not None:
                 stats.seconds[self._direction] += time.perf_counter() - t0
             self._done = True
@@ -200,9 +216,16 @@ def _receive_buffers(ref: torch.Tensor, shapes_by_peer: dict):
     return sorted(flat.items()), views
 
 
-def _post_forward(xs, specs, peers, group, overlapped: bool) -> PendingExchange:
+def _post_forward(xs, specs, peers, group, overlapped: bool, stream=None) -> PendingExchange:
     """Post the forward messages of every ``(plan, dim, fill)`` spec for its shard in ``xs``;
-    ``wait()`` gives, per spec, the received buffers (one per ``plan.recvs`` entry)."""
+    ``wait()`` gives, per spec, the received buffers (one per ``plan.recvs`` entry).
+    ``stream``: a :class:`~credit_parallel.domain.streams.CommStream` to pack and post on."""
+    if stream is not None and stream.active:
+        with stream.posting():
+            pending = _post_forward(xs, specs, peers, group, overlapped)
+        stream.keep([*xs, *pending._keep_tensors()])
+        pending._stream = stream
+        return pending
     send_parts: dict = {}
     recv_shapes: dict = {}
     for (plan, dim, _), x in zip(specs, xs):
@@ -214,7 +237,8 @@ def _post_forward(xs, specs, peers, group, overlapped: bool) -> PendingExchange:
     sends = _flat_messages(send_parts)
     works, posted = _post(sends, recvs, group, "forward", overlapped)
     per_spec = [[views[peers[q]].pop(0) for q, _ in plan.recvs] for plan, _, _ in specs]
-    return PendingExchange(works, "forward", per_spec, keep=sends, posted_s=posted)
+    keep = (*sends, *recvs)
+    return PendingExchange(works, "forward", per_spec, keep=keep, posted_s=posted)
 
 
 def _split_window_grad(grad: torch.Tensor, plan, dim: int, x_shape):
@@ -234,10 +258,18 @@ def _split_window_grad(grad: torch.Tensor, plan, dim: int, x_shape):
     return grad_x, grad_recv
 
 
-def _post_backward(grads, specs, peers, group, x_shapes, overlapped: bool) -> PendingExchange:
+def _post_backward(
+    grads, specs, peers, group, x_shapes, overlapped: bool, stream=None
+) -> PendingExchange:
     """Backward of :func:`_post_forward`: every window gradient goes back to the owners of its
     rows.  Own-row gradients accumulate at once; ``wait()`` adds the gradients other ranks
     return for the rows this rank sent and gives the shard gradients, per spec."""
+    if stream is not None and stream.active:
+        with stream.posting():
+            pending = _post_backward(grads, specs, peers, group, x_shapes, overlapped)
+        stream.keep([*grads, *pending._keep_tensors(), *pending._result])
+        pending._stream = stream
+        return pending
     grad_xs, send_parts, back_shapes = [], {}, {}
     for (plan, dim, _), grad, shape in zip(specs, grads, x_shapes):
         grad_x, grad_recv = _split_window_grad(grad, plan, dim, shape)
@@ -261,7 +293,8 @@ def _post_backward(grads, specs, peers, group, x_shapes, overlapped: bool) -> Pe
                     off += c
         return grad_xs
 
-    return PendingExchange(works, "backward", grad_xs, finish, keep=sends, posted_s=posted)
+    keep = (*sends, *recvs)
+    return PendingExchange(works, "backward", grad_xs, finish, keep=keep, posted_s=posted)
 
 
 def post_rows(x: torch.Tensor, plan, dim: int, peers, group, *, overlapped: bool = True):
@@ -324,27 +357,27 @@ class _ExchangeRows(torch.autograd.Function):
     gradient rows back to their owners in one batched call.  ``specs[k] = (plan, dim, fill)``."""
 
     @staticmethod
-    def forward(ctx, specs, peers, group, *xs):
-        received = _post_forward(xs, specs, peers, group, overlapped=False).wait()
+    def forward(ctx, specs, peers, group, stream, *xs):
+        received = _post_forward(xs, specs, peers, group, False, stream).wait()
         outs = []
         for (plan, dim, fill), x, recv_bufs in zip(specs, xs, received):
             window = assemble_window(x, recv_bufs, plan, dim, fill)
             # an output of a Function must not alias its input (a window of own rows only)
             aliased = window.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
             outs.append(window.clone() if aliased else window)
-        ctx.specs, ctx.peers, ctx.group = specs, peers, group
+        ctx.specs, ctx.peers, ctx.group, ctx.stream = specs, peers, group, stream
         ctx.x_shapes = [x.shape for x in xs]
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         pending = _post_backward(
-            grads, ctx.specs, ctx.peers, ctx.group, ctx.x_shapes, overlapped=False
+            grads, ctx.specs, ctx.peers, ctx.group, ctx.x_shapes, False, ctx.stream
         )
-        return (None, None, None, *pending.wait())
+        return (None, None, None, None, *pending.wait())
 
 
-def exchange_rows_batched(requests, manager) -> list[torch.Tensor]:
+def exchange_rows_batched(requests, manager, *, side_stream: bool = False) -> list[torch.Tensor]:
     """Assemble the windows of several tensors needed at the same point, in ONE batched call per
     direction.  Differentiable.
 
@@ -353,7 +386,8 @@ def exchange_rows_batched(requests, manager) -> list[torch.Tensor]:
     dim of ``length`` rows; ``windows[r]`` (a tuple of global rows or FILL) is the window rank r
     assembles, every rank's being given so that each rank knows what to send.  All tensors must
     share dtype and device (their rows to a peer travel as one flat message).  Returns the
-    windows, in order.
+    windows, in order.  ``side_stream``: pack and post on the device's exchange stream
+    (``streams.py``; nothing changes on CPU).
     """
     requests = list(requests)
     if not requests:
@@ -380,15 +414,26 @@ def exchange_rows_batched(requests, manager) -> list[torch.Tensor]:
     if all(not p.sends and not p.recvs for p, _, _ in specs):
         # nothing to move on any rank's side with us: own and fill rows only (a view if it can)
         return [assemble_window(x, [], p, d, f) for x, (p, d, f) in zip(xs, specs)]
-    return list(_ExchangeRows.apply(tuple(specs), manager.domain_ranks, manager.domain_group, *xs))
+    stream = comm_stream_for(xs[0].device) if side_stream else None
+    return list(
+        _ExchangeRows.apply(tuple(specs), manager.domain_ranks, manager.domain_group, stream, *xs)
+    )
 
 
 def exchange_rows(
-    x: torch.Tensor, windows: tuple, length: int, dim: int, manager, fill_value: float = 0.0
+    x: torch.Tensor,
+    windows: tuple,
+    length: int,
+    dim: int,
+    manager,
+    fill_value: float = 0.0,
+    *,
+    side_stream: bool = False,
 ) -> torch.Tensor:
     """:func:`exchange_rows_batched` of one tensor: this rank's window (``windows[domain_rank]``)
     of the local shard ``x`` of a dim of ``length`` rows.  Differentiable."""
-    return exchange_rows_batched([(x, windows, length, dim, fill_value)], manager)[0]
+    request = [(x, windows, length, dim, fill_value)]
+    return exchange_rows_batched(request, manager, side_stream=side_stream)[0]
 
 
 def compose_windows(first: tuple, first_length: int, second: tuple) -> tuple:
