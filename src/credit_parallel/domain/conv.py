@@ -12,6 +12,8 @@ exchange shared by sibling convolutions in ``shared_input.py``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,16 +21,17 @@ from torch import nn
 from .conv_geometry import (
     ConvGeometry,
     ConvOp,
+    OverlapSplit,
     conv_needs_domain_wrapper,
     conv_transpose_windows,
     conv_windows,
     overlap_split,
 )
-from .exchange import compose_windows, exchange_rows
+from .exchange import compose_windows, exchange_planned, exchange_rows
 from .manager import resolve_manager
 from .overlap import OverlappedConv, check_overlap, overlap_enabled
 from .padding import DomainParallelPad
-from .rows import plan_exchange, shard_range
+from .rows import RankExchangePlan, plan_exchange, shard_range
 from .shared_input import SharedInputExchange
 from .wrap import DomainWrapper, run_forward_pre_hooks
 
@@ -43,6 +46,16 @@ __all__ = [
 ]
 
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+@dataclass(frozen=True)
+class _ConvCall:
+    """This rank's part of one conv call: its exchange plan, its overlap split (None: no
+    interior output row) and whether it owns no output row."""
+
+    plan: RankExchangePlan
+    split: OverlapSplit | None
+    owns_no_output: bool
 
 
 def fused_pad_windows(pad, conv, length: int, n: int) -> tuple:
@@ -88,6 +101,8 @@ class _DomainParallelConvNd(DomainWrapper):
         self.op = ConvOp.of(self.geometry, self.spatial_index)
         # set by share_input_exchange / the converter's fusion of sibling convolutions
         self.shared_input: SharedInputExchange | None = None
+        # per (global input height, domain size, rank): this rank's geometry of one call
+        self._calls: dict[tuple[int, int, int], _ConvCall] = {}
         # a padding layer whose exchange this conv does (fusion.py); x is then the PAD's input
         self.fused_pad: DomainParallelPad | None = None
         # the module path, set by convert_to_domain_parallel (named in errors)
@@ -126,24 +141,38 @@ class _DomainParallelConvNd(DomainWrapper):
             return self._forward_transposed(x, weight, bias, mgr, length, n, dim)
         if self.fused_pad is not None:
             return self._forward_fused_pad(x, weight, bias, mgr, length, n, dim)
-        o0, o1 = shard_range(self.output_height(length), n, mgr.domain_rank)
+        call = self._call_geometry(length, n, mgr.domain_rank)
         if self.shared_input is not None and self.shared_input.active:
             window = self.shared_input.window_for(self, x, length, n, dim, mgr)
         else:
-            windows = self.input_windows(length, n)
-            split = overlap_split(self.geometry, i, length, n, mgr.domain_rank)
-            if overlap_enabled(self.overlap) and split is not None:
-                plan = plan_exchange(length, n, windows)[mgr.domain_rank]
-                if plan.sends or plan.recvs:
-                    return OverlappedConv.apply(
-                        x, weight, bias, self.op, plan, dim, split, mgr.domain_ranks,
-                        mgr.domain_group,
-                    )  # fmt: skip
+            plan, split = call.plan, call.split
+            if overlap_enabled(self.overlap) and split is not None and (plan.sends or plan.recvs):
+                return OverlappedConv.apply(
+                    x, weight, bias, self.op, plan, dim, split, mgr.domain_ranks, mgr.domain_group
+                )
             # every rank takes part in the exchange, also one that owns no output row
-            window = exchange_rows(x, windows, length, dim, mgr, side_stream=self.side_stream)
-        if o0 == o1:
+            (window,) = exchange_planned([x], [(plan, dim, 0.0)], mgr, side_stream=self.side_stream)
+        if call.owns_no_output:
             return self._bias_only(x, window, weight, bias, 0)
         return self.op(window, weight, bias)
+
+    def _call_geometry(self, length: int, n: int, rank: int) -> _ConvCall:
+        """This rank's plan, overlap split and output rows for an input of ``length`` rows over
+        ``n`` ranks: computed once per (length, n, rank), then a dict lookup per call."""
+        key = (length, n, rank)
+        call = self._calls.get(key)
+        if call is None:
+            windows = self.input_windows(length, n)
+            o0, o1 = shard_range(self.output_height(length), n, rank)
+            call = _ConvCall(
+                plan_exchange(length, n, windows)[rank],
+                overlap_split(self.geometry, self.spatial_index, length, n, rank),
+                o0 == o1,
+            )
+            if len(self._calls) > 64:
+                self._calls.clear()
+            self._calls[key] = call
+        return call
 
     def _forward_fused_pad(self, x, weight, bias, mgr, length, n, dim):
         """The padding layer ``fused_pad`` then this conv, with ONE exchange of the pad's input

@@ -46,6 +46,7 @@ __all__ = [
     "assemble_window",
     "compose_windows",
     "exchange_rows",
+    "exchange_planned",
     "exchange_rows_batched",
     "exchange_stats",
     "halo_window",
@@ -411,6 +412,14 @@ def exchange_rows_batched(requests, manager, *, side_stream: bool = False) -> li
         plan = plan_exchange(length, n, windows)[rank]
         specs.append((plan, dim % x.dim(), fill))
         xs.append(x)
+    return exchange_planned(xs, specs, manager, side_stream=side_stream)
+
+
+def exchange_planned(xs, specs, manager, *, side_stream: bool = False) -> list[torch.Tensor]:
+    """:func:`exchange_rows_batched` with this rank's plans already made: ``specs[k] = (plan,
+    dim, fill_value)`` for the shard ``xs[k]`` (``plan`` this rank's
+    :class:`~credit_parallel.domain.rows.RankExchangePlan`, ``dim`` non-negative), for layers
+    that cache their per-call geometry.  Differentiable."""
     if all(not p.sends and not p.recvs for p, _, _ in specs):
         # nothing to move on any rank's side with us: own and fill rows only (a view if it can)
         return [assemble_window(x, [], p, d, f) for x, (p, d, f) in zip(xs, specs)]
