@@ -27,11 +27,11 @@ from .conv_geometry import (
     conv_windows,
     overlap_split,
 )
-from .exchange import compose_windows, exchange_planned, exchange_rows
+from .exchange import exchange_planned, exchange_rows
 from .manager import resolve_manager
 from .overlap import OverlappedConv, check_overlap, overlap_enabled
 from .padding import DomainParallelPad
-from .rows import RankExchangePlan, plan_exchange, shard_range
+from .rows import RankExchangePlan, compose_windows, plan_exchange, shard_range
 from .shared_input import SharedInputExchange
 from .wrap import DomainWrapper, run_forward_pre_hooks
 

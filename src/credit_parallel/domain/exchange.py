@@ -13,31 +13,29 @@ The two halves of the path are public for layers with their own backward (the sp
 convolution of ``domain/overlap.py``): :func:`post_rows` posts the forward messages and returns a
 :class:`PendingExchange` at once, :func:`assemble_window` builds any range of the window from the
 shard and the received rows, and :func:`post_gradient_return` posts the gradient return.  The
-autograd path is built from the same three, so the messages, the arithmetic and the order in
+autograd path is built from the same pieces, so the messages, the arithmetic and the order in
 which gradient rows are accumulated are the same whichever way a layer calls it.
 
-:func:`compose_windows` fuses two back-to-back row maps (a padding layer followed by a
-convolution) into one window, so one exchange replaces two.
+:func:`~credit_parallel.domain.rows.compose_windows` (pure, in ``rows.py``) fuses two
+back-to-back row maps into one window, so one exchange replaces two (``fusion.py``).
 
-Statistics are opt-in: inside ``with record_exchange_stats() as stats:`` this rank's calls,
-messages, bytes and seconds blocked are counted (what the benchmarks read); outside, nothing is
-counted or timed.
+Statistics are opt-in (``traffic.py``): inside ``with record_exchange_stats() as stats:`` this
+rank's calls, messages, bytes and seconds blocked are counted; outside, nothing is counted or
+timed.  ``side_stream=True`` packs and posts on the device's exchange stream (``streams.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .manager import resolve_manager
-from .rows import FILL, edge_source_row, plan_exchange, row_owner, shard_range
+from .rows import compose_windows, edge_source_row, plan_exchange, shard_range
 from .streams import comm_stream_for
+from .traffic import ExchangeStats, active_recorder, exchange_stats, record_exchange_stats
 
 __all__ = [
     "ExchangeStats",
@@ -54,53 +52,6 @@ __all__ = [
     "post_rows",
     "record_exchange_stats",
 ]
-
-
-def _directions(value):
-    return {"forward": value, "backward": value}
-
-
-@dataclass
-class ExchangeStats:
-    """Counters of domain P2P traffic on this rank (read by the benchmarks).
-
-    ``p2p_calls``: ``batch_isend_irecv`` calls; ``messages``: sends; ``bytes_sent`` (also split
-    ``by_direction``); ``seconds``: time blocked in exchanges by direction (posting + waiting);
-    ``overlapped_calls``: calls whose wait was deferred behind computation.
-    """
-
-    p2p_calls: int = 0
-    messages: int = 0
-    bytes_sent: int = 0
-    by_direction: dict = field(default_factory=lambda: _directions(0))
-    seconds: dict = field(default_factory=lambda: _directions(0.0))
-    overlapped_calls: int = 0
-
-    def reset(self) -> None:
-        self.p2p_calls = self.messages = self.bytes_sent = self.overlapped_calls = 0
-        self.by_direction = _directions(0)
-        self.seconds = _directions(0.0)
-
-
-exchange_stats = ExchangeStats()  # what record_exchange_stats() fills by default
-_recording: list[ExchangeStats] = []  # the innermost active recorder last; empty: not counted
-
-
-@contextlib.contextmanager
-def record_exchange_stats(stats: ExchangeStats | None = None) -> Iterator[ExchangeStats]:
-    """Count this rank's exchanges inside the block into ``stats`` (default: the module's
-    :data:`exchange_stats`), reset on entry; yields it.  Off outside any such block."""
-    stats = exchange_stats if stats is None else stats
-    stats.reset()
-    _recording.append(stats)
-    try:
-        yield stats
-    finally:
-        _recording.remove(stats)
-
-
-def _recorder() -> ExchangeStats | None:
-    return _recording[-1] if _recording else None
 
 
 def _flat_tensors(obj) -> list:
@@ -122,7 +73,7 @@ class PendingExchange:
         self._result = result
         self._finish = finish
         self._done = False
-        stats = _recorder()
+        stats = active_recorder()
         if stats is not None:
             stats.seconds[direction] += posted_s
 
@@ -131,7 +82,7 @@ class PendingExchange:
 
     def wait(self):
         if not self._done:
-            stats = _recorder()
+            stats = active_recorder()
             t0 = time.perf_counter() if stats is not None else 0.0
             for work in self._works:
                 work.wait()
@@ -155,7 +106,7 @@ def _post(sends: list, recvs: list, group, direction: str, overlapped: bool):
     ops += [dist.P2POp(dist.irecv, t, peer, group) for peer, t in recvs]
     if not ops:
         return [], 0.0
-    stats = _recorder()
+    stats = active_recorder()
     t0 = time.perf_counter() if stats is not None else 0.0
     works = dist.batch_isend_irecv(ops)
     if stats is None:
@@ -443,39 +394,6 @@ def exchange_rows(
     of the local shard ``x`` of a dim of ``length`` rows.  Differentiable."""
     request = [(x, windows, length, dim, fill_value)]
     return exchange_rows_batched(request, manager, side_stream=side_stream)[0]
-
-
-def compose_windows(first: tuple, first_length: int, second: tuple) -> tuple:
-    """Fuse two back-to-back row maps into one, so two exchanges become one.
-
-    ``first[r]``: the rows (of a tensor A, or FILL) that make up rank r's shard of a tensor B in
-    the balanced layout of ``first_length`` rows (e.g. a padding layer's windows);
-    ``second[r]``: the rows of B (or FILL) rank r needs next (e.g. a convolution's windows).
-    Returns, per rank, the rows of A (or FILL) the second layer needs: one
-    :func:`exchange_rows` of A with these windows yields exactly the window two exchanges would
-    assemble, as long as both layers fill with the same value (zeros).
-    """
-    n = len(first)
-    if len(second) != n:
-        raise ValueError(f"compose_windows: {len(first)} and {len(second)} windows (one per rank)")
-    if tuple(len(w) for w in first) != tuple(
-        shard_range(first_length, n, r)[1] - shard_range(first_length, n, r)[0] for r in range(n)
-    ):
-        raise ValueError(
-            f"compose_windows: the first windows are not the balanced layout of {first_length} "
-            f"rows over {n} ranks"
-        )
-    out = []
-    for window in second:
-        rows = []
-        for g in window:
-            if g == FILL:
-                rows.append(FILL)
-                continue
-            q = row_owner(first_length, n, g)
-            rows.append(first[q][g - shard_range(first_length, n, q)[0]])
-        out.append(tuple(rows))
-    return tuple(out)
 
 
 def halo_window(

@@ -23,6 +23,7 @@ import numpy as np
 __all__ = [
     "FILL",
     "RankExchangePlan",
+    "compose_windows",
     "conv_output_length",
     "conv_transpose_output_length",
     "conv_window",
@@ -302,3 +303,36 @@ def plan_exchange(length: int, n: int, windows: tuple) -> tuple[RankExchangePlan
 
 def ceil_div(a: int, b: int) -> int:
     return -((-a) // b)
+
+
+def compose_windows(first: tuple, first_length: int, second: tuple) -> tuple:
+    """Fuse two back-to-back row maps into one, so two exchanges become one.
+
+    ``first[r]``: the rows (of a tensor A, or FILL) that make up rank r's shard of a tensor B in
+    the balanced layout of ``first_length`` rows (e.g. a padding layer's windows);
+    ``second[r]``: the rows of B (or FILL) rank r needs next (e.g. a convolution's windows).
+    Returns, per rank, the rows of A (or FILL) the second layer needs: one
+    :func:`exchange_rows` of A with these windows yields exactly the window two exchanges would
+    assemble, as long as both layers fill with the same value (zeros).
+    """
+    n = len(first)
+    if len(second) != n:
+        raise ValueError(f"compose_windows: {len(first)} and {len(second)} windows (one per rank)")
+    if tuple(len(w) for w in first) != tuple(
+        shard_range(first_length, n, r)[1] - shard_range(first_length, n, r)[0] for r in range(n)
+    ):
+        raise ValueError(
+            f"compose_windows: the first windows are not the balanced layout of {first_length} "
+            f"rows over {n} ranks"
+        )
+    out = []
+    for window in second:
+        rows = []
+        for g in window:
+            if g == FILL:
+                rows.append(FILL)
+                continue
+            q = row_owner(first_length, n, g)
+            rows.append(first[q][g - shard_range(first_length, n, q)[0]])
+        out.append(tuple(rows))
+    return tuple(out)
