@@ -21,7 +21,7 @@ from .conv import _DomainParallelConvNd
 from .padding import DomainParallelPad
 from .shared_input import share_input_exchange
 
-__all__ = ["fuse_exchanges"]
+__all__ = ["find_fusions", "fuse_exchanges"]
 
 
 def _plain_conv(module) -> bool:
@@ -39,14 +39,15 @@ def _fill_agrees(pad: DomainParallelPad, conv: _DomainParallelConvNd) -> bool:
     return pad.mode != "constant" or pad.value == 0.0 or not conv_fills
 
 
-def _fuse_pad_conv(seq: nn.Sequential, uses: dict) -> int:
-    fused = 0
+def _pad_conv_pairs(seq: nn.Sequential, uses: dict, layer_of) -> list:
+    pairs = []
     children = list(seq.children())
-    for pad, conv in zip(children, children[1:]):
+    for first, second in zip(children, children[1:]):
+        pad, conv = layer_of(first), layer_of(second)
         if (
             isinstance(pad, DomainParallelPad)
             and pad.fused_into is None
-            and uses.get(id(pad), 0) == 1
+            and uses.get(id(first), 0) == 1
             and _plain_conv(conv)
             and conv.nd == 2
             and conv.spatial_index == 0
@@ -55,38 +56,51 @@ def _fuse_pad_conv(seq: nn.Sequential, uses: dict) -> int:
             and not pad._forward_hooks
             and not pad._forward_pre_hooks
         ):
-            # plain attributes, not submodules: no new state_dict keys, no second parent
-            object.__setattr__(pad, "fused_into", conv)
-            object.__setattr__(conv, "fused_pad", pad)
-            fused += 1
-    return fused
+            pairs.append((first, second))
+    return pairs
 
 
-def _sibling_groups(modules: nn.ModuleList) -> list[list]:
+def _sibling_groups(modules: nn.ModuleList, layer_of) -> list[list]:
     groups: dict = {}
-    for m in modules:
+    for child in modules:
+        m = layer_of(child)
         if not _plain_conv(m) or m.overlap:
             continue
-        conv = m.conv
         key = (m.nd, m.shard_dim % (m.nd + 2), m.geometry.edge_mode, id(m.manager))
-        key += (conv.in_channels,)
-        groups.setdefault(key, []).append(m)
+        key += (m.conv.in_channels,)
+        groups.setdefault(key, []).append(child)
     return [g for g in groups.values() if len(g) >= 2]
+
+
+def find_fusions(model: nn.Module, layer_of=None) -> tuple[list, list]:
+    """``(pad_conv_pairs, sibling_groups)`` of ``model``: pairs ``(pad module, conv module)`` and
+    lists of sibling conv modules, as modules of ``model``.  ``layer_of(module)`` gives the
+    domain layer that module is or will be replaced by (None: not a domain layer); by default the
+    module itself (a converted model).  The planner passes the converter's replacements."""
+    layer_of = layer_of or (lambda m: m)
+    uses: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        uses[id(module)] = uses.get(id(module), 0) + 1
+    pairs, groups = [], []
+    for module in model.modules():
+        if isinstance(module, nn.Sequential):
+            pairs += _pad_conv_pairs(module, uses, layer_of)
+        if isinstance(module, nn.ModuleList):
+            groups += _sibling_groups(module, layer_of)
+    # a conv that exchanges for its pad does not also share its input
+    paired = {id(conv) for _, conv in pairs}
+    groups = [g for g in ([c for c in g if id(c) not in paired] for g in groups) if len(g) >= 2]
+    return pairs, groups
 
 
 def fuse_exchanges(model: nn.Module) -> dict[str, int]:
     """Fuse the exchanges of ``model``'s domain layers in place (see the module docstring);
     returns how many ``pad_conv`` pairs and ``sibling_convs`` groups were fused."""
-    uses: dict[int, int] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
-        uses[id(module)] = uses.get(id(module), 0) + 1
-    counts = {"pad_conv": 0, "sibling_convs": 0}
-    for module in model.modules():
-        if isinstance(module, nn.Sequential):
-            counts["pad_conv"] += _fuse_pad_conv(module, uses)
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            for group in _sibling_groups(module):
-                share_input_exchange(*group)
-                counts["sibling_convs"] += 1
-    return counts
+    pairs, groups = find_fusions(model)
+    for pad, conv in pairs:
+        # plain attributes, not submodules: no new state_dict keys, no second parent
+        object.__setattr__(pad, "fused_into", conv)
+        object.__setattr__(conv, "fused_pad", pad)
+    for group in groups:
+        share_input_exchange(*group)
+    return {"pad_conv": len(pairs), "sibling_convs": len(groups)}
