@@ -110,3 +110,48 @@ def test_sibling_convs_share_one_exchange_and_a_stack_stops_sharing():
         stack = per_rank["stack_in_a_modulelist"]
         # the first call of a fresh model finds out it is a stack; then exchanges as unfused
         assert stack["fused"] == stack["unfused"], stack
+
+
+# --------------------------------------------------------------------------- the planner
+def _plan_model():
+    return nn.Sequential(
+        nn.ReflectionPad2d((1, 1, 2, 1)),
+        nn.Conv2d(3, 3, 3),
+        CrossScaleEmbedding(3, 8, (2, 4, 6), 2),
+        nn.ZeroPad2d((0, 0, 1, 1)),
+        nn.Conv2d(8, 2, 3, padding=(0, 1)),
+    ).double()
+
+
+def _plan_worker(rank, world):
+    torch.set_default_dtype(torch.float64)
+    mgr = DomainParallelManager(world, world)
+    model = convert_to_domain_parallel(_plan_model(), mgr)
+    x = torch.randn(2, 3, 19, 8, generator=torch.Generator().manual_seed(0))
+    from credit_parallel.domain.rows import shard_range
+
+    a, b = shard_range(19, world, rank)
+    mgr.begin_forward(("plan-fusion", tuple(x.shape)))
+    with record_exchange_stats() as stats:
+        model(x[:, :, a:b].clone().requires_grad_()).square().sum().backward()
+    return stats.bytes_sent, stats.p2p_calls
+
+
+def test_planner_predicts_the_fused_exchanges_of_a_real_step():
+    from credit_parallel.planner import make_plan, predicted_collectives, predicted_halo_bytes
+
+    world = 3
+    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": world}}}
+    plan = make_plan(conf, world, model=_plan_model(), input_shapes=[(3, 19, 8)])
+    assert plan.violations == []
+    # the fused pads and two of the three sibling convs move no rows of their own
+    silent = [layer.path for layer in plan.layers if not layer.exchanges]
+    assert {"0", "3", "2.convs.1", "2.convs.2"} <= set(silent)
+    for r, (bytes_sent, calls) in enumerate(run_on_ranks(_plan_worker, world)):
+        assert predicted_halo_bytes(plan.layers, batch_size=2, dtype_bytes=8, domain_rank=r) == (
+            bytes_sent
+        )
+        counts = predicted_collectives(
+            plan.layers, data="none", dp=1, tp=1, domain=world, domain_rank=r
+        )
+        assert counts["domain_p2p"] == calls

@@ -295,10 +295,13 @@ def _halo_sides(windows, in_h: int, n: int) -> tuple[tuple[int, ...], tuple[int,
     return tuple(before), tuple(after)
 
 
-def layer_call_plan(path: str, layer, in_shape, out_shape, n: int, double: bool):
+def layer_call_plan(path: str, layer, in_shape, out_shape, n: int, double: bool, exchange=None):
     """The :class:`DomainLayerPlan` of one call of the domain layer ``layer`` (the converter's
     replacement) on an input of ``in_shape`` giving ``out_shape`` (batch 1), over ``n`` ranks,
-    from the layer's own geometry.  ``double``: float64 activations (interpolation indices)."""
+    from the layer's own geometry.  ``double``: float64 activations (interpolation indices).
+    ``exchange``: None (the layer's own windows), False (another layer exchanges for it: a
+    fused pad), or ``(windows, exchanged_shape)`` when it exchanges another tensor (a conv
+    fused with its pad, a shared sibling exchange)."""
     in_h = in_shape[SHARD_DIM % len(in_shape)]
     out_h = out_shape[SHARD_DIM % len(out_shape)]
     row_elements = math.prod(in_shape) // max(in_h, 1)
@@ -312,16 +315,22 @@ def layer_call_plan(path: str, layer, in_shape, out_shape, n: int, double: bool)
             row_elements, peers, error,
         )  # fmt: skip
 
-    if domain_form_of(layer) is None:
-        return without_exchange()  # not a layer this planner can ask: no halo
+    if domain_form_of(layer) is None or exchange is False:
+        return without_exchange()  # not a layer this planner can ask, or fused: no halo
     try:
-        windows = input_windows_of(layer, in_h, n, double=double)
+        ex_h = in_h
+        if exchange is not None:
+            windows, ex_shape = exchange
+            ex_h = ex_shape[SHARD_DIM % len(ex_shape)]
+            row_elements = math.prod(ex_shape) // max(ex_h, 1)
+        else:
+            windows = input_windows_of(layer, in_h, n, double=double)
         if windows is None:
             return without_exchange()
-        plans = plan_exchange(in_h, n, tuple(windows))
+        plans = plan_exchange(ex_h, n, tuple(windows))
     except ValueError as err:
         return without_exchange(str(err))
-    before, after = _halo_sides(windows, in_h, n)
+    before, after = _halo_sides(windows, ex_h, n)
     return DomainLayerPlan(
         path,
         kind,

@@ -28,8 +28,11 @@ import torch
 from torch import nn
 
 from ..config import DataMode, ParallelDims, parse_parallelism_conf
+from ..domain.conv import fused_pad_windows
 from ..domain.convert import validate_sharding_constraints
+from ..domain.fusion import find_fusions
 from ..domain.rows import shard_sizes
+from ..domain.shared_input import union_windows
 from ..mesh import full_rank_layout
 from .cost import (
     DomainLayerPlan,
@@ -196,13 +199,60 @@ def _traced_layers(model, shapes, n: int, double: bool, violations: list):
                 "(replace it, declare _domain_local = True if it truly is row-local, or use "
                 "trainer.parallelism.domain: 1)"
             )
+    exchanges = _fused_exchanges(model, targets, trace, n)
     layers = []
     seen_calls: dict[str, int] = {}
-    for path, _, replacement, in_shape, out_shape in trace.calls:
+    for index, (path, _, replacement, in_shape, out_shape, _) in enumerate(trace.calls):
         seen_calls[path] = seen_calls.get(path, 0) + 1
         label = path if seen_calls[path] == 1 else f"{path} (call {seen_calls[path]})"
-        layers.append(layer_call_plan(label, replacement, in_shape, out_shape, n, double))
+        layers.append(
+            layer_call_plan(
+                label, replacement, in_shape, out_shape, n, double, exchanges.get(index)
+            )
+        )
     return trace, layers
+
+
+def _fused_exchanges(model, targets, trace, n: int) -> dict:
+    """``{call index: exchange}`` (see ``cost.layer_call_plan``) for the calls whose exchange
+    the converter fuses (``domain/fusion.py``): a pad followed by a conv exchanges once, for the
+    conv; sibling convs on one input exchange the union of their windows once, at the first
+    call, as ``shared_input.SharedInputExchange`` does at run time."""
+    replacement = {id(m): r for _, m, r in targets if not isinstance(r, Exception)}
+    pairs, groups = find_fusions(model, lambda m: replacement.get(id(m)))
+    pad_of = {id(conv): pad for pad, conv in pairs}
+    fused_pads = {id(pad) for pad, _ in pairs}
+    group_of = {id(c): tuple(g) for g in groups for c in g}
+    out, entries, inactive = {}, {}, set()
+    for index, (_, module, layer, in_shape, _, x) in enumerate(trace.calls):
+        dim = SHARD_DIM % len(in_shape)
+        if id(module) in fused_pads:
+            out[index] = False
+        elif id(module) in pad_of:
+            pad = replacement[id(pad_of[id(module)])]
+            _, _, top, bottom = pad.padding
+            shape = list(in_shape)
+            shape[dim] -= top + bottom
+            shape[-1] -= pad.padding[0] + pad.padding[1]
+            out[index] = (fused_pad_windows(pad, layer, shape[dim], n), tuple(shape))
+        elif id(module) in group_of and group_of[id(module)] not in inactive:
+            group = group_of[id(module)]
+            entry = entries.get(group)  # (input, layers served) of the last exchange
+            if entry is not None and entry[0] is x and module not in entry[1]:
+                entry[1].append(module)
+                out[index] = False
+                if len(entry[1]) == len(group):
+                    entries[group] = None  # all served: the next call exchanges afresh
+                continue
+            if entry is not None and entry[0] is not x and len(entry[1]) == 1:
+                inactive.add(group)  # a stack, not siblings: every later call alone
+            layers = tuple(replacement[id(c)] for c in group)
+            geos = tuple(m.geometry for m in layers)
+            i = layers[0].spatial_index
+            windows, _ = union_windows(geos, i, in_shape[dim], n, 0)
+            out[index] = (windows, in_shape)
+            entries[group] = (x, [module])
+    return out
 
 
 def _levels(shapes, layers, trace, n: int, violations: list, notes: list):

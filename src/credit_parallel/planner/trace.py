@@ -114,7 +114,7 @@ def _same_shape(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Trace:
-    calls: list  # (path, module, replacement, in_shape, out_shape)
+    calls: list  # (path, module, replacement, in_shape, out_shape, input tensor)
     leaf_outputs: list  # (path, out_shape)
     model_outputs: list  # shapes
 
@@ -133,8 +133,9 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
                 ins = list(_tensors(args))
                 outs = list(_tensors(out))
                 if ins and outs:
+                    # the input itself too: sibling layers called on one tensor share an exchange
                     calls.append(
-                        (path, mod, replacement, tuple(ins[0].shape), tuple(outs[0].shape))
+                        (path, mod, replacement, tuple(ins[0].shape), tuple(outs[0].shape), ins[0])
                     )
 
             handles.append(module.register_forward_hook(record))
