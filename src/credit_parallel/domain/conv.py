@@ -102,7 +102,7 @@ class _DomainParallelConvNd(DomainWrapper):
         # set by share_input_exchange / the converter's fusion of sibling convolutions
         self.shared_input: SharedInputExchange | None = None
         # per (global input height, domain size, rank): this rank's geometry of one call
-        self._calls: dict[tuple[int, int, int], _ConvCall] = {}
+        self._calls: dict[tuple[int, int, int, bool], _ConvCall] = {}
         # a padding layer whose exchange this conv does (fusion.py); x is then the PAD's input
         self.fused_pad: DomainParallelPad | None = None
         # the module path, set by convert_to_domain_parallel (named in errors)
@@ -156,19 +156,23 @@ class _DomainParallelConvNd(DomainWrapper):
             return self._bias_only(x, window, weight, bias, 0)
         return self.op(window, weight, bias)
 
-    def _call_geometry(self, length: int, n: int, rank: int) -> _ConvCall:
+    def _call_geometry(self, length: int, n: int, rank: int, fused: bool = False) -> _ConvCall:
         """This rank's plan, overlap split and output rows for an input of ``length`` rows over
-        ``n`` ranks: computed once per (length, n, rank), then a dict lookup per call."""
-        key = (length, n, rank)
+        ``n`` ranks: computed once per (length, n, rank), then a dict lookup per call.
+        ``fused``: ``length`` is the input height of the fused pad (no overlap split)."""
+        key = (length, n, rank, fused)
         call = self._calls.get(key)
         if call is None:
-            windows = self.input_windows(length, n)
-            o0, o1 = shard_range(self.output_height(length), n, rank)
-            call = _ConvCall(
-                plan_exchange(length, n, windows)[rank],
-                overlap_split(self.geometry, self.spatial_index, length, n, rank),
-                o0 == o1,
-            )
+            if fused:
+                windows = fused_pad_windows(self.fused_pad, self, length, n)
+                out_h = self.output_height(self.fused_pad.output_height(length))
+                split = None
+            else:
+                windows = self.input_windows(length, n)
+                out_h = self.output_height(length)
+                split = overlap_split(self.geometry, self.spatial_index, length, n, rank)
+            o0, o1 = shard_range(out_h, n, rank)
+            call = _ConvCall(plan_exchange(length, n, windows)[rank], split, o0 == o1)
             if len(self._calls) > 64:
                 self._calls.clear()
             self._calls[key] = call
@@ -178,11 +182,11 @@ class _DomainParallelConvNd(DomainWrapper):
         """The padding layer ``fused_pad`` then this conv, with ONE exchange of the pad's input
         (``length`` rows): the two row maps composed (``exchange.compose_windows``)."""
         pad = self.fused_pad
-        windows = fused_pad_windows(pad, self, length, n)
-        window = exchange_rows(x, windows, length, dim, mgr, fill_value=pad.value)
+        call = self._call_geometry(length, n, mgr.domain_rank, fused=True)
+        spec = (call.plan, dim, pad.value)
+        (window,) = exchange_planned([x], [spec], mgr, side_stream=self.side_stream)
         window = pad.pad_width(window)
-        o0, o1 = shard_range(self.output_height(pad.output_height(length)), n, mgr.domain_rank)
-        if o0 == o1:
+        if call.owns_no_output:
             return self._bias_only(window, window, weight, bias, 0)
         return self.op(window, weight, bias)
 
