@@ -27,7 +27,7 @@ from .conv_geometry import (
     conv_windows,
     overlap_split,
 )
-from .exchange import exchange_planned, exchange_rows
+from .exchange import exchange_planned
 from .manager import resolve_manager
 from .overlap import OverlappedConv, check_overlap, overlap_enabled
 from .padding import DomainParallelPad
@@ -56,6 +56,8 @@ class _ConvCall:
     plan: RankExchangePlan
     split: OverlapSplit | None
     owns_no_output: bool
+    out_rows: tuple[int, int]  # [o0, o1) of the output rows this rank owns
+    first_input_row: int | None  # the first global row of its window (None: an empty window)
 
 
 def fused_pad_windows(pad, conv, length: int, n: int) -> tuple:
@@ -172,7 +174,10 @@ class _DomainParallelConvNd(DomainWrapper):
                 out_h = self.output_height(length)
                 split = overlap_split(self.geometry, self.spatial_index, length, n, rank)
             o0, o1 = shard_range(out_h, n, rank)
-            call = _ConvCall(plan_exchange(length, n, windows)[rank], split, o0 == o1)
+            first = windows[rank][0] if windows[rank] else None
+            call = _ConvCall(
+                plan_exchange(length, n, windows)[rank], split, o0 == o1, (o0, o1), first
+            )
             if len(self._calls) > 64:
                 self._calls.clear()
             self._calls[key] = call
@@ -206,12 +211,13 @@ class _DomainParallelConvNd(DomainWrapper):
 
     def _forward_transposed(self, x, weight, bias, mgr, length, n, dim):
         geo, i = self.geometry, self.spatial_index
-        windows, out_len = conv_transpose_windows(geo, i, length, n)
-        lo_hi = windows[mgr.domain_rank]
+        call = self._call_geometry(length, n, mgr.domain_rank)
         # every rank takes part in the exchange, also one whose own window is empty
-        window = exchange_rows(x, windows, length, dim, mgr)
-        o0, o1 = shard_range(out_len, n, mgr.domain_rank)
-        if not lo_hi:
+        (window,) = exchange_planned(
+            [x], [(call.plan, dim, 0.0)], mgr, side_stream=self.side_stream
+        )
+        o0, o1 = call.out_rows
+        if call.first_input_row is None:
             return self._bias_only(x, window, weight, bias, o1 - o0)
         pads = tuple(p[0] if j != i else 0 for j, p in enumerate(geo.pads))
         out_pad = tuple(p if j != i else 0 for j, p in enumerate(geo.output_padding))
@@ -219,8 +225,8 @@ class _DomainParallelConvNd(DomainWrapper):
             window, weight, None, geo.stride, pads, out_pad, geo.groups, geo.dilation
         )
         # y's rows along dim are the un-cropped positions lo*s + t; keep our output rows
-        first = o0 + geo.pads[i][0] - lo_hi[0] * geo.stride[i]
-        last = o1 + geo.pads[i][0] - lo_hi[0] * geo.stride[i]
+        first = o0 + geo.pads[i][0] - call.first_input_row * geo.stride[i]
+        last = o1 + geo.pads[i][0] - call.first_input_row * geo.stride[i]
         before, after = max(0, -first), max(0, last - y.shape[dim])
         if before or after:  # rows no input reaches (output_padding, kernel*dilation < stride)
             flat = [0, 0] * (self.nd - 1 - i) + [before, after]
