@@ -119,14 +119,14 @@ class DomainParallelPad(DomainWrapper):
             raise ValueError(
                 f"{type(self.wrapped).__name__} expects a 3-D or 4-D input, got shape {tuple(x.shape)}"
             )
+        if self.fused_into is not None:
+            return x  # the next conv pads and exchanges for both (fusion.py), any domain size
         mgr = resolve_manager(self.manager, type(self).__name__)
         n = mgr.domain_world_size
         dim = x.dim() - 2
         length = mgr.global_length(self, x.shape[dim])
         if n == 1:
             return self.wrapped(x)
-        if self.fused_into is not None:
-            return x  # the next conv exchanges for both (fusion.py): it receives our input
         windows = self.input_windows(length, n)
         rows = exchange_rows(x, windows, length, dim, mgr, fill_value=self.value)
         return self.pad_width(rows)
