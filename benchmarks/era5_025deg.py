@@ -283,7 +283,7 @@ def _print_runs(runs: dict) -> None:
 
 
 def _print_plan_comparison(runs: dict, args) -> None:
-    from credit_parallel.plan import make_plan
+    from credit_parallel.planner import make_plan
 
     print("\n== credit-parallel plan (estimate per rank) vs measured increase of peak RSS ==")
     print(
@@ -301,7 +301,7 @@ def _print_plan_comparison(runs: dict, args) -> None:
 
 
 def _print_bundled_plans(args) -> None:
-    from credit_parallel.plan import make_plan
+    from credit_parallel.planner import make_plan
 
     conf = _bundled_config()
     block = conf["trainer"]["parallelism"]

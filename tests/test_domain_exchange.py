@@ -15,7 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from credit_parallel.domain.exchange import HaloExchange, exchange_rows, exchange_stats
+from credit_parallel.domain.exchange import (
+    HaloExchange,
+    exchange_rows,
+    exchange_stats,
+    record_exchange_stats,
+)
 from credit_parallel.domain.manager import DomainParallelManager, get_domain_parallel_manager
 from credit_parallel.domain.rows import FILL, shard_range
 from credit_parallel.testing import RankFailure, run_on_ranks
@@ -99,8 +104,7 @@ def _halo_worker(rank, world):
 
         halo = HaloExchange((before, after), dim=-2, manager=mgr, mode=mode)
         xl = x[..., start:stop, :].clone().requires_grad_(True)
-        exchange_stats.reset()
-        with _CountP2P() as count:
+        with record_exchange_stats(), _CountP2P() as count:
             win = halo(xl)
             fwd_calls = count.calls
             (win * grads[rank][..., : win.shape[-2], :]).sum().backward()
@@ -279,3 +283,35 @@ def test_halo_exchange_arguments_and_trim_are_checked():
     if get_domain_parallel_manager() is None:
         with pytest.raises(RuntimeError, match="no DomainParallelManager"):
             HaloExchange(1)(x)
+
+
+# --------------------------------------------------------------------------- side stream
+def _side_stream_worker(rank, world):
+    mgr = DomainParallelManager(world, world)
+    x = torch.randn(2, 3, 11, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    a, b = shard_range(11, world, rank)
+    windows = tuple(
+        tuple(range(max(0, s - 2), min(11, e + 1)))
+        for s, e in (shard_range(11, world, r) for r in range(world))
+    )
+    out = []
+    for side in (False, True):
+        xl = x[:, :, a:b].clone().requires_grad_()
+        mgr.begin_forward(("side", side))
+        y = exchange_rows(xl, windows, 11, 2, mgr, side_stream=side)
+        (y * y).sum().backward()
+        out.append((y.detach(), xl.grad))
+    return all(torch.equal(p, q) for p, q in zip(out[0], out[1]))
+
+
+def test_side_stream_exchange_degrades_to_the_same_path_on_cpu():
+    from credit_parallel.domain.streams import comm_stream_for
+
+    stream = comm_stream_for("cpu")
+    assert not stream.active and stream is comm_stream_for(torch.device("cpu"))
+    with stream.posting():  # a no-op context
+        t = torch.ones(2)
+    stream.keep([t])
+    stream.handoff([t])
+    stream.join()
+    assert run_on_ranks(_side_stream_worker, 3) == [True] * 3

@@ -39,7 +39,7 @@ import torch
 import credit_parallel.collectives  # noqa: F401 - warmed before forking, like the ones below
 import credit_parallel.domain.convert  # noqa: F401
 import credit_parallel.fsdp  # noqa: F401
-import credit_parallel.plan  # noqa: F401
+import credit_parallel.planner  # noqa: F401
 import credit_parallel.preflight  # noqa: F401
 from credit_parallel.composition import get_raw_model
 from credit_parallel.data import latitude_weights

@@ -25,7 +25,7 @@ from credit_parallel.config import (
 from credit_parallel.layout import RankLayout
 from credit_parallel.mesh import build_device_mesh, dp_world_size, full_rank_layout
 from credit_parallel.models import build_model
-from credit_parallel.plan import make_plan
+from credit_parallel.planner import make_plan
 from credit_parallel.preflight import validate_run
 from credit_parallel.testing import fake_process_group
 
@@ -253,7 +253,8 @@ def test_make_plan_accepts_and_the_model_runs_or_a_value_error_names_the_key(run
     assert all(isinstance(v, str) and v for v in plan.violations)
     n = plan.domain
     if plan.ok:
-        assert all(h >= n for h, _ in plan.levels)
+        # every level in the balanced layout, empty shards included (SPEC §3)
+        assert all(sum(sizes) == h and len(sizes) == n for h, sizes in plan.levels)
         assert plan.dims is not None and plan.dp * plan.tp * n == world
         torch.manual_seed(0)
         model = build_model(conf["model"])  # the accepted model really runs on its grid

@@ -23,7 +23,7 @@ from credit_parallel.config import ParallelDims, load_config, parse_parallelism_
 from credit_parallel.data import ERA5Dataset, write_sample_dataset
 from credit_parallel.domain.convert import convert_to_domain_parallel, validate_sharding_constraints
 from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.sharding import shard_tensor, unpad_shard_interp
+from credit_parallel.domain.sharding import gather_tensor, shard_tensor, unpad_shard_interp
 from credit_parallel.launch import init_distributed_from_env
 from credit_parallel.layout import RankLayout
 from credit_parallel.mesh import build_device_mesh, dp_world_size
@@ -383,10 +383,10 @@ CATALOG: list[tuple[str, Any, type, tuple[str, ...]]] = [
         ("DomainParallelManager",),
     ),
     (
-        "domain/too-many-ranks",
-        lambda c: check_run({"model": dict(UNET), "trainer": {"parallelism": {"domain": 6}}}, 6),
+        "domain/gather-dim-outside-the-tensor",
+        lambda c: _run(lambda: gather_tensor(torch.zeros(1, 1, 1, 4), -5, _domain_manager())),
         ValueError,
-        ("level 1 has 5 rows", "trainer.parallelism.domain <= 5"),
+        ("gather_tensor", "dim -5", "4-D tensor"),
     ),
     (
         "domain/window-constraint",
@@ -418,10 +418,10 @@ CATALOG: list[tuple[str, Any, type, tuple[str, ...]]] = [
     ),
     # ---- sharding
     (
-        "sharding/too-few-rows",
-        lambda c: _run(lambda: shard_tensor(torch.zeros(1, 1, 1, 4), manager=_domain_manager())),
+        "sharding/dim-outside-the-tensor",
+        lambda c: _run(lambda: shard_tensor(torch.zeros(1, 1, 1, 4), 4, _domain_manager())),
         ValueError,
-        ("shard_tensor", "1 rows", "2 domain ranks"),
+        ("shard_tensor", "dim 4", "4-D tensor"),
     ),
     (
         "sharding/padding-opt",

@@ -21,22 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from credit_parallel.domain.conv import (
-    ConvGeometry,
-    DomainParallelConv2d,
-    _DomainParallelConvNd,
-    halo_overlap,
-    halo_overlap_enabled,
-    overlap_split,
-)
+from credit_parallel.domain.conv import DomainParallelConv2d, _DomainParallelConvNd
+from credit_parallel.domain.conv_geometry import ConvGeometry, conv_windows, overlap_split
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.exchange import (
     HaloExchange,
     exchange_rows,
     exchange_rows_batched,
     exchange_stats,
+    record_exchange_stats,
 )
 from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.domain.overlap import set_model_overlap
 from credit_parallel.domain.rows import FILL, conv_window, edge_source_row, shard_range
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
@@ -121,21 +117,15 @@ def test_overlap_split_is_none_for_thin_shards_and_transposed_convs():
     assert (split.interior_start, split.interior_stop) == (0, 8)
 
 
-def test_overlap_switch_context_manager_restores_the_default_and_default_is_off():
-    from credit_parallel.domain.conv import set_halo_overlap
-
-    before = halo_overlap_enabled()
-    with halo_overlap(not before):
-        assert halo_overlap_enabled() is (not before)
-    assert halo_overlap_enabled() is before
-    with halo_overlap(None):  # the default: off (slower on the 2-core benchmark machine)
-        assert halo_overlap_enabled("cpu") is False
-        assert halo_overlap_enabled("cuda") is False
-    with halo_overlap(True):
-        assert halo_overlap_enabled("cpu") is True
-        assert halo_overlap_enabled("cuda") is True
+def test_overlap_is_a_layer_option_default_off_and_set_per_model():
+    layer = DomainParallelConv2d(nn.Conv2d(1, 1, 3))
+    assert layer.overlap is None  # the default: off (slower on the 2-core benchmark machine)
+    model = nn.Sequential(layer, nn.SiLU(), DomainParallelConv2d(nn.Conv2d(1, 1, 3), overlap=False))
+    assert set_model_overlap(model, True) == 2
+    assert model[0].overlap is True and model[2].overlap is True
+    assert set_model_overlap(model, None) == 2 and model[2].overlap is None
     with pytest.raises(TypeError, match="True, False or None"):
-        set_halo_overlap("yes")
+        set_model_overlap(model, "yes")
     with pytest.raises(TypeError, match="True, False or None"):
         DomainParallelConv2d(nn.Conv2d(1, 1, 3), overlap=1)
 
@@ -168,9 +158,9 @@ def _on_off(mgr, build, shape, dtype, seed):
     for enabled, m in models.items():
         mgr.begin_forward(("overlap-test", seed, enabled))
         xl = x[..., a:b, :].clone().requires_grad_()
-        exchange_stats.reset()
-        y = m(xl)
-        (y * grad_out[..., oa:ob, :]).sum().backward()
+        with record_exchange_stats():
+            y = m(xl)
+            (y * grad_out[..., oa:ob, :]).sum().backward()
         tensors = [y.detach(), xl.grad] + [p.grad for p in m.parameters()]
         results[enabled] = (tensors, exchange_stats.overlapped_calls)
     equal, diff = True, 0.0
@@ -253,14 +243,19 @@ def test_overlap_on_is_bitwise_equal_to_overlap_off(world, dtype):
         assert overlapped >= 0.8 * len(per_rank), overlapped
 
 
+def _convert_overlapped(model, mgr):
+    model = convert_to_domain_parallel(model, mgr)
+    set_model_overlap(model, True)
+    return model
+
+
 def _parity_worker(rank, world, dtype):
     torch.set_default_dtype(dtype)
     mgr = DomainParallelManager(world, world)
     errors = {}
-    with halo_overlap(True):
-        for i, (name, build, shape) in enumerate(_conv_cases()[::3]):
-            x = torch.randn(shape, generator=torch.Generator().manual_seed(i))
-            errors[name] = domain_parity_errors(build, x, mgr)
+    for i, (name, build, shape) in enumerate(_conv_cases()[::3]):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(i))
+        errors[name] = domain_parity_errors(build, x, mgr, convert=_convert_overlapped)
     return errors
 
 
@@ -277,12 +272,12 @@ def test_overlapped_convs_match_the_single_process(dtype):
 def _thin_worker(rank, world):
     torch.set_default_dtype(torch.float64)
     mgr = DomainParallelManager(world, world)
-    with halo_overlap(True):
-        exchange_stats.reset()
+    with record_exchange_stats() as stats:
         x = torch.randn(2, 3, 5, 6, generator=torch.Generator().manual_seed(1))
-        errs = domain_parity_errors(lambda: nn.Conv2d(3, 4, 5, padding=2), x, mgr)
-        overlapped = exchange_stats.overlapped_calls
-        calls = exchange_stats.p2p_calls
+        build = lambda: nn.Conv2d(3, 4, 5, padding=2)  # noqa: E731
+        errs = domain_parity_errors(build, x, mgr, convert=_convert_overlapped)
+    overlapped = stats.overlapped_calls
+    calls = stats.p2p_calls
     assert_parity(errs)
     equal, _, _, _ = _on_off(
         mgr, lambda: nn.Conv2d(3, 4, 5, padding=2), (2, 3, 5, 6), torch.float64, 2
@@ -355,15 +350,19 @@ def _batched_worker(rank, world):
         grads.append(torch.randn(out_shape, generator=gen))
     # separately
     sep_x = [t.clone().requires_grad_() for t in locals_]
-    exchange_stats.reset()
-    sep = [exchange_rows(x, w, h, d, mgr, fill_value=f) for x, (w, h, d, f) in zip(sep_x, requests)]
-    sum((y * g).sum() for y, g in zip(sep, grads)).backward()
-    sep_calls = exchange_stats.p2p_calls
+    with record_exchange_stats() as stats:
+        sep = [
+            exchange_rows(x, w, h, d, mgr, fill_value=f) for x, (w, h, d, f) in zip(sep_x, requests)
+        ]
+        sum((y * g).sum() for y, g in zip(sep, grads)).backward()
+    sep_calls = stats.p2p_calls
     # batched
     bat_x = [t.clone().requires_grad_() for t in locals_]
-    exchange_stats.reset()
-    bat = exchange_rows_batched([(x, w, h, d, f) for x, (w, h, d, f) in zip(bat_x, requests)], mgr)
-    sum((y * g).sum() for y, g in zip(bat, grads)).backward()
+    with record_exchange_stats():
+        bat = exchange_rows_batched(
+            [(x, w, h, d, f) for x, (w, h, d, f) in zip(bat_x, requests)], mgr
+        )
+        sum((y * g).sum() for y, g in zip(bat, grads)).backward()
     equal = all(torch.equal(a, b) for a, b in zip(sep, bat))
     equal = equal and all(torch.equal(a.grad, b.grad) for a, b in zip(sep_x, bat_x))
     batched = (exchange_stats.p2p_calls, exchange_stats.messages)
@@ -371,9 +370,9 @@ def _batched_worker(rank, world):
     halo = HaloExchange(2, manager=mgr, mode="reflect")
     t1, t2 = (torch.randn(2, 3, 12, 4, generator=gen) for _ in range(2))
     a, b = shard_range(12, world, rank)
-    exchange_stats.reset()
-    many = halo.forward_many(t1[:, :, a:b], t2[:, :, a:b])
-    many_calls = exchange_stats.p2p_calls
+    with record_exchange_stats() as stats:
+        many = halo.forward_many(t1[:, :, a:b], t2[:, :, a:b])
+    many_calls = stats.p2p_calls
     single = [halo(t1[:, :, a:b]), halo(t2[:, :, a:b])]
     equal = equal and all(torch.equal(m, s) for m, s in zip(many, single))
     return equal, sep_calls, batched, many_calls
@@ -425,10 +424,14 @@ class _CrossScale(nn.Module):
         return torch.cat([conv(x) for conv in self.convs], dim=1)
 
 
-def _shared_convert(model, mgr):
-    from credit_parallel.domain.conv import share_input_exchange
+def _unfused_convert(model, mgr):
+    return convert_to_domain_parallel(model, mgr, fuse_exchanges=False)
 
-    convert_to_domain_parallel(model, mgr)
+
+def _shared_convert(model, mgr):
+    from credit_parallel.domain.shared_input import share_input_exchange
+
+    _unfused_convert(model, mgr)
     share_input_exchange(*model.convs)
     return model
 
@@ -439,19 +442,19 @@ def _shared_worker(rank, world):
     out = {}
     for h in (16, 20):
         x = torch.randn(2, 3, h, 8, generator=torch.Generator().manual_seed(h))
-        exchange_stats.reset()
-        errs = domain_parity_errors(_CrossScale, x, mgr, convert=_shared_convert)
+        with record_exchange_stats() as stats:
+            errs = domain_parity_errors(_CrossScale, x, mgr, convert=_shared_convert)
         assert_parity(errs)
-        shared_calls = exchange_stats.p2p_calls
-        exchange_stats.reset()
-        domain_parity_errors(_CrossScale, x, mgr)
-        out[h] = (shared_calls, exchange_stats.p2p_calls)
+        shared_calls = stats.p2p_calls
+        with record_exchange_stats() as stats:
+            domain_parity_errors(_CrossScale, x, mgr, convert=_unfused_convert)
+        out[h] = (shared_calls, stats.p2p_calls)
     # the same layers called on two different tensors exchange for each (never mis-paired)
     model = _shared_convert(_CrossScale(), mgr)
     a, b = shard_range(16, world, rank)
     t1, t2 = torch.randn(1, 3, 16, 8), torch.randn(1, 3, 16, 8)
     ys = [conv(t) for conv, t in zip(model.convs, (t1[:, :, a:b], t2[:, :, a:b], t1[:, :, a:b]))]
-    ref_model = convert_to_domain_parallel(copy.deepcopy(_CrossScale()), mgr)
+    ref_model = _unfused_convert(copy.deepcopy(_CrossScale()), mgr)
     ref_model.load_state_dict(model.state_dict())
     refs = [
         conv(t) for conv, t in zip(ref_model.convs, (t1[:, :, a:b], t2[:, :, a:b], t1[:, :, a:b]))
@@ -471,7 +474,8 @@ def test_convs_sharing_an_input_exchange_once_and_stay_exact():
 
 
 def test_share_input_exchange_rejects_mismatched_layers():
-    from credit_parallel.domain.conv import DomainParallelConvTranspose2d, share_input_exchange
+    from credit_parallel.domain.conv import DomainParallelConvTranspose2d
+    from credit_parallel.domain.shared_input import share_input_exchange
 
     a = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1))
     b = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"))
@@ -486,7 +490,6 @@ def test_share_input_exchange_rejects_mismatched_layers():
 # --------------------------------------------------------------------------- with FSDP2
 def _fsdp_worker(rank, world):
     from credit_parallel.composition import get_domain_manager, parallelize
-    from credit_parallel.domain.conv import set_halo_overlap
     from credit_parallel.models import UNet
 
     gen = torch.Generator().manual_seed(4)
@@ -495,20 +498,19 @@ def _fsdp_worker(rank, world):
     a, b = shard_range(17, world, rank)
     results = {}
     for enabled in (True, False):
-        set_halo_overlap(enabled)
         torch.manual_seed(0)
         model = UNet(4, 4, 17, 16, base_channels=8, channel_mults=(1, 2), norm_groups=2)
         parallelism = {"data": "fsdp2", "tensor": 1, "domain": world}
         conf = {"trainer": {"parallelism": parallelism, "activation_checkpoint": True}}
         model = parallelize(model, conf)
+        set_model_overlap(model, enabled)
         mgr = get_domain_manager(model)
         mgr.begin_forward(("fsdp-overlap", enabled))
         xl = x[:, :, a:b].clone().requires_grad_()
-        exchange_stats.reset()
-        (model(xl) * g[:, :, a:b]).sum().backward()
+        with record_exchange_stats() as stats:
+            (model(xl) * g[:, :, a:b]).sum().backward()
         grads = [p.grad.to_local().clone() for p in model.parameters()]
-        results[enabled] = ([xl.grad, *grads], exchange_stats.overlapped_calls)
-    set_halo_overlap(None)
+        results[enabled] = ([xl.grad, *grads], stats.overlapped_calls)
     equal = all(torch.equal(p, q) for p, q in zip(results[True][0], results[False][0]))
     return equal, results[True][1], results[False][1]
 
@@ -520,7 +522,6 @@ def test_overlap_under_fsdp2_with_activation_checkpointing_is_bitwise_unchanged(
 
 # --------------------------------------------------------------------------- composed windows
 def _compose_worker(rank, world):
-    from credit_parallel.domain.conv import _conv_windows
     from credit_parallel.domain.exchange import compose_windows
     from credit_parallel.domain.padding import pad_windows
 
@@ -530,19 +531,19 @@ def _compose_worker(rank, world):
     for h, mode in ((13, "reflect"), (16, "replicate"), (11, "circular")):
         pads = pad_windows(h, world, 2, 1, mode)  # a padding layer: H -> H + 3
         geo = ConvGeometry.of(nn.Conv2d(2, 2, 3))  # then a "valid" 3x3 conv
-        conv, _ = _conv_windows(geo, 0, h + 3, world)
+        conv, _ = conv_windows(geo, 0, h + 3, world)
         fused = compose_windows(pads, h + 3, conv)
         x = torch.randn(2, 2, h, 5, generator=torch.Generator().manual_seed(h))
         g = torch.randn(2, 2, len(conv[rank]), 5, generator=torch.Generator().manual_seed(1))
         a, b = shard_range(h, world, rank)
         xs = [x[:, :, a:b].clone().requires_grad_() for _ in range(2)]
-        exchange_stats.reset()
-        two = exchange_rows(exchange_rows(xs[0], pads, h, 2, mgr), conv, h + 3, 2, mgr)
-        (two * g).sum().backward()
+        with record_exchange_stats():
+            two = exchange_rows(exchange_rows(xs[0], pads, h, 2, mgr), conv, h + 3, 2, mgr)
+            (two * g).sum().backward()
         calls_two = exchange_stats.p2p_calls
-        exchange_stats.reset()
-        one = exchange_rows(xs[1], fused, h, 2, mgr)
-        (one * g).sum().backward()
+        with record_exchange_stats():
+            one = exchange_rows(xs[1], fused, h, 2, mgr)
+            (one * g).sum().backward()
         out.append(
             (
                 torch.equal(one, two),
@@ -578,21 +579,21 @@ def test_compose_windows_checks_its_arguments():
 def test_shared_layers_survive_deepcopy_and_pickling_mid_forward():
     import io
 
-    from credit_parallel.domain.conv import share_input_exchange
+    from credit_parallel.domain.shared_input import share_input_exchange
 
     model = _CrossScale()
     for i, conv in enumerate(model.convs):
         model.convs[i] = DomainParallelConv2d(conv)
     share_input_exchange(*model.convs)
-    group = model.convs[0].__dict__["_cp_shared_input"]
+    group = model.convs[0].shared_input
     window = torch.ones(2, requires_grad=True) * 2  # a non-leaf, as a window in flight is
     group._entry = (None, 0, 4, window, {0})
     copied = copy.deepcopy(model)
-    new_group = copied.convs[0].__dict__["_cp_shared_input"]
-    assert new_group is copied.convs[2].__dict__["_cp_shared_input"] and new_group._entry is None
+    new_group = copied.convs[0].shared_input
+    assert new_group is copied.convs[2].shared_input and new_group._entry is None
     assert new_group.layers == tuple(copied.convs)
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    assert loaded.convs[1].__dict__["_cp_shared_input"]._entry is None
+    assert loaded.convs[1].shared_input._entry is None

@@ -114,7 +114,7 @@ def _cmd_verify(args) -> int:
 
 def _cmd_plan(args) -> int:
     from .config import load_config
-    from .plan import format_plan, make_plan
+    from .planner import format_plan, make_plan
 
     if args.world_size < 1:
         raise CLIError(f"--world-size must be >= 1, got {args.world_size}")

@@ -5,7 +5,7 @@ each naming the config key (or module path) and what would fix it.  :func:`valid
 
 1. the ``trainer``, ``data`` and ``model`` sections (:mod:`credit_parallel.run_config`);
 2. the layout against the world size and the model against the layout — everything
-   :func:`credit_parallel.plan.make_plan` finds without a process: world size divisible by
+   :func:`credit_parallel.planner.make_plan` finds without a process: world size divisible by
    tensor x domain, rows per domain rank at every resolution level, layers that cannot be made
    exact, unsafe modules under domain parallelism, ``validate_sharding_constraints``, tensor
    parallel targets (type, kernel, divisibility, fused projections declared);
@@ -182,7 +182,7 @@ def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> li
     needed or used.
     """
     from .config import ParallelDims, parse_parallelism_conf
-    from .plan import _build_meta_model, make_plan, model_input_shapes
+    from .planner import build_meta_model, make_plan, model_input_shapes
 
     if not isinstance(conf, dict):
         return [f"config must be a mapping, got {type(conf).__name__}"]
@@ -216,7 +216,7 @@ def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> li
         if model is not None:
             meta_model = copy.deepcopy(model).to("meta")
         else:
-            meta_model, _ = _build_meta_model(conf)
+            meta_model, _ = build_meta_model(conf)
     except (ValueError, TypeError) as err:
         violations.append(str(err))
     if meta_model is not None:

@@ -25,21 +25,24 @@ from .conv import (
     DomainParallelPeriodicConv2d,
     conv_needs_domain_wrapper,
 )
+from .fusion import fuse_exchanges as fuse_layer_exchanges
+from .norm import DomainParallelGroupNorm
+from .padding import DomainParallelPad
+from .pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
+from .resample import DomainParallelInterpolate
 
 __all__ = [
+    "DOMAIN_RULES",
+    "DomainRule",
     "convert_to_domain_parallel",
+    "domain_rule_for",
     "find_unsafe_modules",
+    "apply_domain_rule",
+    "register_domain_rule",
     "validate_sharding_constraints",
     "walk_domain_modules",
 ]
 
-_PAD_TYPES = (
-    nn.ZeroPad2d,
-    nn.ConstantPad2d,
-    nn.ReflectionPad2d,
-    nn.ReplicationPad2d,
-    nn.CircularPad2d,
-)
 _UNSAFE_TYPES = (
     nn.modules.batchnorm._BatchNorm,
     nn.modules.pooling._MaxPoolNd,
@@ -54,6 +57,35 @@ _UNSAFE_TYPES = (
     nn.LocalResponseNorm,
 )
 
+# --------------------------------------------------------------------------- the rule registry
+DomainRule = Callable[[nn.Module, object, int], "nn.Module | None"]
+# {module type | qualified class name: rule(module, manager, shard_dim) -> replacement or None}
+DOMAIN_RULES: dict = {}
+
+
+def register_domain_rule(key, rule: DomainRule) -> None:
+    """Register ``rule(module, manager, shard_dim) -> replacement module or None`` (None = leave
+    the module alone) for a module type, or for a qualified class name string such as
+    ``"timm.models.swin_transformer_v2.SwinTransformerV2Block"`` (matches classes of packages
+    this library does not import; a name without a dot matches that class name in any module).
+    The most specific class of a module's MRO with a rule wins."""
+    if not (isinstance(key, type) or (isinstance(key, str) and key)) or not callable(rule):
+        raise TypeError(
+            f"register_domain_rule needs a module type or a qualified class name and a callable, "
+            f"got {key!r}: {rule!r}"
+        )
+    DOMAIN_RULES[key] = rule
+
+
+def domain_rule_for(module: nn.Module) -> DomainRule | None:
+    """The registered rule of ``module``'s most specific class, or None."""
+    for cls in type(module).__mro__:
+        for key in (cls, f"{cls.__module__}.{cls.__qualname__}", cls.__name__):
+            rule = DOMAIN_RULES.get(key)
+            if rule is not None:
+                return rule
+    return None
+
 
 # (conv base, input rank): the built-in conv rules, most specific first
 _CONV_BASES = (
@@ -62,6 +94,64 @@ _CONV_BASES = (
     (nn.Conv3d, 5),
     (nn.Conv2d, 4),
 )
+
+
+def _conv_rule(base: type, layer: type, rank: int) -> DomainRule:
+    def rule(module, manager, shard_dim):
+        # a subclass with its own forward is reported as unsafe before rules run
+        if type(module).forward is not base.forward:
+            return None
+        if conv_needs_domain_wrapper(module, shard_dim % rank - 2):
+            return layer(module, shard_dim, manager=manager)
+        return None  # row-local: left alone
+
+    return rule
+
+
+def _periodic_conv_rule(module, manager, shard_dim):
+    if isinstance(getattr(module, "conv", None), nn.Conv2d) and isinstance(
+        getattr(module, "padding", None), int
+    ):
+        return DomainParallelPeriodicConv2d(module, shard_dim, manager=manager)
+    return None
+
+
+def _upsample_rule(module, manager, shard_dim):
+    return DomainParallelInterpolate(
+        size=module.size,
+        scale_factor=module.scale_factor,
+        mode=module.mode,
+        align_corners=module.align_corners,
+        recompute_scale_factor=module.recompute_scale_factor,
+        shard_dim=shard_dim,
+        manager=manager,
+    )
+
+
+def _pad_rule(module, manager, shard_dim):
+    top, bottom = module.padding[2], module.padding[3]
+    if top == 0 and bottom == 0:
+        return None  # longitude-only padding is row-local
+    return DomainParallelPad(module, manager=manager)
+
+
+for _base, _layer, _rank in (
+    (nn.ConvTranspose3d, DomainParallelConvTranspose3d, 5),
+    (nn.ConvTranspose2d, DomainParallelConvTranspose2d, 4),
+    (nn.Conv3d, DomainParallelConv3d, 5),
+    (nn.Conv2d, DomainParallelConv2d, 4),
+):
+    register_domain_rule(_base, _conv_rule(_base, _layer, _rank))
+register_domain_rule("PeriodicConv2d", _periodic_conv_rule)
+register_domain_rule(nn.GroupNorm, lambda m, mgr, d: DomainParallelGroupNorm(m, manager=mgr))
+register_domain_rule(nn.Upsample, _upsample_rule)
+register_domain_rule(nn.PixelShuffle, lambda m, mgr, d: DomainParallelPixelShuffle(m, manager=mgr))
+register_domain_rule(
+    nn.PixelUnshuffle, lambda m, mgr, d: DomainParallelPixelUnshuffle(m, manager=mgr)
+)
+for _pad in (nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d):
+    register_domain_rule(_pad, _pad_rule)
+register_domain_rule(nn.CircularPad2d, _pad_rule)
 
 
 def _custom_forward_conv_reason(module: nn.Module, shard_dim: int) -> str | None:
@@ -109,65 +199,10 @@ def _is_domain_parallel(module: nn.Module) -> bool:
     return bool(getattr(module, "_domain_parallel", False))
 
 
-def _is_periodic_conv(module: nn.Module) -> bool:
-    return (
-        type(module).__name__ == "PeriodicConv2d"
-        and isinstance(getattr(module, "conv", None), nn.Conv2d)
-        and isinstance(getattr(module, "padding", None), int)
-    )
-
-
-def _builtin_rule(module: nn.Module, manager, shard_dim: int):
-    """The replacement for ``module``, or None when it is row-local (left alone)."""
-    if _is_periodic_conv(module):
-        return DomainParallelPeriodicConv2d(module, shard_dim, manager=manager)
-    conv_rules = (
-        (nn.ConvTranspose3d, DomainParallelConvTranspose3d, 5),
-        (nn.ConvTranspose2d, DomainParallelConvTranspose2d, 4),
-        (nn.Conv3d, DomainParallelConv3d, 5),
-        (nn.Conv2d, DomainParallelConv2d, 4),
-    )
-    for base, layer, rank in conv_rules:
-        if type(module) is base or (
-            isinstance(module, base) and type(module).forward is base.forward
-        ):
-            spatial = shard_dim % rank - 2
-            if conv_needs_domain_wrapper(module, spatial):
-                return layer(module, shard_dim, manager=manager)
-            return None
-    if isinstance(module, nn.GroupNorm):
-        from .norm import DomainParallelGroupNorm
-
-        return DomainParallelGroupNorm(module, manager=manager)
-    if isinstance(module, nn.Upsample):
-        from .resample import DomainParallelInterpolate
-
-        return DomainParallelInterpolate(
-            size=module.size,
-            scale_factor=module.scale_factor,
-            mode=module.mode,
-            align_corners=module.align_corners,
-            recompute_scale_factor=module.recompute_scale_factor,
-            shard_dim=shard_dim,
-            manager=manager,
-        )
-    if isinstance(module, (nn.PixelShuffle, nn.PixelUnshuffle)):
-        from .resample import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
-
-        cls = (
-            DomainParallelPixelShuffle
-            if isinstance(module, nn.PixelShuffle)
-            else DomainParallelPixelUnshuffle
-        )
-        return cls(module, manager=manager)
-    if isinstance(module, _PAD_TYPES):
-        from .padding import DomainParallelPad
-
-        top, bottom = module.padding[2], module.padding[3]
-        if top == 0 and bottom == 0:
-            return None  # longitude-only padding is row-local
-        return DomainParallelPad(module, manager=manager)
-    return None
+def apply_domain_rule(module: nn.Module, manager, shard_dim: int):
+    """The replacement the registered rule gives ``module``, or None (no rule, or left alone)."""
+    rule = domain_rule_for(module)
+    return None if rule is None else rule(module, manager, shard_dim)
 
 
 def walk_domain_modules(
@@ -225,6 +260,8 @@ def convert_to_domain_parallel(
     shard_dim: int = -2,
     custom_converters: dict[type, Callable] | None = None,
     allow_unsafe: bool = False,
+    *,
+    fuse_exchanges: bool = True,
 ) -> nn.Module:
     """Replace, in place, the modules of ``model`` that need neighbouring rows by their
     domain-parallel layers; returns the model (also attached as ``model._domain_manager``).
@@ -232,7 +269,9 @@ def convert_to_domain_parallel(
     ``custom_converters`` maps a module type to ``callable(module) -> replacement``; it is
     checked before the built-in rules and the children of a replaced module are not visited.
     Modules that would be silently wrong under H-sharding raise ``ValueError`` listing their
-    paths, unless ``allow_unsafe=True`` (then a warning lists them).
+    paths, unless ``allow_unsafe=True`` (then a warning lists them).  ``fuse_exchanges``: let
+    a padding layer and the conv after it, and sibling convs on one input, share exchanges
+    (``fusion.py``; the results are the same).
     """
     if shard_dim >= 0 or shard_dim < -3:
         raise ValueError(
@@ -251,7 +290,7 @@ def convert_to_domain_parallel(
 
     def replace(parent: nn.Module, name: str, path: str, child: nn.Module) -> bool:
         try:
-            replacement = _builtin_rule(child, manager, shard_dim)
+            replacement = apply_domain_rule(child, manager, shard_dim)
         except (ValueError, TypeError) as err:
             # a layer that cannot be made exact: say WHICH module (SPEC §0), keep the reason
             raise type(err)(
@@ -261,7 +300,7 @@ def convert_to_domain_parallel(
             return False
         parent._modules[name] = replacement
         # layers name their module path in errors (e.g. too few output rows)
-        replacement.__dict__["_cp_path"] = path
+        replacement.module_path = path
         return True
 
     model = walk_domain_modules(
@@ -279,6 +318,8 @@ def convert_to_domain_parallel(
         if not allow_unsafe:
             raise ValueError(message)
         warnings.warn(message, stacklevel=2)
+    if fuse_exchanges:
+        fuse_layer_exchanges(model)
     try:
         object.__setattr__(model, "_domain_manager", manager)
     except AttributeError:

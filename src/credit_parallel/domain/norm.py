@@ -197,6 +197,9 @@ class DomainParallelGroupNorm(DomainWrapper):
     norm's parameters and state_dict keys; exact forward and backward; one all-gather forward
     and one all-reduce backward per call."""
 
+    domain_form = "collective"
+    domain_kind = "group_norm"
+
     def __init__(self, norm: nn.GroupNorm, manager=None):
         if not isinstance(norm, nn.GroupNorm):
             raise TypeError(
@@ -204,6 +207,13 @@ class DomainParallelGroupNorm(DomainWrapper):
             )
         super().__init__(norm)
         self.manager = manager
+
+    # ---- geometry (domain/geometry.py): row-local, plus one statistics collective
+    def output_height(self, input_height: int) -> int:
+        return input_height
+
+    def input_windows(self, input_height: int, n: int) -> None:
+        return None
 
     @property
     def num_groups(self) -> int:

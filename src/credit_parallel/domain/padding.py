@@ -16,16 +16,18 @@ wraps to the first KEPT row, as ``F.pad`` does).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .exchange import exchange_rows
 from .manager import resolve_manager
-from .rows import FILL, check_min_rows, edge_source_row, shard_range
+from .rows import FILL, edge_source_row, shard_range
 from .wrap import DomainWrapper
 
-__all__ = ["DomainParallelPad", "pad_mode_of", "pad_windows"]
+__all__ = ["DomainParallelPad", "checked_pad_windows", "pad_mode_of", "pad_windows"]
 
 # ZeroPad2d is a ConstantPad2d with value 0
 _PAD_MODES = (
@@ -53,7 +55,6 @@ def pad_windows(length: int, n: int, top: int, bottom: int, mode: str) -> tuple:
     kept_start = max(0, -top)  # negative padding crops first ...
     kept = length - kept_start - max(0, -bottom)
     out_len = length + top + bottom
-    check_min_rows(out_len, n, f"padding (top={top}, bottom={bottom}) of {length} rows")
     windows = []
     for r in range(n):
         o0, o1 = shard_range(out_len, n, r)
@@ -66,14 +67,33 @@ def pad_windows(length: int, n: int, top: int, bottom: int, mode: str) -> tuple:
     return tuple(windows)
 
 
+@lru_cache(maxsize=1024)
+def checked_pad_windows(length: int, n: int, top: int, bottom: int, mode: str, what: str) -> tuple:
+    """:func:`pad_windows`, after letting PyTorch judge whether the GLOBAL padding is legal
+    (reflect wider than the height, circular wrapping more than once, ...): every rank decides
+    identically.  ``what`` names the module in the error."""
+    # a real one-column tensor: the first meta-device pad costs seconds of imports
+    probe = torch.zeros((1, 1, length, 1))
+    try:
+        F.pad(probe, (0, 0, top, bottom), mode=mode)
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        raise ValueError(f"{what}: invalid for the global height {length}: {err}") from None
+    return pad_windows(length, n, top, bottom, mode)
+
+
 class DomainParallelPad(DomainWrapper):
     """Domain-parallel 2-D padding module (latitude = dim -2 of (B,)C,H,W); see module docs."""
+
+    domain_form = "halo"
+    domain_kind = "pad"
 
     def __init__(self, pad_module: nn.Module, manager=None):
         mode = pad_mode_of(pad_module)
         super().__init__(pad_module)
         self.mode = mode
         self.manager = manager
+        # the conv that does this layer's exchange together with its own (fusion.py)
+        self.fused_into: nn.Module | None = None
 
     @property
     def padding(self) -> tuple:
@@ -84,38 +104,36 @@ class DomainParallelPad(DomainWrapper):
     def value(self) -> float:
         return float(getattr(self.wrapped, "value", 0.0))
 
-    def _windows(self, length: int, n: int, top: int, bottom: int) -> tuple:
-        cache = self.__dict__.setdefault("_cp_windows", {})
-        key = (length, n, top, bottom)
-        if key not in cache:
-            # let PyTorch judge whether the GLOBAL padding is legal (reflect wider than the
-            # height, circular wrapping more than once, ...): every rank decides identically
-            # (a real one-column tensor: the first meta-device pad costs seconds of imports)
-            probe = torch.zeros((1, 1, length, 1))
-            try:
-                F.pad(probe, (0, 0, top, bottom), mode=self.mode)
-            except (RuntimeError, ValueError, NotImplementedError) as err:
-                raise ValueError(
-                    f"{type(self.wrapped).__name__}{self.padding}: invalid for the global height "
-                    f"{length}: {err}"
-                ) from None
-            cache[key] = pad_windows(length, n, top, bottom, self.mode)
-        return cache[key]
+    # ---- geometry (domain/geometry.py)
+    def output_height(self, input_height: int) -> int:
+        _, _, top, bottom = self.padding
+        return input_height + top + bottom
+
+    def input_windows(self, input_height: int, n: int) -> tuple:
+        _, _, top, bottom = self.padding
+        what = f"{type(self.wrapped).__name__}{self.padding}"
+        return checked_pad_windows(input_height, n, top, bottom, self.mode, what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in (3, 4):
             raise ValueError(
                 f"{type(self.wrapped).__name__} expects a 3-D or 4-D input, got shape {tuple(x.shape)}"
             )
+        if self.fused_into is not None:
+            return x  # the next conv pads and exchanges for both (fusion.py), any domain size
         mgr = resolve_manager(self.manager, type(self).__name__)
         n = mgr.domain_world_size
         dim = x.dim() - 2
         length = mgr.global_length(self, x.shape[dim])
         if n == 1:
             return self.wrapped(x)
-        left, right, top, bottom = self.padding
-        windows = self._windows(length, n, top, bottom)
+        windows = self.input_windows(length, n)
         rows = exchange_rows(x, windows, length, dim, mgr, fill_value=self.value)
+        return self.pad_width(rows)
+
+    def pad_width(self, rows: torch.Tensor) -> torch.Tensor:
+        """The padding of the unsharded width (W, the last dim), applied locally."""
+        left, right, _, _ = self.padding
         if left == 0 and right == 0:
             return rows
         if self.mode == "constant":

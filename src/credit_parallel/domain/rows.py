@@ -2,7 +2,9 @@
 
 Everything here is integer arithmetic on GLOBAL row indices along the sharded dim (latitude):
 
-* the balanced shard layout (``torch.tensor_split``): which rows each domain rank owns;
+* the balanced shard layout (``torch.tensor_split``): which rows each domain rank owns (a dim
+  shorter than the number of ranks leaves the last ranks empty: they own no row, still take part
+  in every exchange, and their windows are empty or made of other ranks' rows);
 * for each layer family, which input rows the output rows of a rank need.  A needed row outside
   the globe is mapped by the layer's boundary rule (:func:`edge_source_row`) to a real row or to
   :data:`FILL` (a row of zeros / the pad constant);
@@ -21,11 +23,11 @@ import numpy as np
 __all__ = [
     "FILL",
     "RankExchangePlan",
+    "compose_windows",
     "conv_output_length",
     "conv_transpose_output_length",
     "conv_window",
     "ceil_div",
-    "check_min_rows",
     "conv_transpose_input_range",
     "edge_source_row",
     "interp_source_rows",
@@ -245,8 +247,6 @@ def plan_exchange(length: int, n: int, windows: tuple) -> tuple[RankExchangePlan
     that each rank must assemble from a dim of ``length`` rows in the balanced layout."""
     if len(windows) != n:
         raise ValueError(f"need one window per rank ({n}), got {len(windows)}")
-    if length < n:
-        raise ValueError(f"a dim of {length} rows cannot be sharded over {n} domain ranks")
     ranges = [shard_range(length, n, r) for r in range(n)]
     # needed[r][q] = sorted global rows rank r needs from peer q != r
     needed = []
@@ -305,9 +305,34 @@ def ceil_div(a: int, b: int) -> int:
     return -((-a) // b)
 
 
-def check_min_rows(length: int, n: int, what: str) -> None:
-    if length < n:
+def compose_windows(first: tuple, first_length: int, second: tuple) -> tuple:
+    """Fuse two back-to-back row maps into one, so two exchanges become one.
+
+    ``first[r]``: the rows (of a tensor A, or FILL) that make up rank r's shard of a tensor B in
+    the balanced layout of ``first_length`` rows (e.g. a padding layer's windows);
+    ``second[r]``: the rows of B (or FILL) rank r needs next (e.g. a convolution's windows).
+    Returns, per rank, the rows of A (or FILL) the second layer needs: one
+    :func:`exchange_rows` of A with these windows yields exactly the window two exchanges would
+    assemble, as long as both layers fill with the same value (zeros).
+    """
+    n = len(first)
+    if len(second) != n:
+        raise ValueError(f"compose_windows: {len(first)} and {len(second)} windows (one per rank)")
+    if tuple(len(w) for w in first) != tuple(
+        shard_range(first_length, n, r)[1] - shard_range(first_length, n, r)[0] for r in range(n)
+    ):
         raise ValueError(
-            f"{what}: a global height of {length} rows cannot be split over {n} domain ranks "
-            f"(every rank needs at least one row; use a smaller trainer.parallelism.domain)"
+            f"compose_windows: the first windows are not the balanced layout of {first_length} "
+            f"rows over {n} ranks"
         )
+    out = []
+    for window in second:
+        rows = []
+        for g in window:
+            if g == FILL:
+                rows.append(FILL)
+                continue
+            q = row_owner(first_length, n, g)
+            rows.append(first[q][g - shard_range(first_length, n, q)[0]])
+        out.append(tuple(rows))
+    return tuple(out)

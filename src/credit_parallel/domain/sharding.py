@@ -8,6 +8,8 @@ steady state (see ``manager.py``).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +21,22 @@ __all__ = ["gather_tensor", "shard_batch", "shard_spatial", "shard_tensor", "unp
 
 
 class _GatherOwner:
-    """Cache owner for gather_tensor's global-height lookups."""
+    """Names gather_tensor / unpad_shard_interp in a height lookup's errors (never cached)."""
+
+
+_GATHER_OWNER = _GatherOwner()
+# one interpolator per (manager, target size), so its global-height lookups stay cached
+_UNPAD_INTERPOLATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _check_dim(x: torch.Tensor, dim: int, what: str) -> int:
+    """``dim`` as a non-negative index of ``x``'s dimensions; ``ValueError`` outside them."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"{what}: dim {dim!r} is not a dimension of a {x.dim()}-D tensor of shape "
+            f"{tuple(x.shape)} (valid: {-x.dim()} .. {x.dim() - 1})"
+        )
+    return dim % x.dim()
 
 
 def _manager_or_none(manager):
@@ -33,15 +50,12 @@ def shard_tensor(
     x: torch.Tensor, dim: int = -2, manager=None, *, register: bool = True
 ) -> torch.Tensor:
     """This rank's balanced shard (``torch.tensor_split``) of the global tensor ``x`` along
-    ``dim``.  Differentiable; its backward all-gathers.  Identity without a manager / domain 1."""
+    ``dim``.  Differentiable; its backward all-gathers.  Identity without a manager / domain 1.
+    A dim shorter than the number of ranks leaves the last ranks with empty shards."""
+    d = _check_dim(x, dim, "shard_tensor")
     mgr = _manager_or_none(manager)
     if mgr is None:
         return x
-    d = dim % x.dim()
-    if x.shape[d] < mgr.domain_world_size:
-        raise ValueError(
-            f"shard_tensor: dim {dim} has {x.shape[d]} rows, fewer than the {mgr.domain_world_size} domain ranks"
-        )
     if register:
         mgr.begin_forward(("shard_tensor", tuple(x.shape), d))
     return scatter_rows(x, d, mgr)
@@ -50,11 +64,11 @@ def shard_tensor(
 def gather_tensor(x: torch.Tensor, dim: int = -2, manager=None) -> torch.Tensor:
     """All-gather the balanced shards back into the global tensor (uneven sizes supported).
     Differentiable: each rank's gradient is the sum over ranks of the gradients of its rows."""
+    d = _check_dim(x, dim, "gather_tensor")
     mgr = _manager_or_none(manager)
     if mgr is None:
         return x
-    d = dim % x.dim()
-    owner = mgr.__dict__.setdefault("_cp_gather_owner", _GatherOwner())
+    owner = _GATHER_OWNER
     # not cached: gather_tensor is handed unrelated tensors under one registered token (the
     # outputs of different models or layers), so (token, call index) does not determine the
     # height; it is itself a collective, and one tiny length all_gather more is cheap
@@ -135,10 +149,11 @@ def unpad_shard_interp(
         y = y_pred.narrow(dim, pad_n, h - pad_n - pad_s)
     else:
         n = mgr.domain_world_size
-        owner = mgr.__dict__.setdefault("_cp_unpad_owner", _GatherOwner())
-        length = mgr.global_length(owner, y_pred.shape[dim], cached=False)  # as gather_tensor
+        length = mgr.global_length(
+            _GATHER_OWNER, y_pred.shape[dim], cached=False
+        )  # as gather_tensor
         new_len = length - pad_n - pad_s
-        if new_len < n:
+        if new_len < 1:
             raise ValueError(f"unpad_shard_interp: {new_len} rows left after removing the padding")
         windows = tuple(
             tuple(range(a + pad_n, b + pad_n))
@@ -150,8 +165,7 @@ def unpad_shard_interp(
     if (global_h, y.shape[-1]) != (image_h, image_w):
         if mgr is None:
             return F.interpolate(y, size=(image_h, image_w), mode="bilinear")
-        # one interpolator per target size, so its global-height lookups stay cached
-        cache = mgr.__dict__.setdefault("_cp_unpad_interp", {})
+        cache = _UNPAD_INTERPOLATORS.setdefault(mgr, {})
         interp = cache.get((image_h, image_w))
         if interp is None:
             interp = DomainParallelInterpolate(

@@ -10,11 +10,11 @@ layout and halo overlap on/off:
   the parallel efficiency ``T_ref / T`` against the 1-rank run with the same number of threads in
   total and the same global batch (``dp x batch``);
 * the halo bytes per step of one domain group: measured (``exchange_stats``), predicted by the
-  cost model (:func:`credit_parallel.plan.predicted_halo_bytes` through ``make_plan``) and the
+  cost model (:func:`credit_parallel.planner.predicted_halo_bytes` through ``make_plan``) and the
   theoretical minimum (every row a rank needs from another rank crosses once per direction);
   batched P2P calls per exchange (1 means every exchange is one ``batch_isend_irecv``);
 * collectives per step and rank by kind, measured (every ``c10d`` op a step dispatches) against
-  the cost model's :func:`~credit_parallel.plan.predicted_collectives`;
+  the cost model's :func:`~credit_parallel.planner.predicted_collectives`;
 * bytes saved for backward per rank (distinct storages seen by
   ``torch.autograd.graph.saved_tensors_hooks``, parameters excluded) and the peak of allocated
   bytes during a step above its start (the profiler's memory events), both relative to the 1-rank

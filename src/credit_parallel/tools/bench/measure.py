@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from ...composition import get_domain_manager, parallelize
 from ...device import device_for_process_group, synchronize
-from ...domain.conv import set_halo_overlap
-from ...domain.exchange import exchange_stats
+from ...domain.overlap import set_model_overlap
 from ...domain.rows import shard_range
-from ...plan import make_plan
+from ...domain.traffic import record_exchange_stats
+from ...planner import make_plan
 from ...testing import run_on_ranks
 from ...train.step import TrainStep
 from ..profile import profile_step
@@ -162,6 +162,7 @@ def setup_run(rank, spec: ModelSpec, layout: Layout, opts: dict, device: torch.d
     model = spec.build().to(device)
     if layout.world > 1:
         model = parallelize(model, layout.conf(spec.batch))
+    set_model_overlap(model, opts.get("overlap", False))
     manager = get_domain_manager(model)
     domain_rank = rank % layout.domain
     dp_rank = rank // (layout.tp * layout.domain)
@@ -205,7 +206,7 @@ def _timed(step, device: torch.device) -> float:
 
 def _worker(rank, world, spec: ModelSpec, layout: Layout, overlap: bool, opts: dict):
     torch.set_num_threads(opts["threads"])
-    set_halo_overlap(overlap)
+    opts = dict(opts, overlap=overlap)
     device = opts.get("device") or device_for_process_group()
     model, step = setup_run(rank, spec, layout, opts, device)
 
@@ -218,19 +219,18 @@ def _worker(rank, world, spec: ModelSpec, layout: Layout, overlap: bool, opts: d
     barrier()
     if opts.get("profile"):
         return {"profile": profile_step(step, model, steps=opts["steps"], warmup=0)}
-    exchange_stats.reset()
     counter = _collective_counter()
-    with counter:
+    with counter, record_exchange_stats() as exchange_stats:
         saved = _saved_bytes(step, list(model.parameters()))
     counts = dict(counter.counts)
     counts["p2p"] = exchange_stats.p2p_calls
     barrier()
     peak = _peak_bytes(step, device) if opts["memory"] else 0
     times = []
-    exchange_stats.reset()
-    for _ in range(opts["steps"]):
-        barrier()
-        times.append(_timed(step, device))
+    with record_exchange_stats() as exchange_stats:
+        for _ in range(opts["steps"]):
+            barrier()
+            times.append(_timed(step, device))
     n = opts["steps"]
     return {
         "median_s": statistics.median(times),

@@ -122,7 +122,7 @@ NOTES = (
     "(tests/test_overlap.py).  It is off by default (on this 2-core machine the split "
     "convolution costs more than the halo time it hides; on CUDA cuDNN may choose other "
     "algorithms for a few boundary rows): turn it on with "
-    "credit_parallel.domain.conv.set_halo_overlap(True).",
+    "credit_parallel.domain.overlap.set_model_overlap(model, True).",
     "Efficiency is measured against ONE process using as many intra-op threads as the layout "
     "has ranks, on the same global batch: 1.0 means domain/tensor/data parallelism over N "
     "processes is as fast as N threads in one process.  tp layouts replicate every layer that "

@@ -1,0 +1,106 @@
+"""Exchange fusion: fewer halo exchanges for the same result, applied by the converter.
+
+* A padding layer over H followed by a convolution in an ``nn.Sequential``: the two row maps
+  compose (``exchange.compose_windows``), so the conv exchanges the PAD's input once with the
+  composed windows and applies the pad's width padding itself; the pad passes its input through.
+  Fused only where the result is the same: the pad's fill rows and the conv's zero rows must
+  have one fill value (a zero or reflect/replicate/circular pad, or a conv without zero padding
+  over H), the pad's input is 4-D, and the pad module is used once in the model.
+* Sibling convolutions in one ``nn.ModuleList`` with the same input channels (CREDIT's
+  CrossEmbed: several kernels applied to the same tensor) share ONE exchange of the union of
+  their windows (``shared_input.share_input_exchange``).  Sharing never changes results: a layer
+  called on another tensor exchanges again, and a group seen used as a stack (each layer on a
+  new tensor) stops sharing after its first call.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .conv import _DomainParallelConvNd
+from .padding import DomainParallelPad
+from .shared_input import share_input_exchange
+
+__all__ = ["find_fusions", "fuse_exchanges"]
+
+
+def _plain_conv(module) -> bool:
+    return (
+        isinstance(module, _DomainParallelConvNd)
+        and not module.geometry.transposed
+        and module.fused_pad is None
+        and module.shared_input is None
+    )
+
+
+def _fill_agrees(pad: DomainParallelPad, conv: _DomainParallelConvNd) -> bool:
+    geo, i = conv.geometry, conv.spatial_index
+    conv_fills = geo.edge_mode == "zeros" and geo.pads[i] != (0, 0)
+    return pad.mode != "constant" or pad.value == 0.0 or not conv_fills
+
+
+def _pad_conv_pairs(seq: nn.Sequential, uses: dict, layer_of) -> list:
+    pairs = []
+    children = list(seq.children())
+    for first, second in zip(children, children[1:]):
+        pad, conv = layer_of(first), layer_of(second)
+        if (
+            isinstance(pad, DomainParallelPad)
+            and pad.fused_into is None
+            and uses.get(id(first), 0) == 1
+            and _plain_conv(conv)
+            and conv.nd == 2
+            and conv.spatial_index == 0
+            and pad.manager is conv.manager
+            and _fill_agrees(pad, conv)
+            and not pad._forward_hooks
+            and not pad._forward_pre_hooks
+        ):
+            pairs.append((first, second))
+    return pairs
+
+
+def _sibling_groups(modules: nn.ModuleList, layer_of) -> list[list]:
+    groups: dict = {}
+    for child in modules:
+        m = layer_of(child)
+        if not _plain_conv(m) or m.overlap:
+            continue
+        key = (m.nd, m.shard_dim % (m.nd + 2), m.geometry.edge_mode, id(m.manager))
+        key += (m.conv.in_channels,)
+        groups.setdefault(key, []).append(child)
+    return [g for g in groups.values() if len(g) >= 2]
+
+
+def find_fusions(model: nn.Module, layer_of=None) -> tuple[list, list]:
+    """``(pad_conv_pairs, sibling_groups)`` of ``model``: pairs ``(pad module, conv module)`` and
+    lists of sibling conv modules, as modules of ``model``.  ``layer_of(module)`` gives the
+    domain layer that module is or will be replaced by (None: not a domain layer); by default the
+    module itself (a converted model).  The planner passes the converter's replacements."""
+    layer_of = layer_of or (lambda m: m)
+    uses: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        uses[id(module)] = uses.get(id(module), 0) + 1
+    pairs, groups = [], []
+    for module in model.modules():
+        if isinstance(module, nn.Sequential):
+            pairs += _pad_conv_pairs(module, uses, layer_of)
+        if isinstance(module, nn.ModuleList):
+            groups += _sibling_groups(module, layer_of)
+    # a conv that exchanges for its pad does not also share its input
+    paired = {id(conv) for _, conv in pairs}
+    groups = [g for g in ([c for c in g if id(c) not in paired] for g in groups) if len(g) >= 2]
+    return pairs, groups
+
+
+def fuse_exchanges(model: nn.Module) -> dict[str, int]:
+    """Fuse the exchanges of ``model``'s domain layers in place (see the module docstring);
+    returns how many ``pad_conv`` pairs and ``sibling_convs`` groups were fused."""
+    pairs, groups = find_fusions(model)
+    for pad, conv in pairs:
+        # plain attributes, not submodules: no new state_dict keys, no second parent
+        object.__setattr__(pad, "fused_into", conv)
+        object.__setattr__(conv, "fused_pad", pad)
+    for group in groups:
+        share_input_exchange(*group)
+    return {"pad_conv": len(pairs), "sibling_convs": len(groups)}

@@ -1,0 +1,143 @@
+"""One halo exchange for several convolutions called on the SAME tensor.
+
+The branches of a cross-scale embedding (CREDIT's CrossEmbed) or an inception block apply
+several convolutions to one input.  Grouped with :func:`share_input_exchange` (the converter does
+it automatically for sibling convolutions declared on a module, see ``convert.py``), the first of
+them called on a tensor exchanges the UNION of their windows and the others take their rows from
+it.  A layer called on another tensor (or twice on the same one) simply exchanges again, so the
+results never depend on the pairing; they equal the unshared layers' to rounding (gradient rows
+are summed before they travel).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from functools import lru_cache
+
+from .conv_geometry import ConvGeometry
+from .exchange import exchange_rows
+from .rows import conv_window, edge_source_row, shard_range
+
+__all__ = ["SharedInputExchange", "share_input_exchange", "union_windows"]
+
+
+@lru_cache(maxsize=1024)
+def union_windows(geometries: tuple, i: int, length: int, n: int, rank: int) -> tuple:
+    """``(windows, offsets)`` of convolutions ``geometries`` (same boundary rule) sharing one
+    input of ``length`` rows along spatial dim ``i``: ``windows[r]`` is the union window of rank
+    r; ``offsets[m]`` = (start, count) of conv m's own window inside ``rank``'s union window."""
+    lo = [[0] * len(geometries) for _ in range(n)]
+    hi = [[0] * len(geometries) for _ in range(n)]
+    for m, geo in enumerate(geometries):
+        out_len = geo.output_length(length, i)
+        for r in range(n):
+            o0, o1 = shard_range(out_len, n, r)
+            if o0 == o1:  # no output rows: an empty window at the shard start
+                start = shard_range(length, n, r)[0]
+                lo[r][m] = hi[r][m] = start
+                continue
+            lo[r][m], hi[r][m] = conv_window(
+                o0,
+                o1,
+                kernel=geo.kernel[i],
+                stride=geo.stride[i],
+                dilation=geo.dilation[i],
+                pad_before=geo.pads[i][0],
+            )
+    mode = geometries[0].edge_mode
+    windows = tuple(
+        tuple(edge_source_row(p, length, mode) for p in range(min(lo[r]), max(hi[r])))
+        for r in range(n)
+    )
+    offsets = tuple(
+        (lo[rank][m] - min(lo[rank]), hi[rank][m] - lo[rank][m]) for m in range(len(geometries))
+    )
+    return windows, offsets
+
+
+class SharedInputExchange:
+    """The exchange shared by a group of convolutions (see the module docstring)."""
+
+    def __init__(self, layers):
+        self.layers = tuple(layers)
+        self._entry = None  # (weakref to the input, its version, length, window, served ids)
+        # False once the layers were seen called on different tensors (a stack applied one
+        # after the other, not branches): they then exchange alone.  Every rank sees the same
+        # sequence of calls, so every rank switches at the same call.
+        self.active = True
+
+    # a copied or pickled model must not carry (or fail on) the window of a forward in flight
+    def __deepcopy__(self, memo):
+        new = SharedInputExchange(())
+        new.active = self.active
+        memo[id(self)] = new  # the layers refer back to this group
+        new.layers = copy.deepcopy(self.layers, memo)
+        return new
+
+    def __getstate__(self):
+        return {"layers": self.layers, "_entry": None, "active": self.active}
+
+    def window_for(self, layer, x, length: int, n: int, dim: int, mgr):
+        geometries = tuple(m.geometry for m in self.layers)
+        windows, offsets = union_windows(
+            geometries, layer.spatial_index, length, n, mgr.domain_rank
+        )
+        index = self.layers.index(layer)
+        entry = self._entry
+        fresh = (
+            entry is None
+            or entry[0]() is not x
+            or entry[1] != x._version
+            or entry[2] != length
+            or index in entry[4]
+        )
+        if fresh and entry is not None and entry[0]() is not x and len(entry[4]) == 1:
+            # the previous tensor served only the layer that exchanged it: not siblings
+            self.active = False
+        if fresh:
+            # every rank sees the same sequence of calls, so all ranks exchange together
+            window = exchange_rows(x, windows, length, dim, mgr)
+            entry = self._entry = (weakref.ref(x), x._version, length, window, set())
+        entry[4].add(index)
+        window = entry[3]
+        if len(entry[4]) == len(self.layers):
+            self._entry = None  # all served: do not keep the window alive
+        start, count = offsets[index]
+        return window.narrow(dim, start, count)
+
+
+def share_input_exchange(*layers) -> None:
+    """Let domain-parallel convolutions that are called on the SAME tensor one after the other
+    fetch their halo rows in ONE exchange instead of one each (see the module docstring).
+    Every layer must be a non-transposed domain-parallel conv (``geometry`` a
+    :class:`ConvGeometry`) with the same shard dim, boundary rule and manager.  These layers do
+    not overlap (the exchange is shared, not hidden)."""
+    if len(layers) < 2:
+        raise ValueError("share_input_exchange needs at least two layers")
+    first = layers[0]
+    for layer in layers:
+        geo = getattr(layer, "geometry", None)
+        if (
+            not isinstance(geo, ConvGeometry)
+            or geo.transposed
+            or not hasattr(layer, "shared_input")
+        ):
+            raise TypeError(
+                "share_input_exchange takes domain-parallel (non-transposed) convolutions, got "
+                f"{type(layer).__name__}"
+            )
+        same = (
+            layer.shard_dim % (layer.nd + 2) == first.shard_dim % (first.nd + 2)
+            and layer.nd == first.nd
+            and geo.edge_mode == first.geometry.edge_mode
+            and layer.manager is first.manager
+        )
+        if not same:
+            raise ValueError(
+                "share_input_exchange: all layers need the same shard dim, dimensionality, "
+                f"boundary rule and manager; {layer!r} differs from {first!r}"
+            )
+    group = SharedInputExchange(layers)
+    for layer in layers:
+        layer.shared_input = group

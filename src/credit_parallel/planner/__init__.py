@@ -1,0 +1,32 @@
+"""The layout planner and cost model behind ``credit-parallel plan`` (pure: no processes).
+
+``trace.py`` builds the model on the meta device and records every domain-layer call;
+``cost.py`` asks each layer for its geometry and estimates halo bytes, collectives and memory;
+``make.py`` puts the rank layout, the levels and the constraints together (:func:`make_plan`);
+``report.py`` prints it (:func:`format_plan`).
+"""
+
+from __future__ import annotations
+
+from .cost import (
+    DomainLayerPlan,
+    MemoryEstimate,
+    predicted_collectives,
+    predicted_halo_bytes,
+)
+from .make import Plan, RankEntry, make_plan
+from .report import format_plan
+from .trace import build_meta_model, model_input_shapes
+
+__all__ = [
+    "DomainLayerPlan",
+    "MemoryEstimate",
+    "Plan",
+    "RankEntry",
+    "build_meta_model",
+    "format_plan",
+    "make_plan",
+    "model_input_shapes",
+    "predicted_collectives",
+    "predicted_halo_bytes",
+]

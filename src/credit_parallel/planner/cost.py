@@ -1,0 +1,346 @@
+"""The cost model of a planned run: per-layer-call rows and halos, memory and collectives.
+
+:class:`DomainLayerPlan` is one call of a domain layer as it will run, built by
+:func:`layer_call_plan` from the layer's own geometry (``domain/geometry.py``: its form, output
+height and input windows) and ``rows.plan_exchange``; :func:`predicted_halo_bytes` and
+:func:`predicted_collectives` are public so the benchmarks can compare them with what a run
+measures (``credit_parallel.domain.exchange.record_exchange_stats``).  The memory helpers read
+the tensor-parallel and FSDP2 declarations of a (meta) model.  Pure: no processes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..config import DataMode
+from ..domain.geometry import FILL, domain_form_of, domain_kind_of, input_windows_of
+from ..domain.rows import plan_exchange, shard_range, shard_sizes
+from ..tensor_parallel import COLUMN, _check_layer, _resolve, collect_tensor_parallel_targets
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP_MB",
+    "DomainLayerPlan",
+    "MemoryEstimate",
+    "fsdp_units",
+    "layer_call_plan",
+    "local_numel",
+    "predicted_collectives",
+    "predicted_halo_bytes",
+    "tp_split_dims",
+]
+
+SHARD_DIM = -2  # latitude, as convert_to_domain_parallel shards it by default
+_MIB = 2**20
+DDP_FIRST_BUCKET_BYTES = 1 * _MIB  # torch's DDP: a small first bucket, then bucket_cap_mb
+DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default and credit_parallel.collectives' default
+
+
+@dataclass(frozen=True)
+class DomainLayerPlan:
+    """One call of a module that ``convert_to_domain_parallel`` replaces, as the layer will run.
+
+    ``out_rows[r]``: output rows domain rank r owns (balanced layout of ``out_height``).
+    ``halo_before[r]`` / ``halo_after[r]``: distinct rows rank r receives from other ranks that
+    sit before / after its own rows (north / south; rows of a rank with no own row in the window
+    count by global index).  ``rows_received[r]`` / ``rows_sent[r]``: rows rank r receives /
+    sends in the forward exchange (``RankExchangePlan.rows_received`` / ``.rows_sent``; the
+    backward moves the same rows the other way).  ``row_elements``: elements of one input row at
+    batch 1 (channels x every other non-sharded dim).  ``peers[r]``: domain ranks rank r receives
+    from.  ``error``: why the layer cannot run at this layout (None when it can).
+    """
+
+    path: str
+    kind: str
+    in_height: int
+    out_height: int
+    out_rows: tuple[int, ...]
+    halo_before: tuple[int, ...]
+    halo_after: tuple[int, ...]
+    rows_received: tuple[int, ...]
+    rows_sent: tuple[int, ...]
+    row_elements: int
+    peers: tuple[tuple[int, ...], ...] = ()
+    error: str | None = None
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether any rank sends or receives rows in this layer."""
+        return any(self.rows_received) or any(self.rows_sent)
+
+    def rank_exchanges(self, domain_rank: int) -> bool:
+        """Whether ``domain_rank`` takes part in a P2P call (it skips it with nothing to move)."""
+        if not self.rows_received:
+            return False
+        return bool(self.rows_received[domain_rank] or self.rows_sent[domain_rank])
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank (the largest rank where ranks differ); an estimate, see ``format_plan``."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    param_bytes_unsharded: int  # the whole model, fp32, on one rank
+    fsdp_largest_unit_bytes: int  # unsharded (all-gathered) size of the largest FSDP2 unit
+    activation_dtype_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+# --------------------------------------------------------------------------- cost functions
+def predicted_halo_bytes(
+    layers: Sequence[DomainLayerPlan],
+    *,
+    batch_size: int,
+    dtype_bytes: int,
+    domain_rank: int | None = None,
+) -> int:
+    """Halo bytes of one training step (forward + backward) of one domain group.
+
+    Inputs: ``layers`` from :func:`make_plan` (``plan.layers``), the per-rank ``batch_size``
+    (``trainer.batch_size``) and the activation element size (4 for fp32, 2 for bf16 under amp).
+
+    With ``domain_rank`` r: the bytes rank r SENDS — its halo rows to peers in forward plus the
+    gradients of the rows it received in backward, ``(rows_sent + rows_received) x row size`` —
+    which is what ``exchange_stats.bytes_sent`` counts on that rank.  With ``domain_rank=None``:
+    the total over the group, ``2 x rows exchanged x other dims x dtype bytes``.
+    """
+    total = 0
+    for layer in layers:
+        if not layer.rows_received:
+            continue
+        row_bytes = layer.row_elements * batch_size * dtype_bytes
+        if domain_rank is None:
+            total += 2 * sum(layer.rows_received) * row_bytes
+        else:
+            rows = layer.rows_sent[domain_rank] + layer.rows_received[domain_rank]
+            total += rows * row_bytes
+    return total
+
+
+def _greedy_buckets(sizes: Sequence[int], cap: int, first_cap: int | None = None) -> int:
+    """Number of buckets when ``sizes`` (bytes) are packed in order, a new bucket when the next
+    tensor would overflow the cap (a larger tensor travels alone), as ``collectives._buckets``."""
+    count, current, limit = 0, 0, first_cap if first_cap is not None else cap
+    open_bucket = False
+    for nbytes in sizes:
+        if open_bucket and current + nbytes > limit:
+            count += 1
+            current, open_bucket, limit = 0, False, cap
+        current += nbytes
+        open_bucket = True
+    return count + (1 if open_bucket else 0)
+
+
+def predicted_collectives(
+    layers: Sequence[DomainLayerPlan],
+    *,
+    data: str,
+    dp: int,
+    tp: int,
+    domain: int,
+    tp_row_layers: int = 0,
+    tp_col_layers: int = 0,
+    tp_fused_layers: int = 0,
+    fsdp_units: int = 0,
+    grad_sizes_bytes: Sequence[int] = (),
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    domain_rank: int | None = None,
+) -> dict[str, int]:
+    """Collective calls ONE rank issues per training step (forward, backward, gradient sync), by kind.
+
+    Inputs: ``layers`` (``plan.layers``); the degrees ``data``/``dp``/``tp``/``domain``; the
+    number of row- and column-parallel tensor-parallel layers (``tp_fused_layers``: column layers
+    with ``_tp_fused`` parts > 1, counted in ``tp_col_layers`` too); ``fsdp_units``: FSDP2 units
+    that own parameters (opted-in blocks plus the root); ``grad_sizes_bytes``: this rank's local
+    gradient sizes in parameter order (after TP/FSDP sharding) for the bucketed reductions.
+    ``domain_rank``: count for that domain rank; None = the busiest rank.
+
+    Keys (all present, 0 when not applicable):
+
+    * ``domain_p2p``: ``batch_isend_irecv`` calls, 2 per domain layer this rank exchanges in
+      (forward rows + backward gradients);
+    * ``domain_all_gather`` / ``domain_all_reduce_norm``: per GroupNorm call one all-gather of the
+      statistics in forward and its adjoint all-reduce in backward;
+    * ``domain_grad_all_reduce``: buckets of ``sync_domain_gradients`` (domain > 1);
+    * ``tp_all_reduce``: one per row-parallel layer (forward) plus one per column layer (backward);
+    * ``tp_weight_regroup``: fused column layers regroup their weight (forward and backward);
+    * ``fsdp_all_gather``: one per unit in forward plus one per non-root unit in backward (the
+      root is not resharded after forward); ``fsdp_reduce_scatter``: one per unit;
+    * ``ddp_all_reduce``: DDP buckets (1 MiB first bucket, then ``bucket_cap_mb``; approximate).
+
+    Steady state: the global heights are cached per input shape, so the one all-gather of local
+    heights per domain layer of the first step is not counted.
+    """
+    counts = dict.fromkeys(
+        (
+            "domain_p2p",
+            "domain_all_gather",
+            "domain_all_reduce_norm",
+            "domain_grad_all_reduce",
+            "tp_all_reduce",
+            "tp_weight_regroup",
+            "fsdp_all_gather",
+            "fsdp_reduce_scatter",
+            "ddp_all_reduce",
+        ),
+        0,
+    )
+    cap = max(1, int(bucket_cap_mb * _MIB))
+    if domain > 1:
+        ranks = range(domain) if domain_rank is None else (domain_rank,)
+        counts["domain_p2p"] = 2 * max(
+            sum(1 for layer in layers if layer.rank_exchanges(r)) for r in ranks
+        )
+        norms = sum(1 for layer in layers if layer.kind == "group_norm")
+        counts["domain_all_gather"] = norms
+        counts["domain_all_reduce_norm"] = norms
+        counts["domain_grad_all_reduce"] = _greedy_buckets(grad_sizes_bytes, cap)
+    if tp > 1:
+        counts["tp_all_reduce"] = tp_row_layers + tp_col_layers
+        counts["tp_weight_regroup"] = 2 * tp_fused_layers
+    if data == DataMode.FSDP2:
+        counts["fsdp_all_gather"] = fsdp_units + max(0, fsdp_units - 1)
+        counts["fsdp_reduce_scatter"] = fsdp_units
+    elif data == DataMode.DDP and dp > 1:
+        counts["ddp_all_reduce"] = _greedy_buckets(
+            list(reversed(grad_sizes_bytes)), cap, DDP_FIRST_BUCKET_BYTES
+        )
+    return counts
+
+
+# --------------------------------------------------------------------------- memory
+def tp_split_dims(model: nn.Module, tp: int, violations: list[str]):
+    """``{parameter name: dim split over tp}`` from the ``_tp_col``/``_tp_row`` declarations,
+    checking every target (all problems collected into ``violations``)."""
+    try:
+        targets = collect_tensor_parallel_targets(model)
+    except (ValueError, TypeError) as err:
+        violations.append(f"tensor parallelism declarations: {err}")
+        return {}, []
+    split, listed = {}, []
+    for target in targets:
+        try:
+            layer = _resolve(model, target)
+        except ValueError as err:
+            if tp > 1:
+                violations.append(f"trainer.parallelism.tensor={tp}: {err}")
+            continue
+        listed.append(target)
+        if tp > 1:
+            try:
+                _check_layer(layer, target, tp)
+            except (ValueError, TypeError) as err:
+                violations.append(f"trainer.parallelism.tensor={tp}: {err}")
+        for pname, _ in layer.named_parameters(recurse=False):
+            full = f"{target.path}.{pname}"
+            if target.role == COLUMN:
+                split[full] = 0  # weight and bias: output features/channels
+            elif pname == "weight":
+                split[full] = 1  # input features/channels; the row bias stays replicated
+    return split, listed
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[str, set[str]]]:
+    """FSDP2 units in ``apply_fsdp2`` order and the parameter names each one manages."""
+    blocks = [
+        name
+        for name, module in model.named_modules()
+        if module is not model and getattr(module, "_fsdp2_shard", False) is True
+    ]
+    owned: dict[str, set[str]] = {name: set() for name in [*blocks, ""]}
+    for pname, _ in model.named_parameters():
+        owner = ""
+        for block in blocks:  # the deepest opted-in block containing the parameter
+            if pname.startswith(block + ".") and len(block) > len(owner):
+                owner = block
+        owned[owner].add(pname)
+    return [(name, names) for name, names in owned.items() if names]
+
+
+def local_numel(shape, split_dim, tp: int, fsdp_dp: int) -> int:
+    shape = list(shape)
+    if split_dim is not None and tp > 1 and len(shape) > split_dim:
+        shape[split_dim] = -(-shape[split_dim] // tp)
+    if fsdp_dp > 1 and shape:
+        shape[0] = -(-shape[0] // fsdp_dp)  # FSDP2 shards dim 0, padded to a multiple of dp
+    return math.prod(shape)
+
+
+# --------------------------------------------------------------------------- one layer call
+def _halo_sides(windows, in_h: int, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Distinct rows each rank receives that sit before / after its own rows in its window
+    (rows of a rank with no own row in the window count by global index)."""
+    before, after = [], []
+    for r, window in enumerate(windows):
+        start, stop = shard_range(in_h, n, r)
+        own_positions = [p for p, g in enumerate(window) if start <= g < stop]
+        first_own = own_positions[0] if own_positions else None
+        rows_before, rows_after = set(), set()
+        for p, g in enumerate(window):
+            if g == FILL or start <= g < stop:
+                continue
+            north = p < first_own if first_own is not None else g < start
+            (rows_before if north else rows_after).add(g)
+        before.append(len(rows_before))
+        after.append(len(rows_after))
+    return tuple(before), tuple(after)
+
+
+def layer_call_plan(path: str, layer, in_shape, out_shape, n: int, double: bool, exchange=None):
+    """The :class:`DomainLayerPlan` of one call of the domain layer ``layer`` (the converter's
+    replacement) on an input of ``in_shape`` giving ``out_shape`` (batch 1), over ``n`` ranks,
+    from the layer's own geometry.  ``double``: float64 activations (interpolation indices).
+    ``exchange``: None (the layer's own windows), False (another layer exchanges for it: a
+    fused pad), or ``(windows, exchanged_shape)`` when it exchanges another tensor (a conv
+    fused with its pad, a shared sibling exchange)."""
+    in_h = in_shape[SHARD_DIM % len(in_shape)]
+    out_h = out_shape[SHARD_DIM % len(out_shape)]
+    row_elements = math.prod(in_shape) // max(in_h, 1)
+    kind = domain_kind_of(layer)
+    zeros = (0,) * n
+
+    def without_exchange(error: str | None = None) -> DomainLayerPlan:
+        peers = ((),) * n if error is None else ()
+        return DomainLayerPlan(
+            path, kind, in_h, out_h, shard_sizes(out_h, n), zeros, zeros, zeros, zeros,
+            row_elements, peers, error,
+        )  # fmt: skip
+
+    if domain_form_of(layer) is None or exchange is False:
+        return without_exchange()  # not a layer this planner can ask, or fused: no halo
+    try:
+        ex_h = in_h
+        if exchange is not None:
+            windows, ex_shape = exchange
+            ex_h = ex_shape[SHARD_DIM % len(ex_shape)]
+            row_elements = math.prod(ex_shape) // max(ex_h, 1)
+        else:
+            windows = input_windows_of(layer, in_h, n, double=double)
+        if windows is None:
+            return without_exchange()
+        plans = plan_exchange(ex_h, n, tuple(windows))
+    except ValueError as err:
+        return without_exchange(str(err))
+    before, after = _halo_sides(windows, ex_h, n)
+    return DomainLayerPlan(
+        path,
+        kind,
+        in_h,
+        out_h,
+        shard_sizes(out_h, n),
+        before,
+        after,
+        tuple(p.rows_received for p in plans),
+        tuple(p.rows_sent for p in plans),
+        row_elements,
+        tuple(tuple(q for q, _ in p.recvs) for p in plans),
+    )

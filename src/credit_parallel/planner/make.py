@@ -1,0 +1,454 @@
+"""The layout planner behind ``credit-parallel plan`` (pure: no processes).
+
+:func:`make_plan` reads a full config and a world size and works out, without starting a single
+process or process group:
+
+1. the rank layout: the parallel degrees (:class:`~credit_parallel.config.ParallelDims`), the
+   mesh axes ``build_device_mesh`` would keep, and every rank's (dp, tp, domain) coordinates and
+   the global ranks of its dp / tp / domain groups (:func:`~credit_parallel.mesh.full_rank_layout`);
+2. the rows every domain rank owns at every resolution level, and for every module that
+   ``convert_to_domain_parallel`` would replace the halo rows each rank receives: the model is
+   traced once on the meta device (``trace.py``) and each layer call is asked for its geometry
+   (``cost.layer_call_plan``);
+3. an estimate of the memory per rank and of the communication per training step (``cost.py``);
+4. every constraint the configuration violates, collected rather than stopping at the first.
+
+Naming: an *axis* is a mesh axis ("dp", "tp", "domain"); a *dim* is a tensor dimension.  Heights
+are GLOBAL row counts along the sharded dim (latitude: dim -2 of B,C,H,W and of B,C,Z,H,W).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import DataMode, ParallelDims, parse_parallelism_conf
+from ..domain.conv import fused_pad_windows
+from ..domain.convert import validate_sharding_constraints
+from ..domain.fusion import find_fusions
+from ..domain.rows import shard_sizes
+from ..domain.shared_input import union_windows
+from ..mesh import full_rank_layout
+from .cost import (
+    DomainLayerPlan,
+    MemoryEstimate,
+    fsdp_units,
+    layer_call_plan,
+    local_numel,
+    predicted_collectives,
+    predicted_halo_bytes,
+    tp_split_dims,
+)
+from .trace import build_meta_model, domain_targets, model_input_shapes, trace_model
+
+__all__ = ["MAX_RANKS_LISTED", "Plan", "RankEntry", "make_plan"]
+
+SHARD_DIM = -2  # latitude, as convert_to_domain_parallel shards it by default
+MAX_RANKS_LISTED = 64  # every rank is listed up to this world size, else a sample
+_SAMPLE_HEAD, _SAMPLE_TAIL = 32, 8
+_PARAM_BYTES = 4  # parameters, gradients and AdamW moments stay fp32 (also under amp)
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """One global rank: its (dp, tp, domain) coordinates and the global ranks of its groups."""
+
+    rank: int
+    dp: int
+    tp: int
+    domain: int
+    dp_group: tuple[int, ...]
+    tp_group: tuple[int, ...]
+    domain_group: tuple[int, ...]
+
+
+@dataclass
+class Plan:
+    """Everything ``credit-parallel plan`` reports; built by :func:`make_plan`."""
+
+    world_size: int
+    data: str
+    tp: int
+    domain: int
+    dp: int  # world_size // (tp * domain); 0 when that is not a whole number >= 1
+    dims: ParallelDims | None  # None when the world size does not fit the degrees
+    mesh_axes: tuple[tuple[str, int], ...]
+    ranks: list[RankEntry]
+    ranks_omitted: int
+    model_type: str
+    model_class: str
+    input_shapes: tuple[tuple[int, ...], ...]  # per sample, without the batch dim
+    batch_size: int
+    amp: bool
+    parameter_count: int
+    levels: list[
+        tuple[int, tuple[int, ...]]
+    ]  # (global height, rows per domain rank), largest first
+    layers: list[DomainLayerPlan]
+    memory: MemoryEstimate
+    halo_bytes_per_rank: tuple[int, ...]  # bytes each domain rank sends per step (fwd + bwd)
+    halo_bytes_per_step: int  # summed over one domain group
+    collectives: dict[str, int]
+    tp_targets: list[tuple[str, str]]  # (module path, "col" | "row")
+    fsdp_units: list[str]
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+# --------------------------------------------------------------------------- the plan
+def _trainer_value(conf: dict, key: str, default, check, what: str, violations: list[str]):
+    trainer = conf.get("trainer") or {}
+    if key not in trainer:
+        return default
+    value = trainer[key]
+    if not check(value):
+        violations.append(f"trainer.{key} = {value!r} is not {what}; assuming {default!r}")
+        return default
+    return value
+
+
+def _rank_entries(dims: ParallelDims) -> tuple[list[RankEntry], int]:
+    layout = full_rank_layout(dims)
+    world = dims.world_size
+    if world <= MAX_RANKS_LISTED:
+        chosen = list(range(world))
+    else:
+        chosen = list(range(_SAMPLE_HEAD)) + list(range(world - _SAMPLE_TAIL, world))
+    entries = []
+    for g in chosen:
+        dp, tp, dom = layout.coords(g)
+        entries.append(
+            RankEntry(
+                g,
+                dp,
+                tp,
+                dom,
+                tuple(layout.ranks_along_dim("dp", g)),
+                tuple(layout.ranks_along_dim("tp", g)),
+                tuple(layout.ranks_along_dim("domain", g)),
+            )
+        )
+    return entries, world - len(chosen)
+
+
+def _layout(block: dict, world_size: int, violations: list, notes: list):
+    """(dims or None, dp) of the parallel degrees on ``world_size`` ranks."""
+    data, tp, n = block["data"], block["tensor"], block["domain"]
+    inner = tp * n
+    dims, dp = None, 0
+    if world_size % inner:
+        violations.append(
+            f"world size {world_size} is not divisible by trainer.parallelism.tensor*domain = "
+            f"{tp}*{n} = {inner}: use a world size that is a multiple of {inner}, or change "
+            "tensor/domain"
+        )
+        notes.append("no rank layout: the world size does not fit the parallel degrees")
+    else:
+        dims = ParallelDims(data, tp, n, world_size)
+        dp = dims.dp
+    if data == DataMode.DDP and tp > 1:
+        violations.append(
+            "trainer.parallelism: data 'ddp' cannot be combined with tensor > 1 (DDP does not "
+            "reduce tensor-parallel DTensor gradients); use data: fsdp2"
+        )
+    return dims, dp
+
+
+def _run_settings(conf: dict, violations: list) -> tuple[int, bool]:
+    """(samples per data-parallel rank, amp); CREDIT spells the batch key train_batch_size."""
+    trainer = conf.get("trainer") or {}
+    batch_key = (
+        "train_batch_size"
+        if "batch_size" not in trainer and "train_batch_size" in trainer
+        else "batch_size"
+    )
+    batch_size = _trainer_value(
+        conf,
+        batch_key,
+        1,
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        "an integer >= 1",
+        violations,
+    )
+    amp = _trainer_value(
+        conf, "amp", False, lambda v: isinstance(v, bool), "true/false", violations
+    )
+    return batch_size, amp
+
+
+def _traced_layers(model, shapes, n: int, double: bool, violations: list):
+    """(trace, one DomainLayerPlan per domain-layer call) of the meta model."""
+    targets, unsafe = domain_targets(model)
+    trace = trace_model(model, shapes, [t for t in targets if not isinstance(t[2], Exception)])
+    for path, _, err in targets:
+        if isinstance(err, Exception) and n > 1:
+            violations.append(f"{path}: convert_to_domain_parallel cannot convert it: {err}")
+    if n > 1:
+        for path, reason in unsafe:
+            violations.append(
+                f"{path}: {reason}; convert_to_domain_parallel refuses it under domain > 1 "
+                "(replace it, declare _domain_local = True if it truly is row-local, or use "
+                "trainer.parallelism.domain: 1)"
+            )
+    exchanges = _fused_exchanges(model, targets, trace, n)
+    layers = []
+    seen_calls: dict[str, int] = {}
+    for index, (path, _, replacement, in_shape, out_shape, _) in enumerate(trace.calls):
+        seen_calls[path] = seen_calls.get(path, 0) + 1
+        label = path if seen_calls[path] == 1 else f"{path} (call {seen_calls[path]})"
+        layers.append(
+            layer_call_plan(
+                label, replacement, in_shape, out_shape, n, double, exchanges.get(index)
+            )
+        )
+    return trace, layers
+
+
+def _fused_exchanges(model, targets, trace, n: int) -> dict:
+    """``{call index: exchange}`` (see ``cost.layer_call_plan``) for the calls whose exchange
+    the converter fuses (``domain/fusion.py``): a pad followed by a conv exchanges once, for the
+    conv; sibling convs on one input exchange the union of their windows once, at the first
+    call, as ``shared_input.SharedInputExchange`` does at run time."""
+    replacement = {id(m): r for _, m, r in targets if not isinstance(r, Exception)}
+    pairs, groups = find_fusions(model, lambda m: replacement.get(id(m)))
+    pad_of = {id(conv): pad for pad, conv in pairs}
+    fused_pads = {id(pad) for pad, _ in pairs}
+    group_of = {id(c): tuple(g) for g in groups for c in g}
+    out, entries, inactive = {}, {}, set()
+    for index, (_, module, layer, in_shape, _, x) in enumerate(trace.calls):
+        dim = SHARD_DIM % len(in_shape)
+        if id(module) in fused_pads:
+            out[index] = False
+        elif id(module) in pad_of:
+            pad = replacement[id(pad_of[id(module)])]
+            _, _, top, bottom = pad.padding
+            shape = list(in_shape)
+            shape[dim] -= top + bottom
+            shape[-1] -= pad.padding[0] + pad.padding[1]
+            out[index] = (fused_pad_windows(pad, layer, shape[dim], n), tuple(shape))
+        elif id(module) in group_of and group_of[id(module)] not in inactive:
+            group = group_of[id(module)]
+            entry = entries.get(group)  # (input, layers served) of the last exchange
+            if entry is not None and entry[0] is x and module not in entry[1]:
+                entry[1].append(module)
+                out[index] = False
+                if len(entry[1]) == len(group):
+                    entries[group] = None  # all served: the next call exchanges afresh
+                continue
+            if entry is not None and entry[0] is not x and len(entry[1]) == 1:
+                inactive.add(group)  # a stack, not siblings: every later call alone
+            layers = tuple(replacement[id(c)] for c in group)
+            geos = tuple(m.geometry for m in layers)
+            i = layers[0].spatial_index
+            windows, _ = union_windows(geos, i, in_shape[dim], n, 0)
+            out[index] = (windows, in_shape)
+            entries[group] = (x, [module])
+    return out
+
+
+def _levels(shapes, layers, trace, n: int, violations: list, notes: list):
+    """Every height an input, a domain layer or an output has, largest first, with its rows per
+    rank; checks each level and each layer call against the domain size."""
+    first_seen: dict[int, str] = {}
+    for s in shapes:
+        first_seen.setdefault(s[SHARD_DIM % (len(s) + 1) - 1], "model input")
+    for layer in layers:
+        first_seen.setdefault(layer.in_height, f"input of {layer.path}")
+        first_seen.setdefault(layer.out_height, f"output of {layer.path}")
+    for s in trace.model_outputs:
+        if len(s) >= 3:
+            first_seen.setdefault(s[SHARD_DIM % len(s)], "model output")
+    heights = sorted(first_seen, reverse=True)
+    levels = [(h, shard_sizes(h, n)) for h in heights]
+    for index, h in enumerate(heights):
+        if h < n:
+            # exact (SPEC §3), but the empty ranks idle through this level
+            notes.append(
+                f"level {index} has {h} rows, fewer than domain ranks ({n}) ({first_seen[h]}): "
+                f"domain ranks {h}..{n - 1} hold no rows there (exact; they idle at this level)"
+            )
+    for layer in layers:
+        if layer.error is not None:
+            violations.append(f"{layer.path}: cannot run over {n} domain ranks: {layer.error}")
+    for layer in layers:
+        for r, peers in enumerate(layer.peers):
+            far = [q for q in peers if abs(q - r) > 1 and {q, r} != {0, n - 1}]
+            if far:
+                notes.append(
+                    f"{layer.path}: domain rank {r} receives rows from rank(s) {far} beyond its "
+                    "neighbours (a shard thinner than the halo it serves; multi-hop exchange, "
+                    "exact but more messages)"
+                )
+    return levels
+
+
+def _window_constraints(model, shapes, n: int, violations: list) -> None:
+    if n <= 1 or not shapes:
+        return
+    h0 = shapes[0][SHARD_DIM % (len(shapes[0]) + 1) - 1]
+    sizes = shard_sizes(h0, n)
+    for local_h in sorted(set(s for s in sizes if s >= 1)):
+        ranks = [r for r, s in enumerate(sizes) if s == local_h]
+        for warning in validate_sharding_constraints(model, local_h):
+            violations.append(
+                f"validate_sharding_constraints(local_h={local_h}, domain ranks {ranks}): "
+                f"{warning}; choose model.image_height and trainer.parallelism.domain so "
+                "every shard is a multiple of window size x level stride"
+            )
+
+
+def _memory(model, trace, *, data, dp, tp, n, batch_size, amp, violations, notes):
+    """(MemoryEstimate, tp targets, FSDP units, local parameter numels) of one rank."""
+    split, tp_listed = tp_split_dims(model, tp, violations)
+    if tp > 1 and not tp_listed:
+        notes.append(
+            "tensor > 1 but the model declares no _tp_col/_tp_row layers: every tp rank "
+            "repeats the same work"
+        )
+    fsdp_dp = dp if data == DataMode.FSDP2 and dp > 1 else 1
+    local_numels, full_numel = {}, 0
+    for pname, p in model.named_parameters():
+        full_numel += p.numel()
+        local_numels[pname] = local_numel(p.shape, split.get(pname), tp, fsdp_dp)
+    param_bytes = sum(local_numels.values()) * _PARAM_BYTES
+    units = fsdp_units(model) if data == DataMode.FSDP2 else []
+    params = dict(model.named_parameters())
+    largest_unit = max(
+        (
+            sum(local_numel(params[p].shape, split.get(p), tp, 1) for p in names)
+            for _, names in units
+        ),
+        default=0,
+    )
+    param_dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
+    act_bytes = 2 if amp else param_dtype.itemsize
+    col_outputs = {t.path for t in tp_listed if t.role == "col"} if tp > 1 else set()
+    activation_elems = 0
+    for path, shape in trace.leaf_outputs:
+        numel = math.prod(shape) * batch_size
+        if len(shape) in (4, 5) and n > 1:
+            h = shape[SHARD_DIM]
+            numel = numel // max(h, 1) * max(1, -(-h // n))  # the largest rank's rows
+        if path in col_outputs:
+            numel = -(-numel // tp)
+        activation_elems += numel
+    memory = MemoryEstimate(
+        param_bytes=param_bytes,
+        grad_bytes=param_bytes,
+        optimizer_bytes=2 * param_bytes,
+        activation_bytes=activation_elems * act_bytes,
+        param_bytes_unsharded=full_numel * _PARAM_BYTES,
+        fsdp_largest_unit_bytes=largest_unit * (2 if amp else _PARAM_BYTES),
+        activation_dtype_bytes=act_bytes,
+    )
+    return memory, tp_listed, units, local_numels
+
+
+def make_plan(
+    conf: dict,
+    world_size: int,
+    *,
+    model: nn.Module | None = None,
+    input_shapes: Sequence[Sequence[int]] | None = None,
+) -> Plan:
+    """Plan a run of ``conf`` on ``world_size`` ranks, without starting any process.
+
+    ``conf`` is the FULL config (``model:``, ``trainer: {parallelism: ..., batch_size, amp}``).
+    ``model``/``input_shapes`` override building ``conf["model"]`` and the input-shape rules
+    (for models outside the registry; per-sample shapes without the batch dim).  Raises
+    ``ValueError`` only for an unusable config: a bad ``trainer.parallelism`` block, a world size
+    that is not an integer >= 1, a missing/unknown ``model.type`` or bad model arguments, or a
+    model that cannot be traced on the meta device.  Every other problem is collected in
+    ``plan.violations``.
+    """
+    block = parse_parallelism_conf(conf)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"--world-size must be an integer >= 1, got {world_size!r}")
+    violations: list[str] = []
+    notes: list[str] = []
+    data, tp, n = block["data"], block["tensor"], block["domain"]
+    dims, dp = _layout(block, world_size, violations, notes)
+    batch_size, amp = _run_settings(conf, violations)
+
+    # ---- the model, on meta, traced once
+    if model is None:
+        model, model_type = build_meta_model(conf)
+    else:
+        model_type = str((conf.get("model") or {}).get("type", type(model).__name__))
+        model = copy.deepcopy(model).to("meta")
+    shapes = tuple(
+        tuple(int(v) for v in s)
+        for s in (input_shapes if input_shapes is not None else model_input_shapes(model))
+    )
+    param_dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
+    double = param_dtype == torch.float64 and not amp
+    trace, layers = _traced_layers(model, shapes, n, double, violations)
+    levels = _levels(shapes, layers, trace, n, violations, notes)
+    _window_constraints(model, shapes, n, violations)
+
+    # ---- memory and communication
+    memory, tp_listed, units, local_numels = _memory(
+        model, trace, data=data, dp=dp, tp=tp, n=n, batch_size=batch_size, amp=amp,
+        violations=violations, notes=notes,
+    )  # fmt: skip
+    act_bytes = memory.activation_dtype_bytes
+    halo_per_rank = tuple(
+        predicted_halo_bytes(layers, batch_size=batch_size, dtype_bytes=act_bytes, domain_rank=r)
+        for r in range(n)
+    )
+    collectives = predicted_collectives(
+        layers,
+        data=data,
+        dp=max(dp, 1),
+        tp=tp,
+        domain=n,
+        tp_row_layers=sum(1 for t in tp_listed if t.role == "row"),
+        tp_col_layers=sum(1 for t in tp_listed if t.role == "col"),
+        tp_fused_layers=sum(1 for t in tp_listed if t.role == "col" and t.parts > 1),
+        fsdp_units=len(units),
+        grad_sizes_bytes=[v * _PARAM_BYTES for v in local_numels.values()],
+    )
+    if n > 1 and layers:
+        notes.append(
+            "first step only: one all-gather of local heights per domain layer call (cached "
+            "per input shape afterwards; not counted above)"
+        )
+    ranks, omitted = _rank_entries(dims) if dims is not None else ([], 0)
+    return Plan(
+        world_size=world_size,
+        data=data,
+        tp=tp,
+        domain=n,
+        dp=dp,
+        dims=dims,
+        mesh_axes=dims.mesh_axes if dims is not None else (),
+        ranks=ranks,
+        ranks_omitted=omitted,
+        model_type=model_type,
+        model_class=type(model).__name__,
+        input_shapes=shapes,
+        batch_size=batch_size,
+        amp=amp,
+        parameter_count=memory.param_bytes_unsharded // _PARAM_BYTES,
+        levels=levels,
+        layers=layers,
+        memory=memory,
+        halo_bytes_per_rank=halo_per_rank,
+        halo_bytes_per_step=predicted_halo_bytes(
+            layers, batch_size=batch_size, dtype_bytes=act_bytes
+        ),
+        collectives=collectives,
+        tp_targets=[(t.path, t.role) for t in tp_listed],
+        fsdp_units=[name or "<root>" for name, _ in units],
+        violations=violations,
+        notes=notes,
+    )

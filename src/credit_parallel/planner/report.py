@@ -1,0 +1,191 @@
+"""The text report of a plan: what ``credit-parallel plan`` prints (layout, rows per level,
+domain layers, memory, communication, constraints, notes)."""
+
+from __future__ import annotations
+
+from ..config import DataMode
+from ..domain.rows import shard_range
+from .make import MAX_RANKS_LISTED, Plan
+
+__all__ = ["format_plan"]
+
+
+def _human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"
+
+
+def _ranges(height: int, n: int) -> str:
+    return " ".join(f"[{a}:{b})" for a, b in (shard_range(height, n, r) for r in range(n)))
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _layout_section(plan: Plan) -> list[str]:
+    out: list[str] = []
+    n = plan.domain
+    out.append("== Layout ==")
+    dp = plan.dp if plan.dims is not None else "-"
+    out.append(
+        f"trainer.parallelism: data={plan.data} tensor={plan.tp} domain={n} -> "
+        f"dp={dp} x tp={plan.tp} x domain={n}"
+    )
+    if plan.dims is not None:
+        axes = ", ".join(f"{name}={size}" for name, size in plan.mesh_axes) or "(none: no mesh)"
+        out.append(f"mesh axes kept (build_device_mesh): {axes}")
+        h0 = plan.input_shapes[0][-2] if plan.input_shapes else None
+        rows = [["rank", "dp", "tp", "domain", "dp group", "tp group", "domain group", "rows"]]
+        for e in plan.ranks:
+            own = "-"
+            if h0 is not None and h0 >= n:
+                a, b = shard_range(h0, n, e.domain)
+                own = f"[{a}:{b}) of {h0}"
+            rows.append(
+                [
+                    str(e.rank),
+                    str(e.dp),
+                    str(e.tp),
+                    str(e.domain),
+                    str(list(e.dp_group)),
+                    str(list(e.tp_group)),
+                    str(list(e.domain_group)),
+                    own,
+                ]
+            )
+        out.extend(_table(rows))
+        if plan.ranks_omitted:
+            out.append(
+                f"... {plan.ranks_omitted} ranks not listed (world size > {MAX_RANKS_LISTED}; "
+                "the layout repeats: rank g has domain g % domain, tp (g // domain) % tp, "
+                "dp g // (tp*domain))"
+            )
+    else:
+        out.append("no rank layout (see violations)")
+    return out
+
+
+def _levels_section(plan: Plan) -> list[str]:
+    out: list[str] = []
+    n = plan.domain
+    out.append(f"== Rows per domain rank by resolution level (domain = {n}) ==")
+    for index, (h, sizes) in enumerate(plan.levels):
+        empty = f"  ({n - h} empty ranks)" if h < n else ""
+        out.append(f"level {index}: H={h}  rows {list(sizes)}  {_ranges(h, n)}{empty}")
+    return out
+
+
+def _layers_section(plan: Plan) -> list[str]:
+    out: list[str] = []
+    out.append(f"== Domain-parallel layers ({len(plan.layers)} calls) ==")
+    if plan.layers:
+        rows = [["module", "kind", "H in->out", "out rows/rank", "halo before", "halo after", ""]]
+        for layer in plan.layers:
+            rows.append(
+                [
+                    layer.path,
+                    layer.kind,
+                    f"{layer.in_height}->{layer.out_height}",
+                    str(list(layer.out_rows)),
+                    str(list(layer.halo_before)),
+                    str(list(layer.halo_after)),
+                    f"ERROR: {layer.error}" if layer.error else "",
+                ]
+            )
+        out.extend(_table(rows))
+    else:
+        out.append("(none)")
+    return out
+
+
+def _memory_section(plan: Plan) -> list[str]:
+    out: list[str] = []
+    m = plan.memory
+    out.append("== Memory per rank (estimate) ==")
+    if plan.data == DataMode.FSDP2:
+        sharding = f"sharded over dp={max(plan.dp, 1)} (FSDP2, dim 0 padded)"
+    else:
+        sharding = f"replicated over dp ({plan.data})"
+    tp_part = f", TP layers split over tp={plan.tp}" if plan.tp > 1 else ""
+    out.append(
+        f"parameters      {_human(m.param_bytes):>12}  fp32, {sharding}{tp_part}; "
+        f"whole model {_human(m.param_bytes_unsharded)}"
+    )
+    out.append(f"gradients       {_human(m.grad_bytes):>12}  same layout as the parameters")
+    out.append(f"AdamW state     {_human(m.optimizer_bytes):>12}  2 x parameters (fp32 moments)")
+    out.append(
+        f"activations     {_human(m.activation_bytes):>12}  estimate of saved activations: "
+        f"leaf-module outputs x batch {plan.batch_size} x {m.activation_dtype_bytes} B, "
+        f"4-D/5-D ones at the largest rank's share of the rows"
+    )
+    out.append(f"total           {_human(m.total_bytes):>12}")
+    if plan.fsdp_units:
+        out.append(
+            f"FSDP2 units: {len(plan.fsdp_units)} (largest unsharded while in use: "
+            f"{_human(m.fsdp_largest_unit_bytes)})"
+        )
+    return out
+
+
+def _communication_section(plan: Plan) -> list[str]:
+    out: list[str] = []
+    n = plan.domain
+    out.append("== Communication per training step ==")
+    per_rank = ", ".join(f"r{r}: {_human(b)}" for r, b in enumerate(plan.halo_bytes_per_rank))
+    out.append(
+        f"halo bytes (forward + backward): {_human(plan.halo_bytes_per_step)} per domain group"
+        + (f"; sent per domain rank {per_rank}" if n > 1 else "")
+    )
+    out.append("collectives per rank (busiest domain rank):")
+    nonzero = {k: v for k, v in plan.collectives.items() if v}
+    if nonzero:
+        for kind, count in nonzero.items():
+            out.append(f"  {kind:<24} {count}")
+    else:
+        out.append("  (none)")
+    if plan.tp_targets and plan.tp > 1:
+        listed = ", ".join(f"{p} ({role})" for p, role in plan.tp_targets)
+        out.append(f"tensor-parallel layers: {listed}")
+    return out
+
+
+def _constraints_section(plan: Plan) -> list[str]:
+    out: list[str] = []
+    out.append(f"== Constraints ({len(plan.violations)} violated) ==")
+    if plan.violations:
+        out.extend(f"- {v}" for v in plan.violations)
+    else:
+        out.append("all satisfied")
+    if plan.notes:
+        out.append("")
+        out.append("== Notes ==")
+        out.extend(f"- {note}" for note in plan.notes)
+    return out
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable multi-section report of ``plan`` (what ``credit-parallel plan`` prints)."""
+    out: list[str] = []
+    shapes = ", ".join(str((plan.batch_size, *s)) for s in plan.input_shapes)
+    out.append(
+        f"credit-parallel plan: model {plan.model_type} ({plan.model_class}, "
+        f"{plan.parameter_count:,} parameters), world size {plan.world_size}"
+    )
+    out.append(f"inputs per rank (batch x shape): {shapes}; amp={plan.amp}")
+    for section in (
+        _layout_section,
+        _levels_section,
+        _layers_section,
+        _memory_section,
+        _communication_section,
+        _constraints_section,
+    ):
+        out.append("")
+        out.extend(section(plan))
+    return "\n".join(out) + "\n"

@@ -1,0 +1,167 @@
+"""Tracing a model for the planner: its input shapes, a meta-device build, and ONE forward on
+meta tensors (no memory, no arithmetic) that records every call of a module the converter would
+replace, with its input and output shapes, and every leaf module's output shape.
+
+Which modules are replaced, and by what, comes from the converter's own walker and rule
+registry (``domain/convert.py``), so the planner sees exactly the layers a run would build.
+Input shapes of the known model types (assumptions, read from the built model's attributes,
+which mirror the ``model:`` config keys):
+
+* ``unet``, ``crossformer``: one input ``(B, in_channels, image_height, image_width)``;
+* ``pangu``: ``upper (B, upper_channels, levels, image_height, image_width)`` and
+  ``surface (B, surface_channels, image_height, image_width)``;
+* any other model may define ``input_shapes`` (a list of per-sample shapes WITHOUT the batch
+  dim, or a method returning one); a model with ``in_channels``/``image_height``/
+  ``image_width`` attributes is taken to have one B,C,H,W input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..domain.convert import apply_domain_rule, walk_domain_modules
+from ..models import build_model
+
+__all__ = ["Trace", "build_meta_model", "domain_targets", "model_input_shapes", "trace_model"]
+
+SHARD_DIM = -2  # latitude, as convert_to_domain_parallel shards it by default
+
+
+def model_input_shapes(model: nn.Module) -> tuple[tuple[int, ...], ...]:
+    """Per-sample input shapes (no batch dim) of a model, by the rules in the module docstring."""
+    declared = getattr(model, "input_shapes", None)
+    if declared is not None:
+        shapes = declared() if callable(declared) else declared
+        return tuple(tuple(int(v) for v in s) for s in shapes)
+    attrs = {
+        k: getattr(model, k, None)
+        for k in (
+            "in_channels",
+            "upper_channels",
+            "surface_channels",
+            "levels",
+            "image_height",
+            "image_width",
+        )
+    }
+    h, w = attrs["image_height"], attrs["image_width"]
+    if all(isinstance(attrs[k], int) for k in ("upper_channels", "surface_channels", "levels")):
+        return (
+            (attrs["upper_channels"], attrs["levels"], h, w),
+            (attrs["surface_channels"], h, w),
+        )
+    if all(isinstance(v, int) for v in (attrs["in_channels"], h, w)):
+        return ((attrs["in_channels"], h, w),)
+    raise ValueError(
+        f"cannot tell the input shape of {type(model).__name__}: give it an `input_shapes` "
+        "attribute (per-sample shapes without the batch dim) or in_channels/image_height/"
+        "image_width attributes"
+    )
+
+
+def build_meta_model(conf: dict) -> tuple[nn.Module, str]:
+    """The model of ``conf["model"]`` built on the meta device, and its type name."""
+    conf_model = conf.get("model")
+    if not isinstance(conf_model, dict):
+        raise ValueError(
+            "config is missing the 'model' section (e.g. {type: unet, in_channels: 8, ...})"
+        )
+    with torch.device("meta"):
+        model = build_model(conf_model)
+    return model, str(conf_model.get("type"))
+
+
+def domain_targets(model: nn.Module):
+    """Walk the module tree exactly as ``convert_to_domain_parallel`` does (no custom converters):
+    returns ``(targets, unsafe)``; ``targets`` are ``(path, module, replacement or error)``."""
+    targets, unsafe = [], []
+
+    def candidate(parent, name, path, child) -> bool:
+        try:
+            replacement = apply_domain_rule(child, None, SHARD_DIM)
+        except (ValueError, TypeError) as err:
+            targets.append((path, child, err))
+            return True
+        if replacement is None:
+            return False
+        targets.append((path, child, replacement))
+        return True
+
+    walk_domain_modules(model, candidate, lambda path, reason: unsafe.append((path, reason)))
+    return targets, unsafe
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+_SHAPE_PRESERVING = (nn.GroupNorm, nn.LayerNorm)
+
+
+def _same_shape(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@dataclass
+class Trace:
+    calls: list  # (path, module, replacement, in_shape, out_shape, input tensor)
+    leaf_outputs: list  # (path, out_shape)
+    model_outputs: list  # shapes
+
+
+def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
+    """One forward on meta tensors (batch 1) recording domain-layer calls and leaf outputs."""
+    calls, leaf_outputs, handles = [], [], []
+    dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
+    by_module = {}
+    for path, module, replacement in targets:
+        by_module.setdefault(id(module), (path, module, replacement))
+    try:
+        for path, module, replacement in by_module.values():
+
+            def record(mod, args, out, path=path, replacement=replacement):
+                ins = list(_tensors(args))
+                outs = list(_tensors(out))
+                if ins and outs:
+                    # the input itself too: sibling layers called on one tensor share an exchange
+                    calls.append(
+                        (path, mod, replacement, tuple(ins[0].shape), tuple(outs[0].shape), ins[0])
+                    )
+
+            handles.append(module.register_forward_hook(record))
+        for path, module in model.named_modules():
+            if next(module.children(), None) is not None:
+                continue
+
+            def leaf(mod, args, out, path=path):
+                for t in _tensors(out):
+                    leaf_outputs.append((path or "<root>", tuple(t.shape)))
+
+            handles.append(module.register_forward_hook(leaf))
+        for module in model.modules():
+            # Normalisations keep the shape; on meta tensors their reference decompositions cost
+            # seconds of imports for nothing, so the (private, meta) copy skips them.
+            if type(module) in _SHAPE_PRESERVING:
+                module.forward = _same_shape
+        inputs = [torch.empty((1, *s), device="meta", dtype=dtype) for s in input_shapes]
+        with torch.no_grad():
+            out = model(*inputs)
+    except Exception as err:  # a forward that cannot run on meta tensors: unusable for planning
+        raise ValueError(
+            f"could not trace {type(model).__name__} on the meta device with inputs "
+            f"{[(1, *s) for s in input_shapes]}: {type(err).__name__}: {err}"
+        ) from err
+    finally:
+        for h in handles:
+            h.remove()
+    return Trace(calls, leaf_outputs, [tuple(t.shape) for t in _tensors(out)])
