@@ -4,7 +4,7 @@
   rows and the bottom window separately and concatenating gives bitwise the conv of the whole
   window (single process, no ranks);
 * overlap on vs off on 2 and 3 gloo ranks: forward, input gradient and every parameter gradient
-  are ``torch.equal`` for the Conv2d matrix of ``test_domain_conv.py`` (float64 and float32),
+  are equal to rounding (bitwise only on CPUs whose conv kernels do not depend on the row split) for the Conv2d matrix of ``test_domain_conv.py`` (float64 and float32),
   Conv3d, the periodic conv, and a conv/GroupNorm/SiLU stack; the overlapped path really ran;
 * a shard too thin for an interior row falls back to the plain path silently and stays exact;
 * ``exchange_rows_batched`` / ``HaloExchange.forward_many``: several tensors in ONE batched call
@@ -42,6 +42,36 @@ __all__: list[str] = []
 
 
 # --------------------------------------------------------------------------- pure split
+def _conv_rows_split_invariant(dtype) -> bool:
+    """Whether this machine's CPU conv kernel gives an output row the same bits whichever other
+    rows one call computes (true for oneDNN float32 here; float64 runs im2col + BLAS GEMM, whose
+    blocking depends on the number of rows, e.g. on AMD EPYC with MKL: 3.6e-15 differences).
+    The overlapped path relies on it for BITWISE equality; where it does not hold, overlap on and
+    off are still equal to rounding, which is what the tests then assert."""
+    gen = torch.Generator().manual_seed(0)
+    for conv, nd, stride in (
+        (F.conv2d, 2, 1),
+        (F.conv2d, 2, 2),
+        (F.conv3d, 3, 1),
+        (F.conv3d, 3, 2),
+    ):
+        x = torch.randn(2, 4, *([4] * (nd - 2)), 15, 6, generator=gen, dtype=dtype)
+        w = torch.randn(5, 4, *([3] * nd), generator=gen, dtype=dtype)
+        full = conv(x, w, stride=stride)
+        for out_cut in range(1, full.shape[-2]):
+            top = conv(x[..., : (out_cut - 1) * stride + 3, :], w, stride=stride)
+            bottom = conv(x[..., out_cut * stride :, :], w, stride=stride)
+            if not torch.equal(full, torch.cat([top, bottom], -2)):
+                return False
+    return True
+
+
+def _rounding(dtype) -> float:
+    """Largest relative difference (max|a-b| / max|b|) overlap may make where the kernel is not
+    split-invariant: rounding, the SPEC's float32 tolerance for float32."""
+    return 1e-12 if dtype == torch.float64 else 1e-5
+
+
 def _split_cases():
     for kw in (
         dict(kernel_size=3, padding=1),
@@ -60,7 +90,9 @@ def _split_cases():
 
 
 def test_overlap_split_pieces_reassemble_the_window_conv_bitwise():
-    """Top window + interior shard rows + bottom window == the whole window, for every rank."""
+    """Top window + interior shard rows + bottom window == the whole window, for every rank
+    (bitwise where this machine's conv kernel is split-invariant, else to rounding)."""
+    bitwise = _conv_rows_split_invariant(torch.float64)
     checked = 0
     for kw, length, n in _split_cases():
         conv = nn.Conv2d(3, 4, **kw).double()
@@ -101,7 +133,11 @@ def test_overlap_split_pieces_reassemble_the_window_conv_bitwise():
             parts.append(run(local[:, :, split.interior_start : split.interior_stop]))
             if split.bottom_rows:
                 parts.append(run(window[:, :, split.bottom_start :]))
-            assert torch.equal(torch.cat(parts, 2), run(window)), (kw, length, n, r)
+            pieces, whole = torch.cat(parts, 2), run(window)
+            if bitwise:
+                assert torch.equal(pieces, whole), (kw, length, n, r)
+            else:
+                assert float((pieces - whole).detach().abs().max()) <= _rounding(torch.float64)
             checked += 1
     assert checked > 150
 
@@ -138,7 +174,7 @@ def _set_overlap(model: nn.Module, enabled: bool) -> None:
 
 
 def _on_off(mgr, build, shape, dtype, seed):
-    """(bitwise equal?, max abs diff, overlapped calls) of overlap on vs off for one case."""
+    """(bitwise equal?, max relative diff, overlapped calls) of overlap on vs off for one case."""
     torch.manual_seed(seed)
     ref = build().to(dtype)
     models = {}
@@ -166,7 +202,8 @@ def _on_off(mgr, build, shape, dtype, seed):
     equal, diff = True, 0.0
     for t_on, t_off in zip(results[True][0], results[False][0]):
         equal = equal and torch.equal(t_on, t_off)
-        diff = max(diff, float((t_on.double() - t_off.double()).abs().max()))
+        scale = max(float(t_off.double().abs().max()), 1e-30)
+        diff = max(diff, float((t_on.double() - t_off.double()).abs().max()) / scale)
     return equal, diff, results[True][1], results[False][1]
 
 
@@ -227,15 +264,22 @@ def _on_off_worker(rank, world, dtype):
 @pytest.mark.parametrize(
     "world,dtype", [(2, torch.float64), (3, torch.float64), (2, torch.float32), (3, torch.float32)]
 )
-def test_overlap_on_is_bitwise_equal_to_overlap_off(world, dtype):
+def test_overlap_on_equals_overlap_off_to_rounding(world, dtype):
+    # Bitwise equality needs kernels whose bits do not depend on how rows are split over calls
+    # (forward) or on which gradients one backward call computes: true on the machine this was
+    # first built on, not on every CPU (AMD EPYC with MKL/oneDNN here differs in the last bits
+    # for Conv3d and strided convs).  What must hold everywhere: equal to rounding.
     results = run_on_ranks(_on_off_worker, world, dtype)
     unequal = [
         (rank, name, diff)
         for rank, per_rank in enumerate(results)
-        for name, (equal, diff, _, _) in per_rank.items()
-        if not equal
+        for name, (_, diff, _, _) in per_rank.items()
+        if diff > _rounding(dtype)
     ]
-    assert not unequal, f"overlap changed results (rank, case, max abs diff): {unequal}"
+    assert not unequal, (
+        f"overlap changed results beyond rounding ({_rounding(dtype)}) "
+        f"(rank, case, max relative diff): {unequal}"
+    )
     for per_rank in results:
         # the plain path never overlaps; the overlapped path ran in most cases on every rank
         assert all(off == 0 for _, _, _, off in per_rank.values())
