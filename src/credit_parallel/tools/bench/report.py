@@ -118,7 +118,7 @@ NOTES = (
     "Overlap (domain/conv.py): a convolution posts its halo exchange, convolves the interior "
     "output rows from its own shard while the rows travel, then the boundary rows; its backward "
     "computes the window's input gradient, posts the halo gradients and computes the weight and "
-    "bias gradients while they travel.  On CPU the results are bitwise those of overlap off "
+    "bias gradients while they travel.  The results equal overlap off to rounding (bitwise where the CPU conv kernels do not depend on the row split) "
     "(tests/test_overlap.py).  It is off by default (on this 2-core machine the split "
     "convolution costs more than the halo time it hides; on CUDA cuDNN may choose other "
     "algorithms for a few boundary rows): turn it on with "
