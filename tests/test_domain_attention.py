@@ -210,3 +210,51 @@ def test_layout_rejects_height_not_multiple_of_window():
 def test_head_split_uneven_and_fewer_heads_than_ranks():
     assert head_split(4, 3) == ((0, 2), (2, 3), (3, 4))
     assert head_split(1, 2) == ((0, 1), (1, 1))
+
+
+# ------------------------------------------------------------------ memory per rank
+def saved_activation_bytes(module, x) -> int:
+    """Bytes of the tensors autograd saves during ``module(x)`` (parameters excluded, each
+    storage counted once)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(seen.values())
+
+
+def _attention_layer(kind: str):
+    torch.manual_seed(0)
+    if kind == "long":
+        m = import_credit("credit.models.crossformer")
+        layer = m.Attention(12, attn_type="long", window_size=2, dim_head=2)  # 6 heads
+        x = torch.randn(1, 12, 24, 8)
+    else:
+        m = import_credit("credit.models.unet_diffusion")
+        layer = m.Attention(12, heads=6, dim_head=4)
+        x = torch.randn(1, 12, 24, 8)
+    return layer.double(), x.double().requires_grad_()
+
+
+def _memory_on_ranks(rank, world_size, kind):
+    layer, x = _attention_layer(kind)
+    single = saved_activation_bytes(layer, x)
+    manager = DomainParallelManager(world_size, world_size)
+    wrapped = convert_to_domain_parallel(layer, manager)
+    xl = shard_tensor(x.detach(), -2, manager).requires_grad_()
+    return single, saved_activation_bytes(wrapped, xl), type(wrapped).__name__
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+@pytest.mark.parametrize("kind", ["long", "global"])
+def test_attention_layer_memory_per_rank_at_most_1_2_over_d(kind, domain):
+    for single, per_rank, form in run_on_ranks(_memory_on_ranks, domain, kind):
+        assert form in ("DomainRowGroupAttention", "DomainSequenceAttention")
+        assert per_rank <= 1.2 * single / domain, (kind, domain, single, per_rank)
