@@ -11,7 +11,6 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from miles_credit import import_credit
 
 from credit_parallel import convert_to_domain_parallel, gather_tensor, shard_tensor
 from credit_parallel.domain.attention import (
@@ -25,6 +24,7 @@ from credit_parallel.domain.attention import (
 from credit_parallel.domain.convert import find_unsafe_modules
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.testing import run_on_ranks
+from miles_credit import import_credit
 
 TOL = 1e-10
 
@@ -110,7 +110,7 @@ def exactness_errors(net, x, args, manager, *, convert=None):
         "input_grad": (gather_tensor(xl.grad, -2, manager) - xr.grad).abs().max().item(),
         "param_grad": 0.0,
     }
-    for (name, p), (_, pr) in zip(net.named_parameters(), ref.named_parameters()):
+    for p, pr in zip(net.parameters(), ref.parameters()):
         g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
         dist.all_reduce(g, group=manager.domain_group)
         gr = torch.zeros_like(pr) if pr.grad is None else pr.grad

@@ -9,13 +9,13 @@ import warnings
 
 import pytest
 import torch
-from test_domain_attention import TOL, exactness_errors
 from torch import nn
 
 from credit_parallel import convert_to_domain_parallel
 from credit_parallel.domain.gather import DomainGatherModule
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.testing import run_on_ranks
+from test_domain_attention import TOL, exactness_errors
 
 
 class GlobalSelfAttention(nn.Module):
@@ -125,9 +125,7 @@ def test_gather_policy_exact_uneven_h(kind, domain):
     if kind == "batchnorm_train":  # running statistics: those of one process, on every rank
         torch.manual_seed(0)
         ref = _model(kind).double().train()
-        x = torch.randn(
-            2, 3, 7, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64
-        )
+        x = torch.randn(2, 3, 7, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
         ref(x)
         for errors in results:
             assert torch.allclose(errors["running_mean"], ref[1].running_mean, atol=TOL)

@@ -108,7 +108,12 @@ def verify_layout(
         # manager left over from an earlier layout in this process
         local = shard_batch(local, manager=mgr)
     xl = [local[k].detach().clone().requires_grad_(True) for k in in_keys]
-    pouts = par(*xl)
+    from .domain.guard import FunctionalCallGuard  # functional calls over H on the shards
+
+    with FunctionalCallGuard(par) as guard:
+        if mgr is not None and mgr.domain_world_size > 1:
+            guard.mark(*xl)
+        pouts = par(*xl)
     pouts = pouts if isinstance(pouts, tuple) else (pouts,)
     lat_local = local_lat_weights(lat, mgr)
     ptargets = [local[k][:, : o.shape[1]] for k, o in zip(out_keys, pouts)]
@@ -133,7 +138,7 @@ def verify_layout(
         dist.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts, 0)
 
-    rows = []
+    rows = [(f"functional call {f}", float("inf"), 0.0, "guard") for f in guard.findings]
     for i, (po, ro) in enumerate(zip(pouts, outs)):
         full = over_dp(gathered(po.detach()))
         rows.append((f"output {out_keys[i]}", *_err(full, ro), "out"))

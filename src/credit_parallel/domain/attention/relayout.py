@@ -26,7 +26,18 @@ from .layouts import (
     window_layout,
 )
 
-__all__ = ["DomainRowGroupAttention", "return_rows"]
+__all__ = ["DomainRowGroupAttention", "copy_tp_declarations", "return_rows"]
+
+_TP_DECLARATIONS = ("_tp_col", "_tp_row", "_tp_fused", "_tp_head_dim")
+
+
+def copy_tp_declarations(wrapper: nn.Module, module: nn.Module) -> None:
+    """The wrapper takes the module's place in the tree, so tensor parallelism (applied after
+    domain conversion) must find the module's ``_tp_*`` plan on it; the paths resolve through
+    the shared child dict to the same layers."""
+    for attr in _TP_DECLARATIONS:
+        if hasattr(module, attr):
+            object.__setattr__(wrapper, attr, getattr(module, attr))
 
 
 class _ReturnRows(torch.autograd.Function):
@@ -85,6 +96,7 @@ class DomainRowGroupAttention(DomainWrapper):
             )
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"row-group attention needs rows >= 1, got {rows!r}")
+        copy_tp_declarations(self, module)
         self.form, self.rows, self.shift = form, rows, int(shift)
         self.domain_form = _LAYOUTS[form]
         self.shard_dim = shard_dim

@@ -24,6 +24,7 @@ from ..manager import resolve_manager
 from ..rows import shard_range
 from ..wrap import DomainWrapper
 from .layouts import head_split
+from .relayout import copy_tp_declarations
 
 __all__ = ["DomainSequenceAttention", "SEQUENCE_CORES", "all_to_all_parts"]
 
@@ -174,6 +175,7 @@ class DomainSequenceAttention(DomainWrapper):
             raise ValueError(f"no sequence-parallel core for {_qualified(module)}")
         if shard_dim % 4 != 2:
             raise ValueError("sequence-parallel attention shards B,C,H,W tensors along H (-2)")
+        copy_tp_declarations(self, module)
         self.core, self.shard_dim, self.manager = core, shard_dim, manager
         self.heads = int(module.heads)
 
