@@ -15,6 +15,7 @@ from credit_parallel.models import (
     CrossFormer,
     Pangu3D,
     PeriodicConv2d,
+    SwinNet,
     UNet,
     WindowAttention,
     build_model,
@@ -36,6 +37,10 @@ def _pangu(z=4, h=32, w=64):
     return Pangu3D(4, 3, z, h, w)
 
 
+def _swin(h=32, w=64):
+    return SwinNet(8, 8, h, w, dim=16, depth=2, dim_head=4, window_size=4)
+
+
 def _inputs(model, batch=2):
     """Random inputs of the grid the model was built for."""
     if isinstance(model, Pangu3D):
@@ -54,7 +59,7 @@ def _outputs(model, inputs):
     return out if isinstance(out, tuple) else (out,)
 
 
-ALL_MODELS = {"unet": _unet, "crossformer": _crossformer, "pangu": _pangu}
+ALL_MODELS = {"unet": _unet, "crossformer": _crossformer, "pangu": _pangu, "swin": _swin}
 
 
 def _build(name):
@@ -370,16 +375,21 @@ def test_every_model_declares_fsdp2_units(name):
 
 
 @pytest.mark.parametrize("name", sorted(ALL_MODELS))
-def test_model_forwards_make_no_functional_calls_over_h_outside_periodic_conv(name):
+def test_model_forwards_make_no_functional_calls_over_h_outside_replaced_modules(name):
     """The functional-call guard on every bundled model's forward (inputs marked as latitude
-    shards): only modules the converter replaces whole (PeriodicConv2d, nn.Upsample) may pad
-    or resample over H."""
+    shards): only modules the converter replaces whole (PeriodicConv2d, nn.Upsample, attention
+    declaring ``_domain_attention``) may pad, resample or roll over H."""
     model = _build(name)
     inputs = _inputs(model)
     with FunctionalCallGuard(model) as guard:
         guard.mark(*inputs)
         _outputs(model, inputs)
-    replaced = {p for p, m in model.named_modules() if isinstance(m, (PeriodicConv2d, nn.Upsample))}
+    replaced = {
+        p
+        for p, m in model.named_modules()
+        if isinstance(m, (PeriodicConv2d, nn.Upsample))
+        or getattr(m, "_domain_attention", None) is not None
+    }
     stray = [str(f) for f in guard.findings if f.path not in replaced]
     assert stray == [], stray
 
@@ -406,7 +416,7 @@ def test_build_model_from_config_dict_matches_direct_construction():
     for va, vb in zip(built.state_dict().values(), direct.state_dict().values()):
         assert torch.equal(va, vb)
     assert conf["type"] == "unet"  # the config is not mutated
-    assert set(MODEL_TYPES) == {"unet", "crossformer", "pangu"}
+    assert set(MODEL_TYPES) == {"unet", "crossformer", "pangu", "swin"}
     assert isinstance(
         build_model(
             {
@@ -437,7 +447,7 @@ def test_build_model_from_config_dict_matches_direct_construction():
 @pytest.mark.parametrize(
     ("conf", "match"),
     [
-        ({"type": "transformer"}, r"model\.type='transformer'.*crossformer, pangu, unet"),
+        ({"type": "transformer"}, r"model\.type='transformer'.*crossformer, pangu, swin, unet"),
         ({"in_channels": 1}, r"model\.type is missing"),
         ({"type": 3}, r"model\.type=3"),
         (

@@ -8,9 +8,11 @@ Declaring the structure on your own module (class attribute or property)::
 
     # other forms: {"form": "strided", "rows": k}  rows j, j+H/k, ... form a group of k rows,
     #              laid out "(k h)" as CREDIT's long-distance attention does;
-    #              {"form": "shifted_windows", "rows": w, "shift": s}: windows of w rows of the
-    #              tensor rolled by -s over H; the module's forward must then compute on rows
-    #              already rolled (the wrapper performs the roll as part of its row exchange).
+    #              {"form": "shifted_windows", "rows": w, "shift": s, "entry": "forward_rows"}:
+    #              windows of w rows of the tensor rolled by -s over H; the wrapper performs
+    #              the roll as part of its row exchange and calls
+    #              module.forward_rows(x_held, global_rows) (masks from global positions; see
+    #              credit_parallel.models.swin.ShiftedWindowAttention).
 
 ``"rows"`` may also name an attribute of the module (``{"form": "windows", "rows":
 "window_size"}``).  A ready wrapper for ``custom_converters`` is
@@ -55,7 +57,7 @@ def _declared(module: nn.Module):
     rows = spec["rows"]
     if isinstance(rows, str):
         rows = getattr(module, rows)
-    return spec["form"], int(rows), int(spec.get("shift", 0))
+    return spec["form"], int(rows), int(spec.get("shift", 0)), spec.get("entry")
 
 
 def attention_replacement(module: nn.Module, manager, shard_dim: int = -2):
@@ -63,8 +65,10 @@ def attention_replacement(module: nn.Module, manager, shard_dim: int = -2):
     name = qualified_name(module)
     declared = _declared(module)
     if declared is not None:
-        form, rows, shift = declared
-        return DomainRowGroupAttention(module, form, rows, shift, shard_dim, manager=manager)
+        form, rows, shift, entry = declared
+        return DomainRowGroupAttention(
+            module, form, rows, shift, shard_dim, manager=manager, entry=entry
+        )
     if name in _CREDIT_WINDOW_ATTENTION:
         form = {"short": "windows", "long": "strided"}.get(getattr(module, "attn_type", None))
         if form is not None:

@@ -73,6 +73,14 @@ def return_rows(y: torch.Tensor, layout: tuple, height: int, dim: int, manager) 
     )
 
 
+def _no_rows(held: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """A rank holding no whole group (fewer groups than ranks) does not run the module (a conv
+    refuses an empty input) but still joins both exchanges; its parameters get zero, not
+    missing, gradients so that every rank reduces the same gradient set."""
+    zero = sum((p.sum() * 0 for p in module.parameters() if p.requires_grad), held.new_zeros(()))
+    return held + zero
+
+
 _LAYOUTS = {"windows": "relayout", "shifted_windows": "relayout", "strided": "regroup"}
 
 
@@ -82,18 +90,34 @@ class DomainRowGroupAttention(DomainWrapper):
     ``form``: ``"windows"`` (windows of ``rows`` rows tile H), ``"shifted_windows"`` (the same
     after a cyclic roll of ``-shift`` rows; the module must then compute on the rolled rows, see
     docs of ``_domain_attention``) or ``"strided"`` (groups ``j, j + H/rows, ...`` as CREDIT's
-    long-distance attention lays them out).  The module's output height must equal its input
+    long-distance attention lays them out).  ``entry``: the name of a method called as
+    ``entry(x_held, global_rows)`` instead of the module's forward (required for shifted
+    windows: it computes on rows already rolled, with masks from their global indices).  The module's output height must equal its input
     height.
     """
 
     def __init__(
-        self, module: nn.Module, form: str, rows: int, shift: int = 0, shard_dim=-2, manager=None
+        self,
+        module: nn.Module,
+        form: str,
+        rows: int,
+        shift: int = 0,
+        shard_dim=-2,
+        manager=None,
+        entry: str | None = None,
     ):
         super().__init__(module)
         if form not in _LAYOUTS:
             raise ValueError(
                 f"row-group attention form must be one of {sorted(_LAYOUTS)}, got {form!r}"
             )
+        if form == "shifted_windows" and not callable(getattr(module, str(entry), None)):
+            raise ValueError(
+                f"{type(module).__name__}: shifted windows need an entry method "
+                "(``_domain_attention['entry']``) computing on rows already rolled, called as "
+                "entry(x, global_rows); the module's own forward would roll a shard again"
+            )
+        self.entry = entry
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"row-group attention needs rows >= 1, got {rows!r}")
         copy_tp_declarations(self, module)
@@ -146,7 +170,13 @@ class DomainRowGroupAttention(DomainWrapper):
         height = mgr.global_length(self, x.shape[dim])
         layout = self.layout(height, mgr.domain_world_size)
         held = exchange_rows(x, layout, height, dim, mgr)
-        y = self.wrapped(held)
+        if held.shape[dim] == 0:
+            y = _no_rows(held, self.wrapped)
+        elif self.entry is not None:
+            rows = torch.tensor(layout[mgr.domain_rank], dtype=torch.long, device=held.device)
+            y = getattr(self.wrapped, self.entry)(held, rows)
+        else:
+            y = self.wrapped(held)
         if y.shape[dim] != held.shape[dim]:
             raise ValueError(
                 f"{getattr(self, '_cp_path', type(self.wrapped).__name__)}: row-group attention "
