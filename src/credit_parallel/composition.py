@@ -72,9 +72,12 @@ def parallelize(model: nn.Module, conf: dict) -> nn.Module:
     manager = None
     if block["domain"] > 1:
         from .domain.convert import convert_to_domain_parallel
+        from .domain.gather import nonlocal_policy_from_conf
 
         manager = DomainParallelManager.from_device_mesh(mesh)
-        model = convert_to_domain_parallel(model, manager)
+        model = convert_to_domain_parallel(
+            model, manager, nonlocal_policy=nonlocal_policy_from_conf(conf)
+        )
     # the process-wide manager is this layout's (None without domain parallelism), so helpers
     # called without manager= never use one left over from an earlier layout
     set_domain_parallel_manager(manager)

@@ -26,7 +26,7 @@ from .conv import (
     DomainParallelPeriodicConv2d,
     conv_needs_domain_wrapper,
 )
-from .gather import gather_cost_note, gather_nonlocal_modules
+from .gather import NONLOCAL_POLICIES, gather_cost_note, gather_nonlocal_modules
 
 __all__ = [
     "convert_to_domain_parallel",
@@ -241,7 +241,7 @@ def convert_to_domain_parallel(
     structure is made exact first (``domain/attention``); ``nonlocal_policy="gather"`` runs every
     module that would be reported on the whole globe instead (``domain/gather.py``).
     """
-    if nonlocal_policy not in ("raise", "gather"):
+    if nonlocal_policy not in NONLOCAL_POLICIES:
         raise ValueError(f"nonlocal_policy must be 'raise' or 'gather', got {nonlocal_policy!r}")
     if shard_dim >= 0 or shard_dim < -3:
         raise ValueError(

@@ -24,7 +24,15 @@ from .manager import resolve_manager
 from .rows import shard_range
 from .wrap import DomainWrapper
 
-__all__ = ["DomainGatherModule", "gather_cost_note", "gather_nonlocal_modules"]
+__all__ = [
+    "NONLOCAL_POLICIES",
+    "DomainGatherModule",
+    "gather_cost_note",
+    "gather_nonlocal_modules",
+    "nonlocal_policy_from_conf",
+]
+
+NONLOCAL_POLICIES = ("raise", "gather")
 
 
 class DomainGatherModule(DomainWrapper):
@@ -120,3 +128,16 @@ def gather_nonlocal_modules(model: nn.Module, paths: list[str], manager, shard_d
         wrapper.__dict__["_cp_path"] = path
         parent._modules[name] = wrapper
     return model
+
+
+def nonlocal_policy_from_conf(conf: dict | None) -> str:
+    """``trainer.domain_nonlocal_policy`` of a FULL config: "raise" (default) or "gather".
+
+    Not a ``trainer.parallelism`` key: that block takes exactly data / tensor / domain."""
+    trainer = (conf or {}).get("trainer") or {}
+    policy = trainer.get("domain_nonlocal_policy", "raise")
+    if policy not in NONLOCAL_POLICIES:
+        raise ValueError(
+            f"trainer.domain_nonlocal_policy must be one of {list(NONLOCAL_POLICIES)}, got {policy!r}"
+        )
+    return policy

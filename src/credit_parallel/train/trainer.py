@@ -76,6 +76,8 @@ class TrainConfig:
             "save_dir",
             "resume",
             "log_every",
+            "domain_nonlocal_policy",  # domain/gather.py
+            "domain_guard",  # domain/guard.py
         }
         unknown = sorted(set(t) - known)
         if unknown:
@@ -203,6 +205,18 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ forward
+    def _forward(self, *inputs):
+        """The model's forward; under the opt-in domain guard (trainer.domain_guard /
+        CREDIT_PARALLEL_DOMAIN_GUARD=1) a functional call over H on a shard raises."""
+        from ..composition import get_domain_manager
+        from ..domain.guard import debug_guard
+
+        with debug_guard(self.model, self.conf) as guard:
+            mgr = get_domain_manager(self.model)
+            if mgr is not None and mgr.domain_world_size > 1:
+                guard.mark(*inputs)
+            return self.model(*inputs)
+
     def _rollout_loss(self, batch: dict) -> torch.Tensor:
         """Loss share of one (sharded) batch over the forecast steps, model applied
         autoregressively; the state stays sharded between steps."""
@@ -216,7 +230,7 @@ class Trainer:
             cu = targets[0].shape[1] // steps
             cs = targets[1].shape[1] // steps
             for k in range(steps):
-                out = self.model(*state)
+                out = self._forward(*state)
                 ty = (targets[0][:, k * cu : (k + 1) * cu], targets[1][:, k * cs : (k + 1) * cs])
                 total = total + sum(
                     latitude_weighted_mse_share(o, t, self._lat_local, self.global_height)
@@ -230,7 +244,7 @@ class Trainer:
         c_step = y.shape[1] // steps
         total = 0.0
         for k in range(steps):
-            pred = self.model(x)
+            pred = self._forward(x)
             target = y[:, k * c_step : (k + 1) * c_step]
             total = total + latitude_weighted_mse_share(
                 pred, target, self._lat_local, self.global_height
