@@ -4,8 +4,8 @@ miles-credit 2026.2.0 is installed with ``--no-deps`` by ``scripts/setup.sh``: i
 import, at import time only, packages its model classes never use in the code paths we build
 (cftime, torchvision, torch_harmonics, segmentation_models_pytorch, scipy; no torchvision wheel
 imports beside this torch build).  :func:`import_credit` puts an inert placeholder module in the
-place of each of those that is NOT importable, imports the requested ``credit`` module, and
-returns it.  A real installation of any of them always wins; a placeholder's attributes are
+place of each of those that is NOT importable, for the duration of that import only, imports
+the requested ``credit`` module and returns it.  A real installation of any of them always wins; a placeholder's attributes are
 classes that raise as soon as they are used, so a code path that does need one fails loudly.
 """
 
@@ -17,8 +17,6 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-
-import pytest
 
 __all__ = ["PLACEHOLDER_ROOTS", "import_credit"]
 
@@ -64,18 +62,24 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__path__ = []
 
 
-def _install_placeholders() -> None:
-    if any(isinstance(f, _PlaceholderFinder) for f in sys.meta_path):
-        return
-    missing = [r for r in PLACEHOLDER_ROOTS if importlib.util.find_spec(r) is None]
-    if missing:
-        sys.meta_path.append(_PlaceholderFinder(missing))  # after the real finders
-
-
 def import_credit(module: str):
-    """``importlib.import_module(module)`` for a ``credit.*`` module, placeholders installed;
-    skips the calling test only when miles-credit itself is absent (run scripts/setup.sh)."""
+    """``importlib.import_module(module)`` for a ``credit.*`` module, with placeholders for the
+    missing import-only dependencies present DURING that import only: afterwards the finder and
+    the placeholder modules are removed again, so no other code (xarray probing for scipy, say)
+    ever sees them.  A missing miles-credit is an error: scripts/setup.sh installs it."""
     if importlib.util.find_spec("credit") is None or importlib.util.find_spec("einops") is None:
-        pytest.skip("miles-credit / einops not installed: run `bash scripts/setup.sh`")
-    _install_placeholders()
-    return importlib.import_module(module)
+        raise ImportError(
+            "miles-credit / einops are test dependencies: run `bash scripts/setup.sh` "
+            "(pip install --no-deps miles-credit==2026.2.0 einops)"
+        )
+    if module in sys.modules:
+        return sys.modules[module]
+    missing = [r for r in PLACEHOLDER_ROOTS if importlib.util.find_spec(r) is None]
+    finder = _PlaceholderFinder(missing)
+    sys.meta_path.append(finder)  # after the real finders
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n, m in sys.modules.items() if isinstance(m, _PlaceholderModule)]:
+            del sys.modules[name]
