@@ -258,3 +258,43 @@ def test_attention_layer_memory_per_rank_at_most_1_2_over_d(kind, domain):
     for single, per_rank, form in run_on_ranks(_memory_on_ranks, domain, kind):
         assert form in ("DomainRowGroupAttention", "DomainSequenceAttention")
         assert per_rank <= 1.2 * single / domain, (kind, domain, single, per_rank)
+
+
+# ------------------------------------------------------------------ what the planner reports
+def test_form_cost_relayout_regroup_sequence_and_gather():
+    from credit_parallel.domain.attention import form_cost
+    from credit_parallel.domain.gather import DomainGatherModule
+
+    net, _, _ = build_credit_model("crossformer_long")
+    short, long_ = net.layers[0][1].layers[0][0], net.layers[0][1].layers[0][2]
+    shape, row = (1, 2, 12, 8), 2 * 8 * 8  # B, C, H, W; bytes of one row at itemsize 8
+    aligned = form_cost(DomainRowGroupAttention(short, "windows", 3), shape, 2, 8)
+    assert aligned == {"form": "relayout", "communication_bytes": 0, "activation_bytes": 6 * row}
+    # windows of 4 rows over 6 + 6 rows: rank 0 runs rows 0-7, borrowing rows 6 and 7
+    cut = form_cost(DomainRowGroupAttention(short, "windows", 4), shape, 2, 8)
+    assert cut == {
+        "form": "relayout",
+        "communication_bytes": 2 * 2 * row,
+        "activation_bytes": 8 * row,
+    }
+    # groups of 3 rows at stride 4: rank 0 holds groups 0, 1 = rows 0,1,4,5,8,9 (borrows 8, 9)
+    strided = form_cost(DomainRowGroupAttention(long_, "strided", 3), shape, 2, 8)
+    assert strided == {
+        "form": "regroup",
+        "communication_bytes": 2 * 4 * row,
+        "activation_bytes": 6 * row,
+    }
+    unet, _, _ = build_credit_model("unet_diffusion")
+    seq = form_cost(DomainSequenceAttention(unet.mid_attn), (1, 8, 6, 2), 2, 8)
+    hidden = unet.mid_attn.to_qkv.out_channels // 3  # 2 heads of 4 channels
+    assert seq == {
+        "form": "sequence",
+        "communication_bytes": 4 * hidden * 12 * 8 // 2,
+        "activation_bytes": 3 * 12 * (hidden // 2) * 8,
+    }
+    gathered = form_cost(DomainGatherModule(torch.nn.BatchNorm2d(2)), shape, 3, 8)
+    assert gathered == {
+        "form": "gather",
+        "communication_bytes": 2 * 12 * row,
+        "activation_bytes": 12 * row,
+    }

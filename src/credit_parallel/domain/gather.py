@@ -65,6 +65,13 @@ class DomainGatherModule(DomainWrapper):
         """Per-rank activation memory of the module relative to a sharded layer: d."""
         return n
 
+    def activation_bytes(self, input_shape, n: int, itemsize: int) -> int:
+        """The whole globe's input, on every rank."""
+        numel = 1
+        for s in input_shape:
+            numel *= s
+        return numel * itemsize
+
     def _is_sharded(self, t) -> bool:
         return isinstance(t, torch.Tensor) and t.dim() in (4, 5)
 

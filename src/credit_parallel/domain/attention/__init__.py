@@ -5,9 +5,11 @@
   and one out (forms "relayout" and "regroup");
 * :mod:`.sequence` — :class:`DomainSequenceAttention`: heads split over ranks, all positions per
   head, all-to-all in and out (form "sequence");
-* :mod:`.recognise` — which modules get which form (qualified class names, ``_domain_attention``).
+* :mod:`.recognise` — which modules get which form (qualified class names, ``_domain_attention``);
+* :mod:`.cost` — form, extra communication and memory per rank, for the planner.
 """
 
+from .cost import form_cost
 from .layouts import head_split, shifted_window_layout, strided_group_layout, window_layout
 from .recognise import (
     attention_replacement,
@@ -25,6 +27,7 @@ __all__ = [
     "all_to_all_parts",
     "attention_replacement",
     "convert_known_attention",
+    "form_cost",
     "head_split",
     "qualified_name",
     "recognised_attention_form",

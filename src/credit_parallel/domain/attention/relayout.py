@@ -162,6 +162,14 @@ class DomainRowGroupAttention(DomainWrapper):
         """Rows each rank runs the module on (its activation memory scales with these)."""
         return tuple(len(rows) for rows in self.layout(input_height, n))
 
+    def activation_bytes(self, input_shape, n: int, itemsize: int) -> int:
+        """Bytes of input the busiest rank runs the module on."""
+        height = input_shape[self.shard_dim]
+        numel = 1
+        for s in input_shape:
+            numel *= s
+        return max(self.activation_rows(height, n)) * (numel // height) * itemsize
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mgr = resolve_manager(self.manager, type(self.wrapped).__name__)
         if mgr.domain_world_size == 1:

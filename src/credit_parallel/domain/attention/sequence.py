@@ -192,6 +192,12 @@ class DomainSequenceAttention(DomainWrapper):
         hidden = self.wrapped.to_qkv.out_channels // 3
         return int(4 * b * hidden * h * w * itemsize * (n - 1) / n)
 
+    def activation_bytes(self, input_shape, n: int, itemsize: int) -> int:
+        """Bytes of q, k, v the busiest rank holds: its heads on every position."""
+        b, _, h, w = input_shape
+        hidden = self.wrapped.to_qkv.out_channels // 3
+        return 3 * b * h * w * (hidden // self.heads) * max(self.head_share(n)) * itemsize
+
     def head_share(self, n: int) -> tuple[int, ...]:
         """Heads each rank computes (activation memory of the core scales with these)."""
         return tuple(b - a for a, b in head_split(self.heads, n))
