@@ -109,6 +109,16 @@ def exactness_errors(net, x, args, manager, *, convert=None):
         "out": (gather_tensor(yl.detach(), -2, manager) - yr).abs().max().item(),
         "input_grad": (gather_tensor(xl.grad, -2, manager) - xr.grad).abs().max().item(),
         "param_grad": 0.0,
+        "out_ref": yr.abs().max().item(),
+        "input_grad_ref": xr.grad.abs().max().item(),
+        "param_grad_ref": max(
+            (
+                p.grad.abs().max().item()
+                for p in ref.parameters()
+                if p.grad is not None and p.grad.numel()
+            ),
+            default=0.0,
+        ),
     }
     for p, pr in zip(net.parameters(), ref.parameters()):
         g = torch.zeros_like(p) if p.grad is None else p.grad.clone()
@@ -298,3 +308,34 @@ def test_form_cost_relayout_regroup_sequence_and_gather():
         "communication_bytes": 2 * 12 * row,
         "activation_bytes": 12 * row,
     }
+
+
+def _credit_layer_on_ranks(rank, world_size, module_name, attn_type, window, dtype):
+    torch.manual_seed(0)
+    layer = import_credit(module_name).Attention(8, attn_type, window, dim_head=4).to(dtype)
+    x = torch.randn(2, 8, 12, 6, dtype=dtype)
+    return exactness_errors(layer, x, (), DomainParallelManager(world_size, world_size))
+
+
+def test_credit_wxformer_next_attention_short_and_long_exact_domain3():
+    # 12 rows over 3 ranks: 4 + 4 + 4; short windows of 3 rows are cut at rows 4 and 8, long
+    # groups of 2 rows at stride 6 span both hemispheres
+    for attn_type, window in (("short", 3), ("long", 2)):
+        args = ("credit.models.wxformer.wxformer_next", attn_type, window, torch.float64)
+        _assert_exact(run_on_ranks(_credit_layer_on_ranks, 3, *args), ["DomainRowGroupAttention"])
+
+
+@pytest.mark.parametrize(
+    "module_name", ["credit.models.camulator", "credit.models.wxformer.crossformer_downscaling"]
+)
+def test_credit_float32_bias_attention_classes_exact_at_float32_tolerance_domain3(module_name):
+    """These Attention classes compute their position bias in float32 whatever the input dtype:
+    checked at the float32 tolerances (outputs / input gradients 1e-5, parameters 1e-4, relative
+    to the largest reference value)."""
+    for attn_type, window in (("short", 3), ("long", 2)):
+        args = (module_name, attn_type, window, torch.float32)
+        for e in run_on_ranks(_credit_layer_on_ranks, 3, *args):
+            assert e["keys_equal"] and "DomainRowGroupAttention" in e["forms"]
+            assert e["out"] <= 1e-5 * e["out_ref"], e
+            assert e["input_grad"] <= 1e-5 * e["input_grad_ref"], e
+            assert e["param_grad"] <= 1e-4 * e["param_grad_ref"], e

@@ -34,9 +34,14 @@ __all__ = [
     "recognised_attention_form",
 ]
 
+# miles-credit 2026.2.0 classes that cut rows "(h s1)" (short) or "(l1 h)" (long) and mix
+# nothing else over H
 _CREDIT_WINDOW_ATTENTION = (
     "credit.models.crossformer.Attention",
+    "credit.models.camulator.Attention",
     "credit.models.wxformer.crossformer.Attention",
+    "credit.models.wxformer.crossformer_downscaling.Attention",
+    "credit.models.wxformer.wxformer_next.Attention",
 )
 
 
