@@ -118,6 +118,7 @@ class DomainRowGroupAttention(DomainWrapper):
                 "entry(x, global_rows); the module's own forward would roll a shard again"
             )
         self.entry = entry
+        self._layouts: dict = {}
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"row-group attention needs rows >= 1, got {rows!r}")
         copy_tp_declarations(self, module)
@@ -127,6 +128,13 @@ class DomainRowGroupAttention(DomainWrapper):
         self.manager = manager
 
     def layout(self, height: int, n: int) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the global rows it holds while the module runs (checked once per size)."""
+        key = (height, n)
+        if key not in self._layouts:
+            self._layouts[key] = self._make_layout(height, n)
+        return self._layouts[key]
+
+    def _make_layout(self, height: int, n: int) -> tuple[tuple[int, ...], ...]:
         if self.form == "windows":
             out = window_layout(height, n, self.rows)
         elif self.form == "shifted_windows":
