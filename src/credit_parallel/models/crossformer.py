@@ -203,8 +203,9 @@ class CrossFormer(nn.Module):
 
     Attributes read by ``validate_sharding_constraints``: ``window_sizes`` (list, per level) and
     ``level_strides`` (list: cumulative down-sampling of each level relative to the input).
-    Domain parallelism needs no shard height to be a multiple of a window: the converter
-    re-lays windows out (``WindowAttention._domain_attention``); aligned shards move no rows.
+    The converter makes any shard layout exact (``WindowAttention._domain_attention``: windows
+    re-laid out, long-distance groups regrouped); the planner still reports shards that are not
+    multiples of the windows, where aligned shards would move no rows.
     """
 
     def __init__(

@@ -106,44 +106,44 @@ def positions_to_heads(t, head_dim, pos_dim, heads, pos_counts, manager):
 
 # ----------------------------------------------------------------------------- cores
 def _unet_attention(module, x, manager, height):
-    """credit.models.unet_diffusion.Attention, heads split (its forward, line by line)."""
-    from einops import rearrange, repeat
-
+    """credit.models.unet_diffusion.Attention, heads split (its forward, line by line, its
+    einops patterns written as reshapes)."""
     b, _, h, w = x.shape
     n = manager.domain_world_size
     pos = [(stop - start) * w for start, stop in (shard_range(height, n, r) for r in range(n))]
     qkv = module.to_qkv(module.norm(x)).chunk(3, dim=1)
-    q, k, v = (rearrange(t, "b (h c) x y -> b h (x y) c", h=module.heads) for t in qkv)
-    q, k, v = (heads_to_positions(t, 1, 2, module.heads, pos, manager) for t in (q, k, v))
-    a, z = head_split(module.heads, n)[manager.domain_rank]
-    mk, mv = (repeat(t[a:z], "h n d -> b h n d", b=b) for t in module.mem_kv)
+    heads = module.heads
+    # "b (h c) x y -> b h (x y) c"
+    q, k, v = (t.reshape(b, heads, -1, h * w).transpose(-1, -2) for t in qkv)
+    q, k, v = (heads_to_positions(t, 1, 2, heads, pos, manager) for t in (q, k, v))
+    a, z = head_split(heads, n)[manager.domain_rank]
+    mk, mv = (t[a:z].unsqueeze(0).expand(b, -1, -1, -1) for t in module.mem_kv)
     k, v = (torch.cat(pair, dim=-2) for pair in ((mk, k), (mv, v)))
     out = module.attend(q, k, v)
-    out = positions_to_heads(out, 1, 2, module.heads, pos, manager)
-    out = rearrange(out, "b h (x y) d -> b (h d) x y", x=h, y=w)
+    out = positions_to_heads(out, 1, 2, heads, pos, manager)
+    out = out.transpose(-1, -2).reshape(b, -1, h, w)  # "b h (x y) d -> b (h d) x y"
     return module.to_out(out)
 
 
 def _unet_linear_attention(module, x, manager, height):
     """credit.models.unet_diffusion.LinearAttention, heads split."""
-    from einops import rearrange, repeat
-
     b, _, h, w = x.shape
     n = manager.domain_world_size
     pos = [(stop - start) * w for start, stop in (shard_range(height, n, r) for r in range(n))]
     qkv = module.to_qkv(module.norm(x)).chunk(3, dim=1)
-    q, k, v = (rearrange(t, "b (h c) x y -> b h c (x y)", h=module.heads) for t in qkv)
-    q, k, v = (heads_to_positions(t, 1, 3, module.heads, pos, manager) for t in (q, k, v))
-    a, z = head_split(module.heads, n)[manager.domain_rank]
-    mk, mv = (repeat(t[a:z], "h c n -> b h c n", b=b) for t in module.mem_kv)
+    heads = module.heads
+    q, k, v = (t.reshape(b, heads, -1, h * w) for t in qkv)  # "b (h c) x y -> b h c (x y)"
+    q, k, v = (heads_to_positions(t, 1, 3, heads, pos, manager) for t in (q, k, v))
+    a, z = head_split(heads, n)[manager.domain_rank]
+    mk, mv = (t[a:z].unsqueeze(0).expand(b, -1, -1, -1) for t in module.mem_kv)
     k, v = map(partial(torch.cat, dim=-1), ((mk, k), (mv, v)))
     q = q.softmax(dim=-2)
     k = k.softmax(dim=-1)
     q = q * module.scale
     context = torch.einsum("b h d n, b h e n -> b h d e", k, v)
     out = torch.einsum("b h d e, b h d n -> b h e n", context, q)
-    out = positions_to_heads(out, 1, 3, module.heads, pos, manager)
-    out = rearrange(out, "b h c (x y) -> b (h c) x y", h=module.heads, x=h, y=w)
+    out = positions_to_heads(out, 1, 3, heads, pos, manager)
+    out = out.reshape(b, -1, h, w)  # "b h c (x y) -> b (h c) x y"
     return module.to_out(out)
 
 
