@@ -5,8 +5,9 @@ import, at import time only, packages its model classes never use in the code pa
 (cftime, torchvision, torch_harmonics, segmentation_models_pytorch, scipy; no torchvision wheel
 imports beside this torch build).  :func:`import_credit` puts an inert placeholder module in the
 place of each of those that is NOT importable, for the duration of that import only, imports
-the requested ``credit`` module and returns it.  A real installation of any of them always wins; a placeholder's attributes are
-classes that raise as soon as they are used, so a code path that does need one fails loudly.
+the requested ``credit`` module and returns it.  A real installation of any of them always
+wins; a placeholder's attributes are classes that raise as soon as they are used, so a code
+path that does need one fails loudly.
 """
 
 from __future__ import annotations
