@@ -299,8 +299,7 @@ class CrossFormer(nn.Module):
             )
             channels = dim
 
-        # Decoder: level i -> level i-1 (concatenated with that level's features), finally to
-        # the input grid (concatenated with the input itself).
+        # Decoder: level i -> level i-1 (+ that level's features), then the input grid (+ input)
         self.up_blocks = nn.ModuleList()
         for i in reversed(range(1, n_levels)):
             self.up_blocks.append(
