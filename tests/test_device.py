@@ -138,7 +138,7 @@ def test_verify_runs_models_and_batches_on_the_decided_device(store, monkeypatch
     ref, par, batch, lat, _ = verify._prepare(conf, torch.float64, 1, None, META)
     _assert_all_on(META, batch.items(), "batch")
     xs, outs = verify.reference_run(ref, batch, lat)
-    xl, pouts = verify.layout_run(par, batch, lat, None, H)
+    xl, pouts, _ = verify.layout_run(par, batch, lat, None, H)
     _assert_all_on(META, _model_tensors(ref), "reference model")
     _assert_all_on(META, _model_tensors(par), "parallel model")
     tensors = [*(("x", x) for x in xs + xl), *(("g", x.grad) for x in xs + xl)]

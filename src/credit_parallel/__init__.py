@@ -42,6 +42,10 @@ _EXPORTS = {
     "shard_batch": "domain.sharding",
     "shard_spatial": "domain.sharding",
     "unpad_shard_interp": "domain.sharding",
+    "DomainRowGroupAttention": "domain.attention",
+    "DomainSequenceAttention": "domain.attention",
+    "DomainGatherModule": "domain.gather",
+    "FunctionalCallGuard": "domain.guard",
     # tensor parallel, data parallel, collectives, composition
     "apply_tensor_parallel": "tensor_parallel",
     "tp_replicated_parameters": "tensor_parallel",

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import DataMode, MeshAxis, ParallelDims, ParallelMesh
 from .domain.convert import convert_to_domain_parallel
+from .domain.gather import nonlocal_policy_from_conf
 from .domain.manager import DomainParallelManager
 from .fsdp import apply_ddp, apply_fsdp2
 from .tensor_parallel import apply_tensor_parallel
@@ -77,15 +78,20 @@ def parallel_layout(conf: dict) -> tuple[ParallelDims, ParallelMesh | None]:
 
 
 def apply_model_parallel(
-    model: nn.Module, dims: ParallelDims, meshes: ParallelMesh, *, src_data_rank: int | None = 0
+    model: nn.Module,
+    dims: ParallelDims,
+    meshes: ParallelMesh,
+    *,
+    src_data_rank: int | None = 0,
+    nonlocal_policy: str = "raise",
 ) -> nn.Module:
     """Steps 2-3 of the recipe: domain conversion, then tensor parallelism; the mesh and the
     manager are attached to the model.  ``src_data_rank=None``: TP takes each rank's own copy
-    (a model on the meta device)."""
+    (a model on the meta device).  ``nonlocal_policy``: see ``convert_to_domain_parallel``."""
     manager = None
     if dims.domain > 1:
         manager = DomainParallelManager.from_device_mesh(meshes.mesh)
-        model = convert_to_domain_parallel(model, manager)
+        model = convert_to_domain_parallel(model, manager, nonlocal_policy=nonlocal_policy)
     if dims.tp > 1:
         model = apply_tensor_parallel(model, meshes.axis(MeshAxis.TP), src_data_rank=src_data_rank)
     object.__setattr__(model, "_device_mesh", meshes.mesh)
@@ -116,5 +122,7 @@ def parallelize(model: nn.Module, conf: dict) -> nn.Module:
     dims, meshes = parallel_layout(conf)
     if meshes is None:
         return model
-    model = apply_model_parallel(model, dims, meshes)
+    model = apply_model_parallel(
+        model, dims, meshes, nonlocal_policy=nonlocal_policy_from_conf(conf)
+    )
     return apply_data_parallel(model, conf, dims, meshes)

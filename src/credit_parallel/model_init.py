@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .composition import apply_data_parallel, apply_model_parallel, parallel_layout
 from .config import DataMode
+from .domain.gather import nonlocal_policy_from_conf
 
 __all__ = ["InitRecord", "build_parallel_model", "materialize_", "record_meta_build"]
 
@@ -261,7 +262,9 @@ def build_parallel_model(
     refs = {name: _Ref.of(t) for name, t in _named_tensors(model)}
     dims, meshes = parallel_layout(conf)
     if meshes is not None:
-        model = apply_model_parallel(model, dims, meshes, src_data_rank=None)
+        model = apply_model_parallel(
+            model, dims, meshes, src_data_rank=None, nonlocal_policy=nonlocal_policy_from_conf(conf)
+        )
         if dims.data == DataMode.FSDP2:
             model = apply_data_parallel(model, conf, dims, meshes)
     materialize_(model, record, refs, device=torch.device(device))

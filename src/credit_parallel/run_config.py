@@ -153,6 +153,13 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "save_dir": (None, _optional_path("trainer", "save_dir")),
     "resume": (False, _flag("trainer", "resume")),
     "log_every": (1, _number("trainer", "log_every", int, 1)),
+    # modules domain parallelism cannot shard: refuse them, or run them on the gathered globe
+    "domain_nonlocal_policy": (
+        "raise",
+        _choice("trainer", "domain_nonlocal_policy", ("raise", "gather")),
+    ),
+    # opt-in debug mode: raise at the first functional call over H on a sharded activation
+    "domain_guard": (False, _flag("trainer", "domain_guard")),
 }
 # CREDIT spells the per-rank batch ``train_batch_size``; it is accepted as that same key
 _TRAINER_ALIASES = {"train_batch_size": "batch_size"}
@@ -264,6 +271,8 @@ class TrainerConfig:
     save_dir: str | None = None
     resume: bool = False
     log_every: int = 1
+    domain_nonlocal_policy: str = "raise"
+    domain_guard: bool = False
 
     @classmethod
     def from_conf(cls, conf: Mapping) -> TrainerConfig:

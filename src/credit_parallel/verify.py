@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .composition import get_domain_manager, parallelize
 from .device import batch_to_device, device_for_process_group
+from .domain.guard import FunctionalCallGuard
 from .domain.sharding import gather_tensor, shard_batch
 from .mesh import data_parallel_coords
 from .models import build_model
@@ -119,7 +120,9 @@ def reference_run(model, batch: dict, lat_weights: torch.Tensor):
 
 def layout_run(model, local: dict, lat_weights: torch.Tensor, manager, global_height: int):
     """The same step under the layout on this rank's dp slice and domain shard ``local``:
-    (inputs with their gradients, outputs), gradients reduced over the domain."""
+    (inputs with their gradients, outputs, functional-call findings), gradients reduced over
+    the domain.  The model runs under the functional-call guard: a call such as F.interpolate
+    on a sharded activation is reported with its module path and call site."""
     in_keys, _ = batch_keys(local)
     local = _requires_grad(local, in_keys)
     step = TrainStep(
@@ -127,10 +130,11 @@ def layout_run(model, local: dict, lat_weights: torch.Tensor, manager, global_he
         latitude_weighted_loss(local_lat_weights(lat_weights, manager), global_height),
         manager=manager,
         shard_inputs=False,
+        guard=FunctionalCallGuard,
     )
     _, outputs = step.forward_backward(local)
     step.reduce_gradients()
-    return [local[k] for k in in_keys], outputs
+    return [local[k] for k in in_keys], outputs, step.findings
 
 
 def _prepare(conf: dict, dtype, batch_size, dataset, device):
@@ -173,7 +177,7 @@ def verify_layout(
         # only with the model's own manager: manager=None would fall back to a process-wide
         # manager left over from an earlier layout in this process
         local = shard_batch(local, manager=mgr)
-    xl, pouts = layout_run(par, local, lat, mgr, h)
+    xl, pouts, findings = layout_run(par, local, lat, mgr, h)
 
     def gathered(t):
         return gather_tensor(t, -2, mgr) if mgr is not None else t
@@ -187,7 +191,7 @@ def verify_layout(
         dist.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts, 0)
 
-    rows = []
+    rows = [(f"functional call {f}", float("inf"), 0.0, "guard") for f in findings]
     for i, (po, ro) in enumerate(zip(pouts, outs)):
         full = over_dp(gathered(po.detach()))
         rows.append((f"output {out_keys[i]}", *_err(full, ro), "out"))

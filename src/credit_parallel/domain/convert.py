@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .attention import convert_known_attention, recognised_attention_form
 from .conv import (
     DomainParallelConv2d,
     DomainParallelConv3d,
@@ -26,6 +27,7 @@ from .conv import (
     conv_needs_domain_wrapper,
 )
 from .fusion import fuse_exchanges as fuse_layer_exchanges
+from .gather import NONLOCAL_POLICIES, gather_cost_note, gather_nonlocal_modules
 from .norm import DomainParallelGroupNorm
 from .padding import DomainParallelPad
 from .pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
@@ -178,6 +180,8 @@ def _unsafe_reason(module: nn.Module, shard_dim: int = -2) -> str | None:
     if declared is False:
         return "declares _domain_local = False"
     name = type(module).__name__
+    if recognised_attention_form(module) is not None:
+        return None  # made exact by domain/attention, not refused
     if isinstance(module, _UNSAFE_TYPES):
         return f"{name} mixes rows across latitude"
     custom_conv = _custom_forward_conv_reason(module, shard_dim)
@@ -260,6 +264,7 @@ def convert_to_domain_parallel(
     shard_dim: int = -2,
     custom_converters: dict[type, Callable] | None = None,
     allow_unsafe: bool = False,
+    nonlocal_policy: str = "raise",
     *,
     fuse_exchanges: bool = True,
 ) -> nn.Module:
@@ -269,10 +274,14 @@ def convert_to_domain_parallel(
     ``custom_converters`` maps a module type to ``callable(module) -> replacement``; it is
     checked before the built-in rules and the children of a replaced module are not visited.
     Modules that would be silently wrong under H-sharding raise ``ValueError`` listing their
-    paths, unless ``allow_unsafe=True`` (then a warning lists them).  ``fuse_exchanges``: let
-    a padding layer and the conv after it, and sibling convs on one input, share exchanges
-    (``fusion.py``; the results are the same).
+    paths, unless ``allow_unsafe=True`` (then a warning lists them).  Attention of a known
+    structure is made exact first (``domain/attention``); ``nonlocal_policy="gather"`` runs every
+    module that would be reported on the whole globe instead (``domain/gather.py``).
+    ``fuse_exchanges``: let a padding layer and the conv after it, and sibling convs on one
+    input, share exchanges (``fusion.py``; the results are the same).
     """
+    if nonlocal_policy not in NONLOCAL_POLICIES:
+        raise ValueError(f"nonlocal_policy must be 'raise' or 'gather', got {nonlocal_policy!r}")
     if shard_dim >= 0 or shard_dim < -3:
         raise ValueError(
             f"shard_dim must be given from the end (-2 is latitude in B,C,H,W and B,C,T,H,W), got {shard_dim}"
@@ -287,6 +296,7 @@ def convert_to_domain_parallel(
         raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
 
     unsafe: list[tuple[str, str]] = []
+    model = convert_known_attention(model, manager, shard_dim, skip_types=tuple(custom))
 
     def replace(parent: nn.Module, name: str, path: str, child: nn.Module) -> bool:
         try:
@@ -306,6 +316,16 @@ def convert_to_domain_parallel(
     model = walk_domain_modules(
         model, replace, lambda p, r: unsafe.append((p, r)), custom, shard_dim
     )
+    if unsafe and nonlocal_policy == "gather":
+        model = gather_nonlocal_modules(model, [p for p, _ in unsafe], manager, shard_dim)
+        warnings.warn(
+            "nonlocal_policy='gather': "
+            + ", ".join(p for p, _ in unsafe)
+            + ": "
+            + gather_cost_note(manager.domain_world_size),
+            stacklevel=2,
+        )
+        unsafe = []
     if unsafe:
         listing = "\n  ".join(f"{p}: {r}" for p, r in unsafe)
         message = (

@@ -18,6 +18,7 @@ from torch import nn
 from credit_parallel.models.crossformer import CrossFormer, WindowAttention
 from credit_parallel.models.pangu import Pangu3D
 from credit_parallel.models.periodic import PeriodicConv2d
+from credit_parallel.models.swin import SwinNet
 from credit_parallel.models.unet import UNet
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "CrossFormer",
     "Pangu3D",
     "PeriodicConv2d",
+    "SwinNet",
     "UNet",
     "WindowAttention",
     "build_model",
@@ -34,6 +36,7 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
     "unet": UNet,
     "crossformer": CrossFormer,
     "pangu": Pangu3D,
+    "swin": SwinNet,
 }
 
 

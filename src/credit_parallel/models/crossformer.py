@@ -1,15 +1,17 @@
-"""A CrossFormer / WXFormer-style encoder-decoder whose attention stays inside latitude shards.
+"""A CrossFormer / WXFormer-style encoder-decoder with short- and long-distance window attention.
 
 Each encoder level starts with a cross-scale embedding (several ``nn.Conv2d`` with different
 kernels and the same stride, concatenated on channels), followed by transformer blocks of
-window attention and a 1x1-conv feed-forward. Attention windows are ``window_size`` contiguous
-rows by ``window_size`` columns; blocks alternate between short-distance windows (contiguous
-columns) and long-distance windows (columns sampled at an interval of W / window_size across the
-whole longitude circle). Either way a window never spans more than ``window_size`` contiguous
-rows, so as long as every domain shard's height at a level is a multiple of the window size (see
-``level_strides`` / ``window_sizes``) the attention is local to the shard and declares
-``_domain_local = True``. The decoder up-samples with transposed convs (GroupNorm, SiLU),
-concatenates the skip connections, and ends with a periodic 3x3 conv.
+window attention and a 1x1-conv feed-forward. Blocks alternate between short-distance windows
+(``window_size`` contiguous rows by ``window_size`` contiguous columns) and long-distance
+windows, whose rows and columns are sampled at intervals of h / window_size and
+w / window_size across the whole globe (CREDIT's ``attn_type="long"``), so a long-distance
+window reaches from pole to pole. Neither is row-local; both declare their structure
+(``_domain_attention``) and the domain-parallel converter makes them exact for any shard
+layout: short windows are re-laid out so each rank holds whole windows, long-distance groups
+are regrouped so each rank holds whole groups (``credit_parallel.domain.attention``). The
+decoder up-samples with transposed convs (GroupNorm, SiLU), concatenates the skip connections,
+and ends with a periodic 3x3 conv.
 
 There is no learned relative-position bias: a parameter used inside the tensor-parallel region
 but not split by heads would receive only partial gradients per tensor-parallel rank. Position
@@ -45,18 +47,25 @@ class WindowAttention(nn.Module):
     """Multi-head self-attention within windows of ``window_size`` x ``window_size`` pixels.
 
     Input and output (B, C, h, w); h and w must be multiples of ``window_size``. With
-    ``long_range=False`` a window is a contiguous block; with ``long_range=True`` its columns are
-    spread over the whole width at an interval of w / window_size (rows stay contiguous).
+    ``long_range=False`` a window is a contiguous block; with ``long_range=True`` its rows are
+    r, r + h/ws, r + 2h/ws, ... and its columns c, c + w/ws, ... (spread over the whole grid).
+
+    Domain parallelism: ``_domain_attention`` tells the converter which rows a window holds
+    (contiguous windows, or strided groups laid out ``(ws, h/ws)``), so it runs this unmodified
+    forward on whole windows per rank.
 
     Tensor parallelism: ``to_qkv`` (fused q, k, v) is column-parallel, ``to_out`` row-parallel;
     the number of heads is derived from the width of the local projection output, so a rank that
     holds a subset of whole heads computes exactly those heads.
     """
 
-    _domain_local = True
     _tp_col = "to_qkv"
     _tp_row = "to_out"
     _tp_fused = {"to_qkv": 3}
+
+    @property
+    def _domain_attention(self) -> dict:
+        return {"form": "strided" if self.long_range else "windows", "rows": self.window_size}
 
     def __init__(self, dim: int, dim_head: int, window_size: int, long_range: bool = False) -> None:
         super().__init__()
@@ -70,17 +79,17 @@ class WindowAttention(nn.Module):
         self.to_qkv = nn.Conv2d(dim, 3 * dim, 1, bias=False)
         self.to_out = nn.Conv2d(dim, dim, 1)
 
-    # Window partition of a (B, heads*d, h, w) tensor into (B, heads, nr, nc, ws*ws, d), where
-    # H = (nr, ws) with rows contiguous and W = (nc, ws) (short) or (ws, nc) (long: a window's
-    # columns are c, c + nc, c + 2 nc, ...). _PERM reorders to (b, heads, nr, nc, wr, wc, d).
-    _PERM = {False: (0, 1, 3, 5, 4, 6, 2), True: (0, 1, 3, 6, 4, 5, 2)}
+    # Window partition of a (B, heads*d, h, w) tensor into (B, heads, nr, nc, ws*ws, d): short
+    # windows split H = (nr, ws) and W = (nc, ws); long ones H = (ws, nr) and W = (ws, nc) (a
+    # window's rows are r, r + nr, ...). _PERM reorders to (b, heads, nr, nc, wr, wc, d).
+    _PERM = {False: (0, 1, 3, 5, 4, 6, 2), True: (0, 1, 4, 6, 3, 5, 2)}
 
     def _to_windows(self, t: torch.Tensor, heads: int) -> torch.Tensor:
         b, c, h, w = t.shape
         ws = self.window_size
         nr, nc = h // ws, w // ws
-        cols = (ws, nc) if self.long_range else (nc, ws)
-        t = t.reshape(b, heads, c // heads, nr, ws, *cols).permute(self._PERM[self.long_range])
+        rows, cols = ((ws, nr), (ws, nc)) if self.long_range else ((nr, ws), (nc, ws))
+        t = t.reshape(b, heads, c // heads, *rows, *cols).permute(self._PERM[self.long_range])
         return t.reshape(b, heads, nr, nc, ws * ws, c // heads)
 
     def _from_windows(self, t: torch.Tensor, h: int, w: int) -> torch.Tensor:
@@ -92,15 +101,12 @@ class WindowAttention(nn.Module):
         return t.reshape(b, heads * d, h, w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # h is the LOCAL height: windows are cut inside this tensor, which is exactly what keeps
-        # the computation local to a domain shard.
+        # under domain parallelism h is the height of the whole windows this rank holds
         _, _, h, w = x.shape
         ws = self.window_size
         if h % ws or w % ws:
             raise ValueError(
-                f"WindowAttention: the (local) grid {h} x {w} is not a multiple of window_size="
-                f"{ws}; under domain parallelism every shard's height at this level must be a "
-                "multiple of the window size (see validate_sharding_constraints)"
+                f"WindowAttention: the (local) grid {h} x {w} is not a multiple of window_size={ws}"
             )
         q, k, v = self.to_qkv(x).chunk(3, dim=1)
         heads = q.shape[1] // self.dim_head
@@ -197,8 +203,9 @@ class CrossFormer(nn.Module):
 
     Attributes read by ``validate_sharding_constraints``: ``window_sizes`` (list, per level) and
     ``level_strides`` (list: cumulative down-sampling of each level relative to the input).
-    Under domain parallelism each shard's height divided by ``level_strides[i]`` must be a
-    multiple of ``window_sizes[i]``.
+    The converter makes any shard layout exact (``WindowAttention._domain_attention``: windows
+    re-laid out, long-distance groups regrouped); the planner still reports shards that are not
+    multiples of the windows, where aligned shards would move no rows.
     """
 
     def __init__(
@@ -292,8 +299,7 @@ class CrossFormer(nn.Module):
             )
             channels = dim
 
-        # Decoder: level i -> level i-1 (concatenated with that level's features), finally to
-        # the input grid (concatenated with the input itself).
+        # Decoder: level i -> level i-1 (+ that level's features), then the input grid (+ input)
         self.up_blocks = nn.ModuleList()
         for i in reversed(range(1, n_levels)):
             self.up_blocks.append(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -133,8 +133,11 @@ class TrainStep:
     ``loss_fn``: see :data:`LossFn`.  ``shard_inputs``: shard global batches over the domain
     ranks of ``manager`` (False when the caller passes shards already).  ``max_norm``: clip to
     this global norm (``float("inf")`` measures without clipping; None skips the norm).
-    ``autocast``: a factory of the mixed-precision context.  The optimizer's ``zero_grad`` and
-    ``step`` stay with the caller, which owns the optimizer.
+    ``autocast``: a factory of the mixed-precision context.  ``guard``: a factory
+    ``guard(model)`` of a functional-call guard (``domain.guard.FunctionalCallGuard``) active
+    around every model call when the domain is split; its findings collect in ``findings``
+    (a raising guard stops at the first).  The optimizer's ``zero_grad`` and ``step`` stay with
+    the caller, which owns the optimizer.
     """
 
     model: torch.nn.Module
@@ -144,6 +147,8 @@ class TrainStep:
     max_norm: float | None = None
     shard_inputs: bool = True
     autocast: Callable = contextlib.nullcontext
+    guard: Callable | None = None
+    findings: list = field(default_factory=list)
 
     def shard(self, batch: dict) -> dict:
         """This rank's rows of a global batch, only through the model's own manager
@@ -168,11 +173,26 @@ class TrainStep:
         """:meth:`forward_backward` for explicit tuples of input and target tensors."""
         with self.autocast():
             share, outputs = rollout_loss(
-                self.model, inputs, targets, self.loss_fn, self.forecast_len
+                self._model_call(), inputs, targets, self.loss_fn, self.forecast_len
             )
             share = share / divide_by
         share.backward()
         return share.detach(), tuple(o.detach() for o in outputs)
+
+    def _model_call(self) -> Callable:
+        """The model, or the model under the functional-call guard (only the model's own
+        calls are watched: the loss reduces over H on purpose)."""
+        if self.guard is None or self.manager is None or self.manager.domain_world_size == 1:
+            return self.model
+
+        def guarded(*state):
+            with self.guard(self.model) as guard:
+                guard.mark(*state)
+                out = self.model(*state)
+            self.findings.extend(guard.findings)
+            return out
+
+        return guarded
 
     def reduce_gradients(self) -> None:
         """Sum the gradient shares over the domain ranks (exact on uneven shards)."""

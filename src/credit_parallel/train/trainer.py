@@ -16,6 +16,7 @@ The model, the batches and the loss weights live on :func:`device_for_process_gr
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from ..composition import get_domain_manager, parallelize
 from ..data import DistributedDPSampler
 from ..data.dataset import dataset_from_conf
 from ..device import autocast_for, batch_to_device, device_for_process_group
+from ..domain.guard import FunctionalCallGuard, guard_requested
 from ..mesh import data_parallel_coords
 from ..models import build_model
 from ..preflight import check_run
@@ -107,6 +109,9 @@ class Trainer:
             forecast_len=int(getattr(self.dataset, "forecast_len", 1) or 1),
             max_norm=self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf"),
             autocast=self._autocast,
+            guard=partial(FunctionalCallGuard, raise_on_finding=True)
+            if guard_requested(conf)
+            else None,
         )
 
     def _build_model(self, model):

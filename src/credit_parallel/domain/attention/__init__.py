@@ -1,0 +1,38 @@
+"""Attention under latitude sharding, exact without gathering the globe.
+
+* :mod:`.layouts` — pure row layouts (windows, shifted windows, strided groups) and head splits;
+* :mod:`.relayout` — :class:`DomainRowGroupAttention`: whole row groups per rank, one exchange in
+  and one out (forms "relayout" and "regroup");
+* :mod:`.sequence` — :class:`DomainSequenceAttention`: heads split over ranks, all positions per
+  head, all-to-all in and out (form "sequence");
+* :mod:`.recognise` — which modules get which form (qualified class names, ``_domain_attention``);
+* :mod:`.cost` — form, extra communication and memory per rank, for the planner.
+"""
+
+from .cost import form_cost
+from .layouts import head_split, shifted_window_layout, strided_group_layout, window_layout
+from .recognise import (
+    attention_replacement,
+    convert_known_attention,
+    qualified_name,
+    recognised_attention_form,
+)
+from .relayout import DomainRowGroupAttention, return_rows
+from .sequence import SEQUENCE_CORES, DomainSequenceAttention, all_to_all_parts
+
+__all__ = [
+    "SEQUENCE_CORES",
+    "DomainRowGroupAttention",
+    "DomainSequenceAttention",
+    "all_to_all_parts",
+    "attention_replacement",
+    "convert_known_attention",
+    "form_cost",
+    "head_split",
+    "qualified_name",
+    "recognised_attention_form",
+    "return_rows",
+    "shifted_window_layout",
+    "strided_group_layout",
+    "window_layout",
+]

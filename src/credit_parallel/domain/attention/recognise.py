@@ -1,0 +1,120 @@
+"""Which attention modules the converter makes exact, and how: recognised by qualified class
+name (miles-credit's, without importing it) or declared by the user's module.
+
+Declaring the structure on your own module (class attribute or property)::
+
+    class MyWindowAttention(nn.Module):
+        _domain_attention = {"form": "windows", "rows": 8}      # windows of 8 rows tile H
+
+    # other forms: {"form": "strided", "rows": k}  rows j, j+H/k, ... form a group of k rows,
+    #              laid out "(k h)" as CREDIT's long-distance attention does;
+    #              {"form": "shifted_windows", "rows": w, "shift": s, "entry": "forward_rows"}:
+    #              windows of w rows of the tensor rolled by -s over H; the wrapper performs
+    #              the roll as part of its row exchange and calls
+    #              module.forward_rows(x_held, global_rows) (masks from global positions; see
+    #              credit_parallel.models.swin.ShiftedWindowAttention).
+
+``"rows"`` may also name an attribute of the module (``{"form": "windows", "rows":
+"window_size"}``).  A ready wrapper for ``custom_converters`` is
+:class:`~credit_parallel.domain.attention.DomainRowGroupAttention` (row groups) or
+:class:`~credit_parallel.domain.attention.DomainSequenceAttention` with your own ``core``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .relayout import DomainRowGroupAttention
+from .sequence import SEQUENCE_CORES, DomainSequenceAttention
+
+__all__ = [
+    "attention_replacement",
+    "convert_known_attention",
+    "qualified_name",
+    "recognised_attention_form",
+]
+
+# miles-credit 2026.2.0 classes that cut rows "(h s1)" (short) or "(l1 h)" (long) and mix
+# nothing else over H
+_CREDIT_WINDOW_ATTENTION = (
+    "credit.models.crossformer.Attention",
+    "credit.models.camulator.Attention",
+    "credit.models.wxformer.crossformer.Attention",
+    "credit.models.wxformer.crossformer_downscaling.Attention",
+    "credit.models.wxformer.wxformer_next.Attention",
+)
+
+
+def qualified_name(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _declared(module: nn.Module):
+    spec = getattr(module, "_domain_attention", None)
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or "form" not in spec or "rows" not in spec:
+        raise ValueError(
+            f"{type(module).__name__}._domain_attention must be a dict with 'form' and 'rows', "
+            f"got {spec!r}"
+        )
+    rows = spec["rows"]
+    if isinstance(rows, str):
+        rows = getattr(module, rows)
+    return spec["form"], int(rows), int(spec.get("shift", 0)), spec.get("entry")
+
+
+def attention_replacement(module: nn.Module, manager, shard_dim: int = -2):
+    """The exact domain-parallel form of ``module``, or None when its structure is unknown."""
+    name = qualified_name(module)
+    declared = _declared(module)
+    if declared is not None:
+        form, rows, shift, entry = declared
+        return DomainRowGroupAttention(
+            module, form, rows, shift, shard_dim, manager=manager, entry=entry
+        )
+    if name in _CREDIT_WINDOW_ATTENTION:
+        form = {"short": "windows", "long": "strided"}.get(getattr(module, "attn_type", None))
+        if form is not None:
+            return DomainRowGroupAttention(
+                module, form, int(module.window_size), 0, shard_dim, manager=manager
+            )
+    if name in SEQUENCE_CORES:
+        return DomainSequenceAttention(module, shard_dim=shard_dim, manager=manager)
+    return None
+
+
+def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip_types=()):
+    """Replace, in place, every recognised or declared attention module (outermost first, not
+    descending into a replaced one) by its exact form; modules of ``skip_types`` (the caller's
+    custom converters, which take precedence) are left to the caller.  Returns the model (the
+    root itself may be replaced)."""
+
+    def visit(module: nn.Module, path: str):
+        if getattr(module, "_domain_parallel", False) or isinstance(module, tuple(skip_types)):
+            return module
+        replacement = attention_replacement(module, manager, shard_dim)
+        if replacement is not None:
+            replacement.__dict__["_cp_path"] = path or "<root>"
+            return replacement
+        for name, child in list(module.named_children()):
+            new = visit(child, f"{path}.{name}" if path else name)
+            if new is not child:
+                module._modules[name] = new
+        return module
+
+    return visit(model, "")
+
+
+def recognised_attention_form(module: nn.Module) -> str | None:
+    """The form the converter gives ``module`` ("relayout", "regroup", "sequence"), or None."""
+    declared = _declared(module)
+    if declared is not None:
+        return "regroup" if declared[0] == "strided" else "relayout"
+    name = qualified_name(module)
+    if name in _CREDIT_WINDOW_ATTENTION:
+        return {"short": "relayout", "long": "regroup"}.get(getattr(module, "attn_type", None))
+    if name in SEQUENCE_CORES:
+        return "sequence"
+    return None

@@ -1,0 +1,146 @@
+"""The functional-call guard: calls that mix latitude rows on a domain-sharded activation are
+found with the module path and call site — by ``credit-parallel verify`` (a FAIL row) and by the
+opt-in training debug mode — while row-local calls and the library's own layers are not."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from credit_parallel import convert_to_domain_parallel, shard_tensor
+from credit_parallel.domain.guard import FunctionalCallGuard, debug_guard, guard_requested
+from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.models import MODEL_TYPES
+from credit_parallel.testing import run_on_ranks
+from credit_parallel.verify import judge, verify_layout
+
+
+class FunctionalUpsample(nn.Module):
+    def forward(self, x):
+        return F.interpolate(x, scale_factor=2, mode="bilinear")
+
+
+class InterpolatingNet(nn.Module):
+    """A model whose forward resamples with F.interpolate: wrong on a shard."""
+
+    def __init__(self, in_channels=2, out_channels=2, image_height=8, image_width=8):
+        super().__init__()
+        self.image_height, self.image_width = image_height, image_width
+        self.conv = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.decoder = nn.Sequential(FunctionalUpsample(), nn.Conv2d(out_channels, out_channels, 1))
+
+    def forward(self, x):
+        y = self.decoder(self.conv(x))
+        return y[..., ::2, ::2]
+
+
+def _findings(module, *inputs):
+    with FunctionalCallGuard(module) as guard:
+        guard.mark(*inputs)
+        module(*inputs)
+    return guard.findings
+
+
+def _call(fn):
+    class Call(nn.Module):
+        def forward(self, x):
+            return fn(x)
+
+    return Call()
+
+
+def test_guard_flags_interpolate_with_module_path_and_call_site():
+    found = _findings(InterpolatingNet(), torch.randn(1, 2, 8, 8))
+    assert [(f.path, f.op) for f in found] == [("decoder.0", "interpolate")]
+    assert "test_domain_guard.py" in found[0].site
+
+
+def test_guard_flags_pad_roll_flip_reduction_over_h_and_merging_reshape():
+    x = torch.randn(1, 2, 6, 4)
+    offending = {
+        "pad": lambda t: F.pad(t, (0, 0, 1, 1)),
+        "roll": lambda t: torch.roll(t, 1, dims=-2),
+        "flip": lambda t: t.flip(2),
+        "mean": lambda t: t.mean(dim=(-2, -1)),
+        "sum": lambda t: t.sum(),
+        "flatten": lambda t: t.flatten(2),
+        "reshape": lambda t: t.reshape(1, 2, 24),
+        "adaptive_avg_pool2d": lambda t: F.adaptive_avg_pool2d(t, 1),
+    }
+    for op, fn in offending.items():
+        found = _findings(_call(fn), x)
+        assert [f.op for f in found] == [op], (op, found)
+
+
+def test_guard_accepts_row_local_calls():
+    x = torch.randn(1, 2, 6, 4)
+    row_local = [
+        lambda t: F.pad(t, (1, 1, 0, 0), mode="circular"),  # longitude only
+        lambda t: torch.roll(t, 1, dims=-1),
+        lambda t: t.mean(dim=1, keepdim=True),  # channels
+        lambda t: t.softmax(dim=-1),
+        lambda t: t.reshape(1, 2, 3, 2, 4),  # H split into factors: rows stay apart
+        lambda t: t.flatten(0, 1),
+        lambda t: t * 2 + 1,
+    ]
+    for fn in row_local:
+        assert _findings(_call(fn), x) == []
+
+
+def _guard_converted(rank, world_size):
+    manager = DomainParallelManager(world_size, world_size)
+    model = convert_to_domain_parallel(nn.Sequential(nn.Upsample(scale_factor=2)), manager)
+    x = shard_tensor(torch.randn(1, 1, 6, 4), -2, manager)
+    with FunctionalCallGuard(model) as guard:
+        guard.mark(x)
+        model(x)
+    return [str(f) for f in guard.findings]
+
+
+def test_guard_ignores_the_library_layers_that_exchange_rows():
+    assert run_on_ranks(_guard_converted, 2) == [[], []]
+
+
+def _verify_interpolating(rank, world_size):
+    MODEL_TYPES["interpolating"] = InterpolatingNet  # in the forked worker only
+    conf = {
+        "model": {
+            "type": "interpolating",
+            "in_channels": 2,
+            "out_channels": 2,
+            "image_height": 8,
+            "image_width": 8,
+        },
+        "trainer": {"parallelism": {"domain": world_size}, "seed": 1},
+    }
+    return judge(verify_layout(conf, batch_size=1), torch.float64)
+
+
+def test_verify_flags_interpolate_on_sharded_activation_with_module_path():
+    for rows in run_on_ranks(_verify_interpolating, 2):
+        flagged = [r for r in rows if r[0].startswith("functional call")]
+        assert len(flagged) == 1 and flagged[0][-1] == "FAIL"
+        assert "decoder.0: interpolate" in flagged[0][0]
+
+
+def test_debug_mode_off_by_default_on_by_config_or_env(monkeypatch):
+    monkeypatch.delenv("CREDIT_PARALLEL_DOMAIN_GUARD", raising=False)
+    assert not guard_requested({"trainer": {}})
+    assert guard_requested({"trainer": {"domain_guard": True}})
+    monkeypatch.setenv("CREDIT_PARALLEL_DOMAIN_GUARD", "1")
+    assert guard_requested(None)
+
+
+def test_debug_mode_raises_at_the_first_finding(monkeypatch):
+    monkeypatch.setenv("CREDIT_PARALLEL_DOMAIN_GUARD", "1")
+    model = InterpolatingNet()
+    x = torch.randn(1, 2, 8, 8)
+    try:
+        with debug_guard(model) as guard:
+            guard.mark(x)
+            model(x)
+    except RuntimeError as err:
+        assert "decoder.0" in str(err) and "interpolate" in str(err)
+    else:
+        raise AssertionError("the debug guard did not raise")
