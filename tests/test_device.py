@@ -170,6 +170,7 @@ ALLOWED = {
     ("domain/resample.py", 'device="cpu"'): "host-side interpolation weights for numpy",
     ("domain/resample.py", ".cpu()"): "host-side interpolation weights for numpy",
     ("data/dataset.py", ".cpu()"): "latitudes handed to numpy on the host",
+    ("domain/interp_rows.py", ".cpu()"): "a kernel probe's weights handed to numpy on the host",
 }
 
 
