@@ -1,14 +1,22 @@
 """The parallel trainer (CREDIT's gen2 loop): one code path for 1 process or N ranks.
 
-Per optimizer step: for each of ``grad_accum`` micro-batches (gradient sync suppressed until the
-last) -> shard the dp batch over the domain ranks -> autoregressive rollout of ``forecast_len``
-steps that stays sharded -> latitude-weighted MSE share (exact on uneven shards) -> backward.
-Then domain-gradient sync (sum of shares) and global-norm clipping — all of that is
+Data: each rank's DataLoader (:func:`~credit_parallel.data.loader.build_train_loader`) reads only
+its domain rows of its dp share, in worker processes; the trainer moves each batch to its
+device and registers the global shape with the domain manager (``register_row_batch``, what
+``shard_batch`` does for a whole-globe batch).  A single process reads rows ``(0, H)`` through the
+same path, so the float32 normalisation is the same on every layout.
+
+Per optimizer step: ``grad_accum`` micro-batches from the never-ending loader (gradient sync
+suppressed until the last) -> autoregressive rollout of ``forecast_len`` steps that stays
+sharded -> latitude-weighted MSE share (exact on uneven shards) -> backward.  Then
+domain-gradient sync (sum of shares) and global-norm clipping — all of that is
 :class:`~credit_parallel.train.step.TrainStep` — then one non-finite check (the global gradient
 norm, which every rank computes identically), AdamW and the LR schedule.
 
-Data order is a pure function of the step (epoch = step // batches_per_epoch, the DP sampler
-seeded per epoch), so a resumed run continues the exact trajectory of an uninterrupted one.
+Data order is a pure function of the micro-batch number ``step * grad_accum + micro`` (epoch
+after epoch, the DP sampler seeded per epoch), so a resumed run restarts the loader at its step
+and continues the exact trajectory of an uninterrupted one.  The model is built on the meta
+device and materialised already sharded (:func:`~credit_parallel.model_init.build_parallel_model`).
 The model, the batches and the loss weights live on :func:`device_for_process_group`'s device
 (``cuda:LOCAL_RANK`` under NCCL, the CPU under gloo) unless a ``device`` is injected.
 """
