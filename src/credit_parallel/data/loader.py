@@ -33,7 +33,7 @@ __all__ = [
     "DEFAULT_NUM_WORKERS",
     "DEFAULT_PREFETCH_FACTOR",
     "RowView",
-    "batch_to_device",
+    "batch_to_device",  # credit_parallel.device's, re-exported for the data API
     "build_train_loader",
     "register_row_batch",
 ]
