@@ -46,6 +46,7 @@ LAYER_OF = {
     "collectives": "library",
     "checkpoint": "library",
     "composition": "composition",
+    "model_init": "composition",
     "plan": "planner",
     "planner": "planner",
     "train": "training",

@@ -17,8 +17,11 @@ import sys
 import pytest
 import yaml
 
+import credit_parallel
 from credit_parallel import cli
 from credit_parallel.data import ERA5Dataset, write_sample_dataset
+
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(credit_parallel.__file__)))
 
 __all__: list[str] = []
 
@@ -71,7 +74,9 @@ def _error_line(capsys):
 
 
 def _subprocess(args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # the subprocess imports the credit_parallel under test, whatever PYTHONPATH says
+    path = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, "-m", "credit_parallel.cli", *args],
         cwd=cwd,

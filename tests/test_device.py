@@ -114,9 +114,9 @@ def test_trainer_puts_model_batches_and_loss_weights_on_the_decided_device(store
     monkeypatch.setattr(trainer_mod, "device_for_process_group", lambda group=None: META)
     trainer = trainer_mod.Trainer(_conf(store))
     assert trainer.device == META
-    batch = trainer._collate(trainer.dataset, trainer._batch_indices(0, 0, trainer.dataset))
+    batch = next(trainer._micro_batches())
     _assert_all_on(META, batch.items(), "batch")
-    share, outputs = trainer.step_fn.forward_backward(trainer._shard(batch))
+    share, outputs = trainer.step_fn.forward_backward(trainer.step_fn.shard(batch))
     trainer.step_fn.reduce_gradients()
     _assert_all_on(META, [("share", share), *(("out", o) for o in outputs)], "step outputs")
     _assert_all_on(META, _model_tensors(trainer.model), "model")
@@ -171,6 +171,8 @@ ALLOWED = {
     ("domain/resample.py", ".cpu()"): "host-side interpolation weights for numpy",
     ("data/dataset.py", ".cpu()"): "latitudes handed to numpy on the host",
     ("domain/interp_rows.py", ".cpu()"): "a kernel probe's weights handed to numpy on the host",
+    ("model_init.py", 'device="cpu"'): "replays the plain build on the CPU (its RNG stream)",
+    ("model_init.py", 'torch.device("cpu")'): "replays the plain build on the CPU (its RNG stream)",
 }
 
 
@@ -201,7 +203,8 @@ def test_no_tensor_is_created_on_a_hard_coded_device_in_src():
         rel = path.relative_to(root).as_posix()
         tree = ast.parse(path.read_text())
         for code in _device_literals(tree):
-            # "meta" holds shapes only (planning, preflight): never where numbers are computed
+            # "meta" holds shapes only (planning, preflight, register_row_batch's placeholders of
+            # the global batch, model_init's recorded build): never where numbers are computed
             if (rel, code) not in ALLOWED and "meta" not in code:
                 found.append(f"{rel}: {code}")
     assert not found, "hard-coded devices:\n" + "\n".join(found)

@@ -36,6 +36,7 @@ from multiprocessing.connection import wait
 import pytest
 import torch
 
+import credit_parallel
 import credit_parallel.collectives  # noqa: F401 - warmed before forking, like the ones below
 import credit_parallel.domain.convert  # noqa: F401
 import credit_parallel.fsdp  # noqa: F401
@@ -47,6 +48,9 @@ from credit_parallel.launch import group_timeout
 from credit_parallel.testing import free_port, run_on_ranks
 from credit_parallel.tools.forensics import STATUS_DIR_ENV, describe_failures, run_worker
 from credit_parallel.train.trainer import NonFiniteError, Trainer
+
+# the directory holding the credit_parallel under test, for the subprocesses' PYTHONPATH
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(credit_parallel.__file__)))
 
 __all__: list[str] = []
 
@@ -343,7 +347,8 @@ def cli_runs(tmp_path_factory):
         fault_file = root / f"fault_time_{mode}"
         env = dict(
             os.environ,
-            PYTHONPATH=str(root / "site"),
+            # the sitecustomize, then the credit_parallel under test (not an installed copy)
+            PYTHONPATH=os.pathsep.join([str(root / "site"), PACKAGE_ROOT]),
             CP_FAULT_MODE=mode,
             CP_FAULT_RANK="1",
             CP_FAULT_STEP="2",

@@ -78,9 +78,15 @@ def _conf(store, parallelism=None):
     }
 
 
-def _hand_batch(trainer, step, seed_offset=0):
-    ds = trainer.dataset
-    samples = [ds[i] for i in trainer._batch_indices(step, 0, ds, seed_offset=seed_offset)]
+def _hand_batch(trainer, step, split="train"):
+    """The samples of the trainer's first micro-batch of ``step`` (validation: batch ``step``),
+    read by hand from the dataset through the loader's sampler."""
+    loader = trainer.loader if split == "train" else trainer._loader_for("valid")
+    ds = loader.dataset
+    indices = loader.batch_sampler.batch_indices(
+        step * (trainer.tc.grad_accum if split == "train" else 1)
+    )
+    samples = [ds[i] for i in indices]
     return {
         k: torch.stack([s[k] for s in samples]).double() for k in samples[0] if k != "time_index"
     }
@@ -161,7 +167,7 @@ def test_5d_evaluate_reports_rmse_per_variable_and_level(store):
     metrics = trainer.evaluate()
     names = trainer.dataset.variable_names
     assert list(metrics) == [f"rmse/{n}" for n in names] and len(names) == 8
-    batch = _hand_batch(trainer, 0, seed_offset=10_000)
+    batch = _hand_batch(trainer, 0, split="valid")
     expected = _hand_rmse(_model(), batch, trainer.dataset.lat_weights.double())
     for value, want in zip(metrics.values(), expected):
         assert abs(value - float(want)) <= TOL

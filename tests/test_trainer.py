@@ -155,6 +155,8 @@ def _stop_run(conf):
 def _suite_worker(rank, world, store):
     domain2 = {"data": "none", "tensor": 1, "domain": 2}
     out = {}
+    fsdp_domain = {"data": "fsdp2", "tensor": 1, "domain": 2}
+    out["init_fsdp2_domain2"] = _params(Trainer(_conf(store, parallelism=fsdp_domain)))
     trainer = Trainer(_conf(store, parallelism=domain2))
     out["trajectory"] = _run(trainer, 10)
     out["params"] = _params(trainer)
@@ -193,6 +195,21 @@ def test_domain2_ten_step_loss_trajectory_and_weights_match_single_process(store
     for out in parallel:  # every rank reports the same numbers
         _assert_same_records(out["trajectory"], ref_records)
         assert _max_param_err(out["params"], _params(ref)) <= TOL
+
+
+def test_fsdp2_over_domain2_initial_weights_equal_the_plain_single_process_build(store, parallel):
+    from credit_parallel.models import build_model
+
+    conf = _conf(store)
+    ref = _params(Trainer(conf))
+    torch.manual_seed(conf["trainer"]["seed"])
+    plain = dict(build_model(conf["model"]).to(torch.float64).named_parameters())
+    assert ref.keys() == plain.keys()
+    assert all(torch.equal(ref[k], plain[k].detach()) for k in ref)  # the trainer's meta build
+    for out in parallel:  # FSDP2 over dp x domain, materialised shard by shard on each rank
+        got = out["init_fsdp2_domain2"]
+        assert got.keys() == ref.keys()
+        assert all(torch.equal(got[k], ref[k]) for k in ref), "initial weights differ"
 
 
 def test_domain2_evaluate_rmse_matches_single_process(store, parallel):

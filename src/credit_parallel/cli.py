@@ -61,13 +61,11 @@ def _load_and_check(config: str, nproc: int | None) -> tuple[dict, int]:
 
 
 def _run_worker(module: str, nproc: int, worker_args: list[str], conf: dict) -> int:
-    from .config import parse_parallelism_conf
+    from .config import ParallelDims
     from .launch import under_launcher
     from .tools.launcher import launch_local
 
-    block = parse_parallelism_conf(conf)
-    trivial = block["data"] == "none" and block["tensor"] == 1 and block["domain"] == 1
-    if under_launcher() or (nproc == 1 and trivial):
+    if under_launcher() or ParallelDims.from_conf(conf, nproc).is_trivial:
         if under_launcher():
             from .tools.forensics import run_worker
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import DataMode, MeshAxis, ParallelDims, ParallelMesh
+from .device import device_for_process_group
 from .domain.convert import convert_to_domain_parallel
 from .domain.gather import nonlocal_policy_from_conf
 from .domain.manager import DomainParallelManager
@@ -57,11 +58,6 @@ def get_device_mesh(model: nn.Module):
     return getattr(get_raw_model(model), "_device_mesh", None)
 
 
-def _mesh_device() -> str:
-    backend = str(dist.get_backend())
-    return "cuda" if "nccl" in backend else "cpu"
-
-
 def parallel_layout(conf: dict) -> tuple[ParallelDims, ParallelMesh | None]:
     """The layout of ``conf`` on the current process group and its meshes; the meshes are None
     when the layout leaves the model alone (``data: none``, tensor = domain = 1)."""
@@ -74,7 +70,7 @@ def parallel_layout(conf: dict) -> tuple[ParallelDims, ParallelMesh | None]:
             "(launch with `credit-parallel train --nproc N` or torchrun)"
         )
     dims.check_supported()
-    return dims, dims.build_mesh(_mesh_device())
+    return dims, dims.build_mesh(device_for_process_group().type)
 
 
 def apply_model_parallel(

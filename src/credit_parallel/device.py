@@ -38,12 +38,13 @@ def batch_to_device(batch: dict, device: torch.device, dtype: torch.dtype | None
         if not isinstance(value, torch.Tensor):
             out[key] = value
             continue
-        if dtype is not None and value.is_floating_point():
-            value = value.to(dtype)
         if device.type == "cuda" and value.device.type == "cpu":
+            # pin_memory returns a tensor the DataLoader pinned already as it is
             value = value.pin_memory().to(device, non_blocking=True)
         else:
             value = value.to(device)
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)  # after the copy: the smaller dtype crosses the bus
         out[key] = value
     return out
 

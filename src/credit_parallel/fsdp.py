@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
+
+from .device import device_for_process_group
+from .run_config import trainer_option
 
 __all__ = [
     "apply_ddp",
@@ -43,28 +46,15 @@ _AC_MARKER = "_credit_activation_checkpointed"
 
 
 def _trainer_flag(conf: dict, key: str) -> bool:
-    """``conf["trainer"][key]`` as a bool; absent -> False; anything but a bool -> ValueError."""
+    """``trainer.<key>`` parsed as the run config parses it (absent -> False; not a bool ->
+    ValueError); ``conf`` is the full config or None."""
     if conf is None:
         return False
-    if not isinstance(conf, dict):
+    if not isinstance(conf, Mapping):
         raise ValueError(
             f"apply_fsdp2 expects the full config (a mapping), got {type(conf).__name__}"
         )
-    trainer = conf.get("trainer", {})
-    if trainer is None:
-        trainer = {}
-    if not isinstance(trainer, dict):
-        raise ValueError(
-            f"trainer must be a mapping, got {trainer!r} of type {type(trainer).__name__}"
-        )
-    if key not in trainer:
-        return False
-    value = trainer[key]
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"trainer.{key} must be true or false, got {value!r} of type {type(value).__name__}"
-        )
-    return value
+    return trainer_option(conf, key)
 
 
 def _require_1d(dp_mesh: DeviceMesh, what: str) -> None:
@@ -83,12 +73,7 @@ def _world_dp_mesh(model: nn.Module) -> DeviceMesh:
             "apply_fsdp2 with dp_mesh=None shards over the whole world and needs an initialised "
             "torch.distributed process group; call init_process_group first or pass mesh['dp']"
         )
-    device_type = "cpu"
-    param = next(model.parameters(), None)
-    if param is not None and param.device.type == "cuda":
-        device_type = "cuda"
-    elif "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        device_type = "cuda"
+    device_type = device_for_process_group().type
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 

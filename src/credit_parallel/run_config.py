@@ -51,6 +51,11 @@ def _number(section: str, key: str, kind: type, minimum: float) -> Callable[[Any
     return parse
 
 
+def _optional_number(section: str, key: str, kind: type, minimum: float) -> Callable[[Any], Any]:
+    number = _number(section, key, kind, minimum)
+    return lambda value: None if value is None else number(value)
+
+
 def _flag(section: str, key: str) -> Callable[[Any], bool]:
     def parse(value):
         if not isinstance(value, bool):
@@ -176,6 +181,10 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     "as_5d": (False, _flag("data", "as_5d")),
     "time_slice": (None, _time_slice("time_slice")),
     "valid_time_slice": (None, _time_slice("valid_time_slice")),
+    "num_workers": (2, _number("data", "num_workers", int, 0)),
+    "prefetch_factor": (2, _number("data", "prefetch_factor", int, 1)),
+    # None: the dataset's own default (data.dataset.DEFAULT_CACHE_LIMIT_BYTES, 1 GiB)
+    "cache_limit_bytes": (None, _optional_number("data", "cache_limit_bytes", int, 0)),
 }
 
 
@@ -297,6 +306,9 @@ class DataConfig:
     as_5d: bool = False
     time_slice: Any = None
     valid_time_slice: Any = None
+    num_workers: int = 2
+    prefetch_factor: int = 2
+    cache_limit_bytes: int | None = None
 
     @classmethod
     def from_conf(cls, conf: Mapping) -> DataConfig:

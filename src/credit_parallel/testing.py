@@ -117,7 +117,9 @@ def run_on_ranks(
         p = ctx.Process(
             target=_worker,
             args=(fn, rank, world_size, port, pg_timeout, args, kwargs, send),
-            daemon=True,
+            # not daemonic: a rank may start DataLoader worker processes (a daemonic process
+            # cannot have children); the finally block below kills and joins every rank
+            daemon=False,
         )
         p.start()
         send.close()

@@ -8,7 +8,8 @@ the row-reading training loader of domain-parallel runs.
   ``dataset_from_conf``;
 - ``sampler``: ``DistributedDPSampler``, ``StepBatchSampler``, ``make_dataloader`` (shards over
   data parallelism only);
-- ``loader``: ``build_train_loader``, ``register_row_batch``, ``batch_to_device``.
+- ``loader``: ``build_train_loader``, ``register_row_batch``, ``RowView``; ``batch_to_device``
+  is ``credit_parallel.device``'s (one copy), re-exported here.
 
 Names resolve lazily so that importing the sampler does not import xarray.
 """

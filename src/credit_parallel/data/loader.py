@@ -22,7 +22,10 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..domain.rows import shard_range
+from ..device import batch_to_device
+from ..domain.rows import shard_range, shard_sizes
+from ..domain.sharding import shard_batch
+from ..run_config import DataConfig, TrainerConfig
 from .dataset import dataset_from_conf
 from .sampler import StepBatchSampler
 
@@ -30,13 +33,13 @@ __all__ = [
     "DEFAULT_NUM_WORKERS",
     "DEFAULT_PREFETCH_FACTOR",
     "RowView",
-    "batch_to_device",
+    "batch_to_device",  # credit_parallel.device's, re-exported for the data API
     "build_train_loader",
     "register_row_batch",
 ]
 
-DEFAULT_NUM_WORKERS = 2
-DEFAULT_PREFETCH_FACTOR = 2
+DEFAULT_NUM_WORKERS = DataConfig.num_workers
+DEFAULT_PREFETCH_FACTOR = DataConfig.prefetch_factor
 # validation draws its batches from a different stream than training (as the trainer always has)
 _VALID_SEED_OFFSET = 10_000
 
@@ -101,20 +104,6 @@ def _rank_rows(dataset, domain_rank: int, domain_size: int):
     return dataset
 
 
-def _trainer_int(conf: dict, key: str, default: int, minimum: int) -> int:
-    value = (conf.get("trainer") or {}).get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"trainer.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _data_int(conf: dict, key: str, default: int, minimum: int) -> int:
-    value = (conf.get("data") or {}).get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"data.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
 def build_train_loader(
     conf: dict,
     *,
@@ -150,43 +139,28 @@ def build_train_loader(
         dataset = dataset_from_conf(conf, split, domain_shard=(domain_rank, domain_size))
     else:
         dataset = _rank_rows(dataset, domain_rank, domain_size)
-    seed = _trainer_int(conf, "seed", 0, 0)
-    grad_accum = _trainer_int(conf, "grad_accum", 1, 1)
+    tc, dc = TrainerConfig.from_conf(conf), DataConfig.from_conf(conf)
+    seed = tc.seed
     sampler = StepBatchSampler(
         len(dataset),
-        _trainer_int(conf, "batch_size", 2, 1),
+        tc.batch_size,
         dp_rank,
         dp_size,
         seed=seed + (_VALID_SEED_OFFSET if split == "valid" else 0),
-        start_batch=int(start_step) * grad_accum,
+        start_batch=int(start_step) * tc.grad_accum,
     )
-    workers = _data_int(conf, "num_workers", DEFAULT_NUM_WORKERS, 0)
-    workers = workers if num_workers is None else int(num_workers)
+    workers = dc.num_workers if num_workers is None else int(num_workers)
     generator = torch.Generator()  # seeds the workers' RNGs reproducibly (the data uses none)
     generator.manual_seed(seed)
     return DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=workers,
-        prefetch_factor=(
-            _data_int(conf, "prefetch_factor", DEFAULT_PREFETCH_FACTOR, 1) if workers else None
-        ),
+        prefetch_factor=dc.prefetch_factor if workers else None,
         persistent_workers=workers > 0,
         pin_memory=torch.device(device).type == "cuda",
         generator=generator,
     )
-
-
-def batch_to_device(batch: dict, device, *, dtype: torch.dtype | None = None) -> dict:
-    """The batch on ``device``; floating tensors cast to ``dtype`` when given.  Copies from
-    pinned memory are issued non-blocking (they overlap with work already queued)."""
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            cast = dtype if dtype is not None and value.is_floating_point() else None
-            value = value.to(device, dtype=cast, non_blocking=value.is_pinned())
-        out[key] = value
-    return out
 
 
 def register_row_batch(
@@ -206,9 +180,6 @@ def register_row_batch(
     communication.  A tensor whose local height is not this rank's share of ``global_height``
     raises ``ValueError`` (a batch read for another rank or another grid).
     """
-    from ..domain.rows import shard_sizes
-    from ..domain.sharding import shard_batch
-
     if manager is None or manager.domain_world_size == 1:
         return
     local = shard_sizes(int(global_height), manager.domain_world_size)[manager.domain_rank]

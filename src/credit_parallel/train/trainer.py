@@ -1,14 +1,22 @@
 """The parallel trainer (CREDIT's gen2 loop): one code path for 1 process or N ranks.
 
-Per optimizer step: for each of ``grad_accum`` micro-batches (gradient sync suppressed until the
-last) -> shard the dp batch over the domain ranks -> autoregressive rollout of ``forecast_len``
-steps that stays sharded -> latitude-weighted MSE share (exact on uneven shards) -> backward.
-Then domain-gradient sync (sum of shares) and global-norm clipping — all of that is
+Data: each rank's DataLoader (:func:`~credit_parallel.data.loader.build_train_loader`) reads only
+its domain rows of its dp share, in worker processes; the trainer moves each batch to its
+device and registers the global shape with the domain manager (``register_row_batch``, what
+``shard_batch`` does for a whole-globe batch).  A single process reads rows ``(0, H)`` through the
+same path, so the float32 normalisation is the same on every layout.
+
+Per optimizer step: ``grad_accum`` micro-batches from the never-ending loader (gradient sync
+suppressed until the last) -> autoregressive rollout of ``forecast_len`` steps that stays
+sharded -> latitude-weighted MSE share (exact on uneven shards) -> backward.  Then
+domain-gradient sync (sum of shares) and global-norm clipping — all of that is
 :class:`~credit_parallel.train.step.TrainStep` — then one non-finite check (the global gradient
 norm, which every rank computes identically), AdamW and the LR schedule.
 
-Data order is a pure function of the step (epoch = step // batches_per_epoch, the DP sampler
-seeded per epoch), so a resumed run continues the exact trajectory of an uninterrupted one.
+Data order is a pure function of the micro-batch number ``step * grad_accum + micro`` (epoch
+after epoch, the DP sampler seeded per epoch), so a resumed run restarts the loader at its step
+and continues the exact trajectory of an uninterrupted one.  The model is built on the meta
+device and materialised already sharded (:func:`~credit_parallel.model_init.build_parallel_model`).
 The model, the batches and the loss weights live on :func:`device_for_process_group`'s device
 (``cuda:LOCAL_RANK`` under NCCL, the CPU under gloo) unless a ``device`` is injected.
 """
@@ -30,15 +38,14 @@ from ..checkpoint import (
     save_checkpoint,
 )
 from ..composition import get_domain_manager, parallelize
-from ..data import DistributedDPSampler
-from ..data.dataset import dataset_from_conf
+from ..config import ParallelDims
+from ..data.loader import build_train_loader, register_row_batch
 from ..device import autocast_for, batch_to_device, device_for_process_group
 from ..domain.guard import FunctionalCallGuard, guard_requested
-from ..mesh import data_parallel_coords
+from ..model_init import build_parallel_model
 from ..models import build_model
 from ..preflight import check_run
 from ..run_config import RunConfig, TrainerConfig
-from .loss import local_lat_weights
 from .step import TrainStep, batch_keys, latitude_weighted_loss, replica_mean_loss
 
 __all__ = ["NonFiniteError", "TrainConfig", "Trainer"]
@@ -84,24 +91,28 @@ class Trainer:
         self.tc = self.run_config.trainer
         self.dtype = torch.float64 if self.tc.dtype == "float64" else torch.float32
         self.device = torch.device(device) if device is not None else device_for_process_group()
-        self.dp_rank, self.dp_size = data_parallel_coords(conf)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.dataset = dataset if dataset is not None else self._build_dataset(conf, "train")
-        self.val_dataset = val_dataset
-        if self.val_dataset is None and self.tc.validate_every:
-            self.val_dataset = self._build_dataset(conf, "valid")
+        # the SPEC layout's coordinates, known before the model (and its manager) exists
+        dims = ParallelDims.from_conf(conf, self.world)
+        coords = dims.coords(self.rank)
+        self.dp_rank, self.dp_size = coords["dp"], dims.dp
+        self.domain_rank, self.domain_size = coords["domain"], dims.domain
+        self._train_source, self._val_source = dataset, val_dataset
+        self.step = 0
+        self._start_loader()
+        self.dataset = self.loader.dataset  # this rank's rows (a RowView of a dataset passed in)
         self.model = self._build_model(model)
         self.manager = get_domain_manager(self.model)
+        self._check_rows_match_manager()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.tc.lr, weight_decay=self.tc.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.tc))
-        self.step = 0
         self.history: list[dict] = []
         self.lat_weights = self.dataset.lat_weights.to(device=self.device, dtype=self.dtype)
         self.global_height = int(self.lat_weights.shape[0])
-        self._lat_local = local_lat_weights(self.lat_weights, self.manager)
+        self._lat_local = self.dataset.row_lat_weights.to(device=self.device, dtype=self.dtype)
         self.step_fn = TrainStep(
             self.model,
             latitude_weighted_loss(self._lat_local, self.global_height),
@@ -112,52 +123,76 @@ class Trainer:
             guard=partial(FunctionalCallGuard, raise_on_finding=True)
             if guard_requested(conf)
             else None,
+            shard_inputs=False,  # the loader reads this rank's rows already
         )
 
     def _build_model(self, model):
         """The parallel model with identical initial weights on every rank.
 
-        MERGE POINT (layout branch): this is the one place the model is built; the meta-device
-        builder ``build_parallel_model(...)`` replaces the three lines below.
+        From ``conf["model"]`` the model never exists whole: ``build_parallel_model`` builds it
+        on the meta device and materialises this rank's shards on ``self.device`` with the
+        values of ``torch.manual_seed(seed); build_model(...).to(dtype)`` in one process.  A
+        model instance passed in is moved to the device and parallelised as it is.
         """
+        if model is None:
+            model_conf, dtype = self.conf["model"], self.dtype
+            return build_parallel_model(
+                lambda: build_model(model_conf).to(dtype),
+                self.conf,
+                device=self.device,
+                seed=self.tc.seed,
+            )
         torch.manual_seed(self.tc.seed)
-        base = model if model is not None else build_model(self.conf["model"])
-        base = base.to(device=self.device, dtype=self.dtype)
-        return parallelize(base, self.conf)
+        return parallelize(model.to(device=self.device, dtype=self.dtype), self.conf)
 
     # ------------------------------------------------------------------ data
-    @staticmethod
-    def _build_dataset(conf: dict, split: str):
-        return dataset_from_conf(conf, split)
-
-    def _batch_indices(self, step: int, micro: int, dataset, seed_offset: int = 0) -> list[int]:
-        """Sample indices of micro-batch ``micro`` of ``step`` for this dp rank (pure)."""
-        sampler = DistributedDPSampler(
-            len(dataset), self.dp_rank, self.dp_size, shuffle=True, seed=self.tc.seed + seed_offset
+    def _loader_for(self, split: str, start_step: int = 0):
+        """This rank's DataLoader of ``split``.  A dataset passed to the trainer is read in this
+        process (``num_workers=0``): it may hold state (read counts, the trainer) that a worker's
+        copy would not share.  Validation reads ``val_dataset``, else the config's
+        ``data.valid_time_slice``, else the training data (with validation's own seed stream)."""
+        conf, source = self.conf, self._train_source
+        if split == "valid":
+            if self._val_source is not None:
+                source = self._val_source
+            elif source is None and self.run_config.data.valid_time_slice is None:
+                data = dict(conf["data"], valid_time_slice=conf["data"].get("time_slice"))
+                conf = {**conf, "data": data}
+        return build_train_loader(
+            conf,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            domain_rank=self.domain_rank,
+            domain_size=self.domain_size,
+            device=self.device,
+            start_step=start_step,
+            split=split,
+            num_workers=0 if source is not None else None,
+            dataset=source,
         )
-        per_rank = len(sampler)
-        bs = self.tc.batch_size
-        batches_per_epoch = per_rank // bs
-        if batches_per_epoch < 1:
-            raise ValueError(
-                f"trainer.batch_size {bs} is larger than the {per_rank} samples each of the {self.dp_size} "
-                "dp ranks gets per epoch; lower batch_size or add data"
-            )
-        flat = step * self.tc.grad_accum + micro
-        epoch, j = divmod(flat, batches_per_epoch)
-        sampler.set_epoch(epoch)
-        order = list(iter(sampler))
-        return order[j * bs : (j + 1) * bs]
 
-    def _collate(self, dataset, indices) -> dict:
-        """The samples stacked on the host, then moved to the trainer's device and dtype."""
-        samples = [dataset[i] for i in indices]
-        host = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in samples[0]}
-        return batch_to_device(host, self.device, self.dtype)
+    def _start_loader(self) -> None:
+        """(Re)start the training stream at micro-batch ``step * grad_accum`` (after a resume)."""
+        self.loader = self._loader_for("train", self.step)
+        self._batches = iter(self.loader)
+
+    def _device_batch(self, host: dict) -> dict:
+        """A host batch of this rank's rows on the trainer's device and dtype, its global shape
+        registered with the manager (what ``shard_batch`` did for a whole-globe batch)."""
+        batch = batch_to_device(host, self.device, self.dtype)
+        register_row_batch(batch, self.global_height, manager=self.manager)
+        return batch
 
     def _micro_batches(self):
-        for micro in range(self.tc.grad_accum):
-            yield self._collate(self.dataset, self._batch_indices(self.step, micro, self.dataset))
+        for _ in range(self.tc.grad_accum):
+            yield self._device_batch(next(self._batches))
+
+    def _check_rows_match_manager(self) -> None:
+        if self.manager is not None and self.manager.domain_rank != self.domain_rank:
+            raise RuntimeError(
+                f"rank {self.rank}: the loader reads the rows of domain rank {self.domain_rank} "
+                f"but the model's manager is domain rank {self.manager.domain_rank}"
+            )
 
     def _autocast(self):
         # FSDP2 applies its own bf16 policy; autocast only for the other layouts
@@ -197,9 +232,6 @@ class Trainer:
         self.history.append(record)
         return record
 
-    def _shard(self, batch: dict) -> dict:
-        return self.step_fn.shard(batch)
-
     def _domain_size(self) -> int:
         return self.manager.domain_world_size if self.manager is not None else 1
 
@@ -209,15 +241,14 @@ class Trainer:
         """Area-weighted RMSE per output channel (per variable and level for 5-D models) of the
         first forecast step over ``val_batches`` batches, reduced over dp and domain (tp
         replicas hold identical values and are counted once)."""
-        ds = self.val_dataset or self.dataset
+        loader = self._loader_for("valid")
+        batches = iter(loader)
         self.model.eval()
         sums = None
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         w = self._lat_local.double().view(-1, 1)
-        for j in range(self.tc.val_batches):
-            batch = self._shard(
-                self._collate(ds, self._batch_indices(j, 0, ds, seed_offset=10_000))
-            )
+        for _ in range(self.tc.val_batches):
+            batch = self._device_batch(next(batches))
             in_keys, out_keys = batch_keys(batch)
             outs = self.model(*(batch[k] for k in in_keys))
             outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
@@ -234,7 +265,9 @@ class Trainer:
         sums = _world_sum(sums) / tp
         count = _world_sum(count.clone()) / (tp * self._domain_size())
         rmse = torch.sqrt(sums / count)
-        names = getattr(ds, "variable_names", None) or [f"ch{i}" for i in range(len(rmse))]
+        names = getattr(loader.dataset, "variable_names", None) or [
+            f"ch{i}" for i in range(len(rmse))
+        ]
         return {f"rmse/{n}": float(v) for n, v in zip(names, rmse)}
 
     # ------------------------------------------------------------------ checkpoints
@@ -261,6 +294,7 @@ class Trainer:
             group["lr"] = group["initial_lr"] * _lr_lambda(self.tc)(self.step)
         self.scheduler.last_epoch = self.step
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        self._start_loader()  # the data stream continues at the loaded step
         return manifest
 
     def resume_latest(self, directory, *, fallback: bool = True) -> dict | None:
