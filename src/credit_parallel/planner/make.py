@@ -34,6 +34,7 @@ from ..domain.fusion import find_fusions
 from ..domain.rows import shard_sizes
 from ..domain.shared_input import union_windows
 from ..mesh import full_rank_layout
+from ..run_config import TrainerConfig, trainer_option
 from .cost import (
     DomainLayerPlan,
     MemoryEstimate,
@@ -105,17 +106,6 @@ class Plan:
 
 
 # --------------------------------------------------------------------------- the plan
-def _trainer_value(conf: dict, key: str, default, check, what: str, violations: list[str]):
-    trainer = conf.get("trainer") or {}
-    if key not in trainer:
-        return default
-    value = trainer[key]
-    if not check(value):
-        violations.append(f"trainer.{key} = {value!r} is not {what}; assuming {default!r}")
-        return default
-    return value
-
-
 def _rank_entries(dims: ParallelDims) -> tuple[list[RankEntry], int]:
     layout = full_rank_layout(dims)
     world = dims.world_size
@@ -164,25 +154,17 @@ def _layout(block: dict, world_size: int, violations: list, notes: list):
 
 
 def _run_settings(conf: dict, violations: list) -> tuple[int, bool]:
-    """(samples per data-parallel rank, amp); CREDIT spells the batch key train_batch_size."""
-    trainer = conf.get("trainer") or {}
-    batch_key = (
-        "train_batch_size"
-        if "batch_size" not in trainer and "train_batch_size" in trainer
-        else "batch_size"
-    )
-    batch_size = _trainer_value(
-        conf,
-        batch_key,
-        1,
-        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-        "an integer >= 1",
-        violations,
-    )
-    amp = _trainer_value(
-        conf, "amp", False, lambda v: isinstance(v, bool), "true/false", violations
-    )
-    return batch_size, amp
+    """(samples per data-parallel rank, amp), parsed exactly as the trainer parses them (the
+    typed run config): a value the trainer would reject is a violation here too."""
+    settings = []
+    for key in ("batch_size", "amp"):
+        try:
+            settings.append(trainer_option(conf, key))
+        except ValueError as err:
+            default = TrainerConfig.__dataclass_fields__[key].default
+            violations.append(f"{err}; assuming {default!r}")
+            settings.append(default)
+    return settings[0], settings[1]
 
 
 def _traced_layers(model, shapes, n: int, double: bool, violations: list):
