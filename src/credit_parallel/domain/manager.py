@@ -11,6 +11,9 @@ All ranks therefore miss the cache together and never deadlock on a collective o
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -46,6 +49,16 @@ def _axis_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
 
 def _mesh_device_type() -> str:
     return "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+
+
+@dataclass
+class _HeightCache:
+    """One layer's learned global heights: ``cache[(token, call index)] = (local, global)``;
+    ``calls`` counts the layer's calls in the forward numbered ``epoch``."""
+
+    epoch: int | None = None
+    calls: int = 0
+    cache: dict = field(default_factory=dict)
 
 
 class DomainParallelManager:
@@ -111,6 +124,8 @@ class DomainParallelManager:
         self.shard_dim = shard_dim
         self._epoch = 0
         self._token = None
+        # per layer (weakly held): its global heights learned in earlier forwards
+        self._heights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._rank = rank
         self._domain_rank = self._domain_ranks.index(rank)
         self._dp_rank = self._dp_ranks.index(rank)
@@ -204,14 +219,14 @@ class DomainParallelManager:
             return local_length
         if self._token is None or not cached:
             return self._gather_length(owner, local_length)
-        state = owner.__dict__.setdefault(
-            "_cp_height_state", {"epoch": None, "calls": 0, "cache": {}}
-        )
-        if state["epoch"] != self._epoch:
-            state["epoch"], state["calls"] = self._epoch, 0
-        key = (self._token, state["calls"])
-        state["calls"] += 1
-        hit = state["cache"].get(key)
+        state = self._heights.get(owner)
+        if state is None:
+            state = self._heights[owner] = _HeightCache()
+        if state.epoch != self._epoch:
+            state.epoch, state.calls = self._epoch, 0
+        key = (self._token, state.calls)
+        state.calls += 1
+        hit = state.cache.get(key)
         if hit is not None:
             if hit[0] != local_length:
                 raise RuntimeError(
@@ -222,9 +237,9 @@ class DomainParallelManager:
                 )
             return hit[1]
         length = self._gather_length(owner, local_length)
-        if len(state["cache"]) > 256:
-            state["cache"].clear()
-        state["cache"][key] = (local_length, length)
+        if len(state.cache) > 256:
+            state.cache.clear()
+        state.cache[key] = (local_length, length)
         return length
 
     def _gather_length(self, owner, local_length: int) -> int:

@@ -96,7 +96,7 @@ def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip
             return module
         replacement = attention_replacement(module, manager, shard_dim)
         if replacement is not None:
-            replacement.__dict__["_cp_path"] = path or "<root>"
+            replacement.module_path = path or "<root>"
             return replacement
         for name, child in list(module.named_children()):
             new = visit(child, f"{path}.{name}" if path else name)

@@ -195,7 +195,7 @@ class DomainRowGroupAttention(DomainWrapper):
             y = self.wrapped(held)
         if y.shape[dim] != held.shape[dim]:
             raise ValueError(
-                f"{getattr(self, '_cp_path', type(self.wrapped).__name__)}: row-group attention "
+                f"{getattr(self, 'module_path', None) or type(self.wrapped).__name__}: row-group attention "
                 f"changed the height ({held.shape[dim]} -> {y.shape[dim]} rows)"
             )
         return return_rows(y, layout, height, dim, mgr)
