@@ -417,7 +417,7 @@ class HaloExchange(nn.Module):
     domain_form = "halo"
     domain_kind = "halo_exchange"
 
-    def __init__(self, halo_width, dim: int = -2, manager=None, mode: str = "zeros"):
+    def __init__(self, halo_width, dim: int = -2, manager=None, *, mode: str = "zeros"):
         super().__init__()
         if isinstance(halo_width, int):
             halo_width = (halo_width, halo_width)

@@ -41,7 +41,7 @@ class DomainGatherModule(DomainWrapper):
 
     domain_form = "gather"
 
-    def __init__(self, module: nn.Module, shard_dim: int = -2, manager=None):
+    def __init__(self, module: nn.Module, shard_dim: int = -2, *, manager=None):
         super().__init__(module)
         self.shard_dim = shard_dim
         self.manager = manager

@@ -200,7 +200,7 @@ class DomainParallelGroupNorm(DomainWrapper):
     domain_form = "collective"
     domain_kind = "group_norm"
 
-    def __init__(self, norm: nn.GroupNorm, manager=None):
+    def __init__(self, norm: nn.GroupNorm, *, manager=None):
         if not isinstance(norm, nn.GroupNorm):
             raise TypeError(
                 f"DomainParallelGroupNorm wraps nn.GroupNorm, got {type(norm).__name__}"

@@ -87,7 +87,7 @@ class DomainParallelPad(DomainWrapper):
     domain_form = "halo"
     domain_kind = "pad"
 
-    def __init__(self, pad_module: nn.Module, manager=None):
+    def __init__(self, pad_module: nn.Module, *, manager=None):
         mode = pad_mode_of(pad_module)
         super().__init__(pad_module)
         self.mode = mode

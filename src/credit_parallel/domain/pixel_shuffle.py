@@ -56,7 +56,7 @@ class DomainParallelPixelShuffle(DomainWrapper):
     domain_form = "halo"
     domain_kind = "pixel_shuffle"
 
-    def __init__(self, module: nn.PixelShuffle, manager=None):
+    def __init__(self, module: nn.PixelShuffle, *, manager=None):
         if not isinstance(module, nn.PixelShuffle):
             raise TypeError(
                 f"DomainParallelPixelShuffle wraps an nn.PixelShuffle, got {type(module).__name__}"
@@ -97,7 +97,7 @@ class DomainParallelPixelUnshuffle(DomainWrapper):
     domain_form = "halo"
     domain_kind = "pixel_unshuffle"
 
-    def __init__(self, module: nn.PixelUnshuffle, manager=None):
+    def __init__(self, module: nn.PixelUnshuffle, *, manager=None):
         if not isinstance(module, nn.PixelUnshuffle):
             raise TypeError(
                 "DomainParallelPixelUnshuffle wraps an nn.PixelUnshuffle, got "

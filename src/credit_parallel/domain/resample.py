@@ -111,6 +111,7 @@ class DomainParallelInterpolate(nn.Module):
         mode: str = "bilinear",
         shard_dim: int = -2,
         align_corners: bool | None = None,
+        *,
         scale_factor=None,
         manager=None,
         recompute_scale_factor: bool | None = None,

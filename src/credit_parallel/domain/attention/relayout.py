@@ -103,6 +103,7 @@ class DomainRowGroupAttention(DomainWrapper):
         rows: int,
         shift: int = 0,
         shard_dim=-2,
+        *,
         manager=None,
         entry: str | None = None,
     ):

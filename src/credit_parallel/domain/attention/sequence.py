@@ -168,7 +168,7 @@ class DomainSequenceAttention(DomainWrapper):
 
     domain_form = "sequence"
 
-    def __init__(self, module, core=None, shard_dim=-2, manager=None):
+    def __init__(self, module, core=None, shard_dim=-2, *, manager=None):
         super().__init__(module)
         core = core if core is not None else SEQUENCE_CORES.get(_qualified(module))
         if core is None:
