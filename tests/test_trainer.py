@@ -156,7 +156,9 @@ def _suite_worker(rank, world, store):
     domain2 = {"data": "none", "tensor": 1, "domain": 2}
     out = {}
     fsdp_domain = {"data": "fsdp2", "tensor": 1, "domain": 2}
-    out["init_fsdp2_domain2"] = _params(Trainer(_conf(store, parallelism=fsdp_domain)))
+    trainer = Trainer(_conf(store, parallelism=fsdp_domain))
+    out["init_fsdp2_domain2"] = _params(trainer)
+    out["fsdp2_domain2"] = (_run(trainer, 3), _params(trainer))
     trainer = Trainer(_conf(store, parallelism=domain2))
     out["trajectory"] = _run(trainer, 10)
     out["params"] = _params(trainer)
@@ -210,6 +212,14 @@ def test_fsdp2_over_domain2_initial_weights_equal_the_plain_single_process_build
         got = out["init_fsdp2_domain2"]
         assert got.keys() == ref.keys()
         assert all(torch.equal(got[k], ref[k]) for k in ref), "initial weights differ"
+
+
+def test_fsdp2_over_domain2_three_adamw_steps_match_single_process(store, parallel):
+    ref = Trainer(_conf(store))
+    ref_records = _run(ref, 3)
+    for records, params in (out["fsdp2_domain2"] for out in parallel):
+        _assert_same_records(records, ref_records)
+        assert _max_param_err(params, _params(ref)) <= TOL
 
 
 def test_domain2_evaluate_rmse_matches_single_process(store, parallel):
