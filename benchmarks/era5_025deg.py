@@ -249,11 +249,16 @@ def _launch(world: int, args) -> list[dict]:
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    results = [
-        json.loads(line[len(RESULT_PREFIX) :])
-        for line in run.stdout.splitlines()
-        if line.startswith(RESULT_PREFIX)
-    ]
+    results = []
+    for line in run.stdout.splitlines():
+        if RESULT_PREFIX in line:
+            # one JSON object per result; anything a rank's loader worker wrote onto the same
+            # line of the shared pipe is shown, not parsed
+            text = line[line.index(RESULT_PREFIX) + len(RESULT_PREFIX) :]
+            result, end = json.JSONDecoder().raw_decode(text)
+            if text[end:].strip() or line.index(RESULT_PREFIX):
+                sys.stderr.write(f"(other output on a result line: {line!r})\n")
+            results.append(result)
     if run.returncode or len(results) != world:
         sys.stderr.write(run.stdout[-4000:] + run.stderr[-8000:])
         raise SystemExit(f"the {world}-rank run failed (exit {run.returncode})")
