@@ -249,11 +249,10 @@ def _launch(world: int, args) -> list[dict]:
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    results = [
-        json.loads(line[len(RESULT_PREFIX) :])
-        for line in run.stdout.splitlines()
-        if line.startswith(RESULT_PREFIX)
-    ]
+    # ranks share the pipe and a rank's line may arrive in pieces: parse every result object
+    # wherever it starts, not line by line
+    decoder = json.JSONDecoder()
+    results = [decoder.raw_decode(piece)[0] for piece in run.stdout.split(RESULT_PREFIX)[1:]]
     if run.returncode or len(results) != world:
         sys.stderr.write(run.stdout[-4000:] + run.stderr[-8000:])
         raise SystemExit(f"the {world}-rank run failed (exit {run.returncode})")
@@ -320,7 +319,8 @@ def _print_bundled_plans(args) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.rank_worker is not None:
-        print(RESULT_PREFIX + json.dumps(_train_rank(args)), flush=True)
+        sys.stdout.write(RESULT_PREFIX + json.dumps(_train_rank(args)) + "\n")  # one write
+        sys.stdout.flush()
         return 0
     store = write_store(args.store, args.times, args.levels, args.grid)
     print(
