@@ -29,7 +29,7 @@ from .conv_geometry import (
 )
 from .exchange import exchange_planned
 from .manager import resolve_manager
-from .overlap import OverlappedConv, check_overlap, overlap_enabled
+from .overlap import SplitConv, check_overlap, overlap_enabled
 from .padding import DomainParallelPad
 from .rows import RankExchangePlan, compose_windows, plan_exchange, shard_range
 from .shared_input import SharedInputExchange
@@ -58,6 +58,8 @@ class _ConvCall:
     owns_no_output: bool
     out_rows: tuple[int, int]  # [o0, o1) of the output rows this rank owns
     first_input_row: int | None  # the first global row of its window (None: an empty window)
+    # (op, window positions of the shard) when one zero-padded call covers every owned row
+    full: tuple | None = None
 
 
 def fused_pad_windows(pad, conv, length: int, n: int) -> tuple:
@@ -97,8 +99,12 @@ class _DomainParallelConvNd(DomainWrapper):
         self.geometry = geometry if geometry is not None else ConvGeometry.of(conv)
         self.manager = manager
         self.overlap: bool | None = check_overlap(overlap)  # None: the default (off)
-        # pack and post the exchange on the device's exchange stream (streams.py; CUDA only)
+        # pack and post the exchange on the device's exchange stream (streams.py; CUDA only;
+        # takes the window path)
         self.side_stream: bool = False
+        # convolve around the halo without assembling the window (overlap.SplitConv); False:
+        # the reference path that assembles the whole window
+        self.split_halo: bool = True
         # the local op along the other dims, fixed by the geometry
         self.op = ConvOp.of(self.geometry, self.spatial_index)
         # set by share_input_exchange / the converter's fusion of sibling convolutions
@@ -148,10 +154,13 @@ class _DomainParallelConvNd(DomainWrapper):
             window = self.shared_input.window_for(self, x, length, n, dim, mgr)
         else:
             plan, split = call.plan, call.split
-            if overlap_enabled(self.overlap) and split is not None and (plan.sends or plan.recvs):
-                return OverlappedConv.apply(
-                    x, weight, bias, self.op, plan, dim, split, mgr.domain_ranks, mgr.domain_group
-                )
+            if self.split_halo and split is not None and not self.side_stream:
+                if plan.sends or plan.recvs:
+                    late = overlap_enabled(self.overlap, x.shape[dim], x.shape[1])
+                    peers, group = mgr.domain_ranks, mgr.domain_group
+                    return SplitConv.apply(
+                        x, weight, bias, self.op, plan, dim, split, peers, group, late, call.full
+                    )
             # every rank takes part in the exchange, also one that owns no output row
             (window,) = exchange_planned([x], [(plan, dim, 0.0)], mgr, side_stream=self.side_stream)
         if call.owns_no_output:
@@ -175,13 +184,31 @@ class _DomainParallelConvNd(DomainWrapper):
                 split = overlap_split(self.geometry, self.spatial_index, length, n, rank)
             o0, o1 = shard_range(out_h, n, rank)
             first = windows[rank][0] if windows[rank] else None
-            call = _ConvCall(
-                plan_exchange(length, n, windows)[rank], split, o0 == o1, (o0, o1), first
-            )
+            plan = plan_exchange(length, n, windows)[rank]
+            full = None if split is None else self._full_call(length, n, rank, plan)
+            call = _ConvCall(plan, split, o0 == o1, (o0, o1), first, full)
             if len(self._calls) > 64:
                 self._calls.clear()
             self._calls[key] = call
         return call
+
+    def _full_call(self, length: int, n: int, rank: int, plan) -> tuple | None:
+        """``(op, shard positions)`` when the conv with its own zero padding along the sharded
+        dim, run on the shard alone, gives exactly this rank's output rows (stride 1, symmetric
+        padding, output rows = shard rows, nothing padded explicitly): then only the boundary
+        rows need the halo (``overlap.SplitConv``).  Else None."""
+        geo, i = self.geometry, self.spatial_index
+        pb, pa = geo.pads[i]
+        s, e = shard_range(length, n, rank)
+        if (
+            geo.stride[i] != 1
+            or pb != pa
+            or self.op.pad_flat is not None
+            or geo.output_length(length, i) != length
+            or plan.window_rows != e - s + pb + pa
+        ):
+            return None
+        return self.op.with_row_padding(i, pb), (pb, pb + e - s)
 
     def _forward_fused_pad(self, x, weight, bias, mgr, length, n, dim):
         """The padding layer ``fused_pad`` then this conv, with ONE exchange of the pad's input

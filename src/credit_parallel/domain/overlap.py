@@ -27,9 +27,15 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .exchange import assemble_window, post_gradient_return, post_rows
+from .exchange import (
+    assemble_window,
+    halo_gradient_buffers,
+    post_halo_gradients,
+    post_rows,
+    scatter_window_grad,
+)
 
-__all__ = ["OverlappedConv", "check_overlap", "overlap_enabled", "set_model_overlap"]
+__all__ = ["OverlappedConv", "SplitConv", "check_overlap", "overlap_enabled", "set_model_overlap"]
 
 
 def check_overlap(enabled):
@@ -39,9 +45,12 @@ def check_overlap(enabled):
     return enabled
 
 
-def overlap_enabled(setting: bool | None) -> bool:
-    """Whether a layer with this ``overlap`` setting overlaps (None: the default, off)."""
-    return bool(setting)
+def overlap_enabled(setting: bool | None, rows: int = 0, channels: int = 0) -> bool:
+    """Whether a layer with this ``overlap`` setting waits for its halo rows late, for a shard of
+    ``rows`` rows and ``channels`` input channels (None: the measured default rule)."""
+    if setting is not None:
+        return setting
+    return False
 
 
 def set_model_overlap(model: nn.Module, enabled: bool | None) -> int:
@@ -56,69 +65,148 @@ def set_model_overlap(model: nn.Module, enabled: bool | None) -> int:
     return count
 
 
-class OverlappedConv(torch.autograd.Function):
-    """A conv over this rank's window with the exchange hidden behind computation (see module
-    docstring).  Inputs: the local shard ``x``, weight, bias; saves ``x``, the received halo
-    rows, weight and bias (no copy of the assembled window)."""
+def _conv_backward(op, grad, rows, weight, bias, mask):
+    """``(input, weight, bias)`` gradients of ``op(rows, weight, bias)`` for ``grad`` (those not
+    in ``mask`` are None), with the op's explicit padding of the other dims differentiated as
+    autograd does on the plain path."""
+    if not any(mask):
+        return None, None, None
+    args = (
+        None if bias is None else [bias.shape[0]],
+        list(op.stride),
+        list(op.padding),
+        list(op.dilation),
+        False,
+        [0] * op.nd,
+        op.groups,
+    )
+    if op.pad_flat is None:
+        return torch.ops.aten.convolution_backward(grad, rows, weight, *args, list(mask))
+    with torch.enable_grad():
+        leaf = rows.detach().requires_grad_(mask[0])
+        inp = op.input_of(leaf)
+    g_in, g_w, g_b = torch.ops.aten.convolution_backward(
+        grad, inp.detach(), weight, *args, list(mask)
+    )
+    if mask[0]:
+        (g_in,) = torch.autograd.grad(inp, leaf, g_in)
+    return g_in, g_w, g_b
+
+
+def _add(total, part):
+    return part if total is None else (total if part is None else total.add_(part))
+
+
+class SplitConv(torch.autograd.Function):
+    """A conv over this rank's window that never assembles the window (see module docstring).
+    Inputs: the local shard ``x``, weight, bias; ``late``: wait for the halo rows after the
+    shard's own computation (overlap); ``full``: None, or ``(op, skip)`` when one call of ``op``
+    (the conv with its own zero padding along the sharded dim) gives every owned output row
+    from the shard alone, ``skip`` being the window positions of the shard.  Saves ``x``, the
+    received halo rows, weight and bias."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, op, plan, dim, split, peers, group):
-        pending = post_rows(x, plan, dim, peers, group)
-        interior = op(
-            x.narrow(dim, split.interior_start, split.interior_stop - split.interior_start),
-            weight,
-            bias,
-        )
+    def forward(ctx, x, weight, bias, op, plan, dim, split, peers, group, late, full):
+        pending = post_rows(x, plan, dim, peers, group, overlapped=late)
+        if not late:
+            pending.wait()
+        if full is not None:
+            # every owned row, the halo read as zeros; the boundary rows are redone below
+            main = full[0](x, weight, bias)
+        else:
+            rows = split.interior_stop - split.interior_start
+            main = op(x.narrow(dim, split.interior_start, rows), weight, bias)
         recv_bufs = pending.wait()
-        parts = []
+        top = bottom = None
         if split.top_rows:
-            parts.append(
-                op(assemble_window(x, recv_bufs, plan, dim, 0.0, 0, split.top_stop), weight, bias)
-            )
-        parts.append(interior)
+            top = op(assemble_window(x, recv_bufs, plan, dim, 0.0, 0, split.top_stop), weight, bias)
         if split.bottom_rows:
-            bottom = assemble_window(x, recv_bufs, plan, dim, 0.0, split.bottom_start)
-            parts.append(op(bottom, weight, bias))
-        ctx.op, ctx.plan, ctx.dim, ctx.peers, ctx.group = op, plan, dim, peers, group
+            bottom = op(
+                assemble_window(x, recv_bufs, plan, dim, 0.0, split.bottom_start), weight, bias
+            )
+        if full is not None:
+            # strip-sized copies into the output instead of a shard-sized window
+            if top is not None:
+                main.narrow(dim, 0, split.top_rows).copy_(top)
+            if bottom is not None:
+                main.narrow(dim, main.shape[dim] - split.bottom_rows, split.bottom_rows).copy_(
+                    bottom
+                )
+            y = main
+        else:
+            parts = [t for t in (top, main, bottom) if t is not None]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        ctx.op, ctx.plan, ctx.dim, ctx.split = op, plan, dim, split
+        ctx.peers, ctx.group, ctx.late, ctx.full = peers, group, late, full
         ctx.save_for_backward(x, weight, bias, *recv_bufs)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
         x, weight, bias, *recv_bufs = ctx.saved_tensors
-        op, plan, dim = ctx.op, ctx.plan, ctx.dim
+        op, plan, dim, split, full = ctx.op, ctx.plan, ctx.dim, ctx.split, ctx.full
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        window = assemble_window(x, recv_bufs, plan, dim, 0.0)
+        # with ``full`` the main call covers every own window position and the bias
+        skip = full[1] if full is not None else (0, 0)
+        out_rows = grad_y.shape[dim]
+        strips = []
+        if split.top_rows:
+            strips.append((0, split.top_stop, 0, split.top_rows))
+        if split.bottom_rows:
+            strips.append(
+                (
+                    split.bottom_start,
+                    plan.window_rows,
+                    out_rows - split.bottom_rows,
+                    split.bottom_rows,
+                )
+            )
+        # the boundary strips first: their halo gradients travel while the shard's are computed
+        grad_recv = halo_gradient_buffers(x, plan, dim) if need_x else None
+        strip_grads, grad_w, grad_b = [], None, None
+        for start, stop, first, rows in strips:
+            piece = assemble_window(x, recv_bufs, plan, dim, 0.0, start, stop, skip)
+            mask = (need_x, need_w, need_b and full is None)
+            g_in, g_w, g_b = _conv_backward(
+                op, grad_y.narrow(dim, first, rows), piece, weight, bias, mask
+            )
+            grad_w, grad_b = _add(grad_w, g_w), _add(grad_b, g_b)
+            if need_x:
+                scatter_window_grad(g_in, start, plan, dim, None, grad_recv, skip)
+                strip_grads.append((start, g_in))
         del recv_bufs
-        args = (
-            None if bias is None else [bias.shape[0]],
-            list(op.stride),
-            list(op.padding),
-            list(op.dilation),
-            False,
-            [0] * op.nd,
-            op.groups,
-        )
-        with torch.enable_grad():
-            leaf = window.detach().requires_grad_(need_x and op.pad_flat is not None)
-            inp = op.input_of(leaf)
         pending = None
         if need_x:
-            grad_inp, _, _ = torch.ops.aten.convolution_backward(
-                grad_y, inp.detach(), weight, *args, [True, False, False]
+            pending = post_halo_gradients(
+                grad_recv, plan, dim, ctx.peers, ctx.group, x, overlapped=ctx.late
             )
-            if op.pad_flat is not None:
-                # the padding's own backward, exactly as autograd runs it on the plain path
-                (grad_inp,) = torch.autograd.grad(inp, leaf, grad_inp)
-            pending = post_gradient_return(grad_inp, plan, dim, ctx.peers, ctx.group, x.shape)
-            del grad_inp
-        grad_w = grad_b = None
-        if need_w or need_b:
-            # computed while the halo gradients travel
-            _, grad_w, grad_b = torch.ops.aten.convolution_backward(
-                grad_y, inp.detach(), weight, *args, [False, need_w, need_b]
+        mask = (need_x, need_w, need_b)
+        if full is not None:
+            g_in, g_w, g_b = _conv_backward(full[0], grad_y, x, weight, bias, mask)
+        else:
+            rows = split.interior_stop - split.interior_start
+            g_in, g_w, g_b = _conv_backward(
+                op,
+                grad_y.narrow(dim, split.top_rows, split.interior_rows),
+                x.narrow(dim, split.interior_start, rows),
+                weight,
+                bias,
+                mask,
             )
-        del inp, leaf, window
-        grad_x = pending.wait() if pending is not None else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+            if need_x and rows != x.shape[dim]:
+                grad_x = x.new_zeros(x.shape)
+                grad_x.narrow(dim, split.interior_start, rows).add_(g_in)
+                g_in = grad_x
+        grad_w, grad_b = _add(g_w, grad_w), _add(g_b, grad_b)
+        grad_x = None
+        if need_x:
+            grad_x = g_in
+            for start, g in strip_grads:
+                scatter_window_grad(g, start, plan, dim, grad_x, None, skip)
+            grad_x = pending.wait()(grad_x)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+
+
+# the name of the earlier overlap-only form
+OverlappedConv = SplitConv
