@@ -2,12 +2,16 @@
 dilation, groups, output_padding, padding_mode), and the periodic (lat-reflect / lon-circular)
 convolution of the reference models.
 
-Each rank computes exactly the output rows the balanced layout assigns to it: it assembles the
-input rows those outputs read (own rows, rows of other ranks, and rows beyond the poles mapped by
-the layer's padding rule) with one exchange, then runs the plain op with no padding along the
-sharded dim.  Nothing is padded inside the globe and nothing is trimmed approximately.  The pure
-geometry lives in ``conv_geometry.py``, the halo/compute overlap in ``overlap.py`` and the
-exchange shared by sibling convolutions in ``shared_input.py``.
+Each rank computes exactly the output rows the balanced layout assigns to it from the input rows
+those outputs read (own rows, rows of other ranks, and rows beyond the poles mapped by the
+layer's padding rule), fetched with one exchange.  Non-transposed convolutions convolve straight
+from the shard and only the boundary rows from small halo strips (``overlap.SplitConv``, no copy
+of the shard); transposed, fused-pad and shared-input convolutions, shards too thin for an
+interior row and ``split_halo = False`` assemble the window and run the plain op with no padding
+along the sharded dim.  Nothing is padded inside the globe and nothing is trimmed
+approximately.  The pure geometry lives in ``conv_geometry.py``, the split conv and halo
+overlap in ``overlap.py`` and the exchange shared by sibling convolutions in
+``shared_input.py``.
 """
 
 from __future__ import annotations

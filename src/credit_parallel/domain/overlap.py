@@ -1,24 +1,31 @@
-"""Halo/compute overlap for domain-parallel convolutions: the split convolution.
+"""The split convolution: a domain conv that never assembles its window, and halo overlap.
 
-Only the boundary output rows of a rank read halo rows.  With overlap on, the forward posts the
-exchange, convolves the INTERIOR output rows (those whose input rows all lie in the local shard)
-straight from the shard while the rows are in flight, waits, then convolves the boundary rows
-from small strips of the window (``conv_geometry.overlap_split`` says which rows are which).  The
-backward computes the window's input gradient in one call, posts the return of the halo
-gradients, computes the weight and bias gradients while they are in flight, then waits.  The
-backward calls see exactly the plain path's operands and accumulate the gradient rows in the same
-order; the forward pieces compute every output row from the same input rows.  Where the CPU
-convolution kernels give an output row the same bits whichever other rows a call computes (and
-whichever gradients one backward call computes), the results are bitwise those of the plain
-path; that is a property of the kernels, not of every CPU (float64 im2col + MKL GEMM on an AMD EPYC
-differs in the last bits), so ``tests/test_overlap.py`` asserts equality to rounding.
+Only the boundary output rows of a rank read halo rows.  :class:`SplitConv` (the default path
+of the non-transposed domain convolutions) posts the exchange, convolves straight from the local
+shard, then convolves the boundary rows from small strips of the window (a few rows each;
+``conv_geometry.overlap_split`` says which rows are which).  Two forms of the shard's call:
 
-Overlap is an option of each layer (``overlap=`` on the layer, :func:`set_model_overlap` for all
-layers of a model), not a process-wide switch.  ``None`` (the default) means off: on the 2-core
-benchmark machine the split convolution costs more than the halo time it hides
-(docs/performance.md), and on CUDA cuDNN may pick another algorithm for a few boundary rows than
-for the whole window.  The overlapped backward is once-differentiable: a double backward
-(gradient penalties) needs overlap off.
+* ``full`` (stride 1, symmetric padding, output rows = shard rows, nothing padded explicitly,
+  e.g. every 3x3 "same" conv): ONE call of the conv with its own zero padding over the whole
+  shard gives every owned row, the boundary rows with the halo read as zeros; those few rows
+  are then overwritten by the strip convs (strip-sized copies).  Backward: one
+  ``convolution_backward`` of the whole output gradient against the shard gives the shard's
+  input gradient and the weight and bias gradients, the halo positions of the strips add the
+  missing terms (input gradient of the halo rows, weight gradient from the halo values).
+* otherwise (strides, asymmetric or explicit padding, periodic convs): the interior output rows
+  from the interior shard rows, concatenated with the strips; backward per piece.
+
+The backward first computes the strips' gradients, posts the halo-row gradients back to their
+owners, then runs the shard's call while they travel.  No copy of the whole shard is made in
+either direction (the window path, ``split_halo = False`` on a layer, is kept as the reference).
+
+Results equal the window path to rounding, not bitwise: the CPU kernels' bits depend on how rows
+are split over calls (``tests/test_overlap.py`` probes it).  ``overlap`` only moves the forward's
+wait for the halo rows after the shard's call (``late``); the arithmetic is the same either
+way, so overlap on and off give bitwise the same results.  Overlap is an option of each layer
+(``overlap=`` on the layer, :func:`set_model_overlap` for a whole model); ``None`` (the default)
+follows :func:`overlap_enabled`'s measured rule (docs/performance.md).  The split backward is
+once-differentiable: a double backward (gradient penalties) needs ``split_halo = False``.
 """
 
 from __future__ import annotations
