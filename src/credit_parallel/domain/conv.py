@@ -198,16 +198,15 @@ class _DomainParallelConvNd(DomainWrapper):
 
     def _full_call(self, length: int, n: int, rank: int, plan) -> tuple | None:
         """``(op, shard positions)`` when the conv with its own zero padding along the sharded
-        dim, run on the shard alone, gives exactly this rank's output rows (stride 1, symmetric
-        padding, output rows = shard rows, nothing padded explicitly): then only the boundary
-        rows need the halo (``overlap.SplitConv``).  Else None."""
+        dim, run on the shard alone (the other dims padded as the op pads them), gives exactly
+        this rank's output rows (stride 1, symmetric padding, output rows = shard rows): then
+        only the boundary rows need the halo (``overlap.SplitConv``).  Else None."""
         geo, i = self.geometry, self.spatial_index
         pb, pa = geo.pads[i]
         s, e = shard_range(length, n, rank)
         if (
             geo.stride[i] != 1
             or pb != pa
-            or self.op.pad_flat is not None
             or geo.output_length(length, i) != length
             or plan.window_rows != e - s + pb + pa
         ):

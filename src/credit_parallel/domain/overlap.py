@@ -5,14 +5,14 @@ of the non-transposed domain convolutions) posts the exchange, convolves straigh
 shard, then convolves the boundary rows from small strips of the window (a few rows each;
 ``conv_geometry.overlap_split`` says which rows are which).  Two forms of the shard's call:
 
-* ``full`` (stride 1, symmetric padding, output rows = shard rows, nothing padded explicitly,
-  e.g. every 3x3 "same" conv): ONE call of the conv with its own zero padding over the whole
+* ``full`` (stride 1, symmetric padding, output rows = shard rows, e.g. every 3x3 "same" conv,
+  periodic ones included: their other dims are padded as on one process): ONE call of the conv with its own zero padding over the whole
   shard gives every owned row, the boundary rows with the halo read as zeros; those few rows
   are then overwritten by the strip convs (strip-sized copies).  Backward: one
   ``convolution_backward`` of the whole output gradient against the shard gives the shard's
   input gradient and the weight and bias gradients, the halo positions of the strips add the
   missing terms (input gradient of the halo rows, weight gradient from the halo values).
-* otherwise (strides, asymmetric or explicit padding, periodic convs): the interior output rows
+* otherwise (strides, asymmetric padding): the interior output rows
   from the interior shard rows, concatenated with the strips; backward per piece.
 
 The backward first computes the strips' gradients, posts the halo-row gradients back to their
