@@ -32,7 +32,7 @@ from credit_parallel.domain.exchange import (
     record_exchange_stats,
 )
 from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.overlap import set_model_overlap
+from credit_parallel.domain.overlap import overlap_enabled, set_model_overlap
 from credit_parallel.domain.rows import FILL, conv_window, edge_source_row, shard_range
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
@@ -155,7 +155,10 @@ def test_overlap_split_is_none_for_thin_shards_and_transposed_convs():
 
 def test_overlap_is_a_layer_option_default_off_and_set_per_model():
     layer = DomainParallelConv2d(nn.Conv2d(1, 1, 3))
-    assert layer.overlap is None  # the default: off (slower on the 2-core benchmark machine)
+    assert layer.overlap is None  # the default rule: off on CPU (slower on the 2-core machine)
+    assert not overlap_enabled(None, torch.device("cpu"))
+    assert overlap_enabled(None, torch.device("cuda", 0))  # the transfer runs beside kernels
+    assert overlap_enabled(True, torch.device("cpu")) and not overlap_enabled(False, None)
     model = nn.Sequential(layer, nn.SiLU(), DomainParallelConv2d(nn.Conv2d(1, 1, 3), overlap=False))
     assert set_model_overlap(model, True) == 2
     assert model[0].overlap is True and model[2].overlap is True

@@ -160,7 +160,7 @@ class _DomainParallelConvNd(DomainWrapper):
             plan, split = call.plan, call.split
             if self.split_halo and split is not None and not self.side_stream:
                 if plan.sends or plan.recvs:
-                    late = overlap_enabled(self.overlap, x.shape[dim], x.shape[1])
+                    late = overlap_enabled(self.overlap, x.device)
                     peers, group = mgr.domain_ranks, mgr.domain_group
                     return SplitConv.apply(
                         x, weight, bias, self.op, plan, dim, split, peers, group, late, call.full

@@ -52,12 +52,14 @@ def check_overlap(enabled):
     return enabled
 
 
-def overlap_enabled(setting: bool | None, rows: int = 0, channels: int = 0) -> bool:
-    """Whether a layer with this ``overlap`` setting waits for its halo rows late, for a shard of
-    ``rows`` rows and ``channels`` input channels (None: the measured default rule)."""
+def overlap_enabled(setting: bool | None, device: torch.device | None = None) -> bool:
+    """Whether a layer with this ``overlap`` setting waits for its halo rows late, for an input
+    on ``device``.  None (the default): on for CUDA, where the transfer runs beside the kernels;
+    off on CPU, where gloo's transfer threads compete with the convolution for the same cores
+    (measured slower at every size on the 2-core benchmark machine, docs/performance.md)."""
     if setting is not None:
         return setting
-    return False
+    return device is not None and device.type == "cuda"
 
 
 def set_model_overlap(model: nn.Module, enabled: bool | None) -> int:
