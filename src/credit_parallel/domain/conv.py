@@ -107,8 +107,8 @@ class _DomainParallelConvNd(DomainWrapper):
         # takes the window path)
         self.side_stream: bool = False
         # convolve around the halo without assembling the window (overlap.SplitConv); False:
-        # the reference path that assembles the whole window
-        self.split_halo: bool = True
+        # the reference path that assembles the whole window; None: the default rule (_splits)
+        self.split_halo: bool | None = None
         # the local op along the other dims, fixed by the geometry
         self.op = ConvOp.of(self.geometry, self.spatial_index)
         # set by share_input_exchange / the converter's fusion of sibling convolutions
@@ -125,6 +125,20 @@ class _DomainParallelConvNd(DomainWrapper):
     @property
     def conv(self):
         return self.wrapped
+
+    @property
+    def _splits(self) -> bool:
+        """Whether this call takes the split conv: ``split_halo`` True / False, or None (the
+        default): yes unless the other dims are padded explicitly (periodic / reflect: the
+        split backward pads the whole shard again, one shard-sized buffer more at the peak than
+        the window path, measured on the bundled U-Net) and ``overlap`` is left at None (an
+        explicit overlap choice is a choice of the split form, whose wait it places).  Never
+        with the side stream."""
+        if self.side_stream:
+            return False
+        if self.split_halo is not None:
+            return self.split_halo
+        return self.op.pad_flat is None or self.overlap is not None
 
     # ---- geometry (domain/geometry.py)
     def output_height(self, input_height: int) -> int:
@@ -158,7 +172,7 @@ class _DomainParallelConvNd(DomainWrapper):
             window = self.shared_input.window_for(self, x, length, n, dim, mgr)
         else:
             plan, split = call.plan, call.split
-            if self.split_halo and split is not None and not self.side_stream:
+            if split is not None and self._splits:
                 if plan.sends or plan.recvs:
                     late = overlap_enabled(self.overlap, x.device)
                     peers, group = mgr.domain_ranks, mgr.domain_group
