@@ -7,9 +7,11 @@ rank) for three forms of every domain convolution:
 
 * ``window``   — the reference path: assemble the whole window (shard + halo rows) per conv, in
   forward and backward (``split_halo = False``);
-* ``split``    — the default: convolve the shard and only the boundary strips from small
+* ``split``    — convolve the shard and only the boundary strips from small
   halo-extended buffers, no window (``overlap.SplitConv``), waiting for the halo rows first;
-* ``split+late`` — the same, waiting for the halo rows after the shard's own work (overlap on).
+* ``split+late`` — the same, waiting for the halo rows after the shard's own work (overlap on);
+* ``default`` — what a converted model does when nothing is set (``split_halo = None``,
+  ``overlap = None``: the rules of ``domain/conv.py`` and ``overlap.overlap_enabled``).
 
     .venv/bin/python benchmarks/halo_paths.py --workloads conv_stack/large,conv_stack/small \\
         --rounds 3 --steps 3 --warmup 1
@@ -35,11 +37,17 @@ from credit_parallel.tools.bench.measure import _peak_bytes, _saved_bytes  # noq
 __all__ = ["VARIANTS", "main", "set_halo_path"]
 
 # variant -> (split_halo, overlap)
-VARIANTS = {"window": (False, False), "split": (True, False), "split+late": (True, True)}
+VARIANTS = {
+    "window": (False, False),
+    "split": (True, False),
+    "split+late": (True, True),
+    "default": (None, None),
+}
 
 
-def set_halo_path(model, split: bool, late: bool) -> int:
-    """Set ``split_halo`` and ``overlap`` on every domain conv of ``model``; returns how many."""
+def set_halo_path(model, split: bool | None, late: bool | None) -> int:
+    """Set ``split_halo`` and ``overlap`` (None: the default rule) on every domain conv of
+    ``model``; returns how many."""
     count = 0
     for m in model.modules():
         if hasattr(m, "split_halo"):
