@@ -697,3 +697,37 @@ def test_shared_layers_survive_deepcopy_and_pickling_mid_forward():
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert loaded.convs[1].shared_input._entry is None
+
+
+# --------------------------------------------------------------------------- path choice
+def test_default_path_is_split_except_for_explicitly_padded_convs_and_the_side_stream():
+    from credit_parallel.domain.conv import DomainParallelPeriodicConv2d
+
+    plain = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1))
+    periodic = DomainParallelPeriodicConv2d(PeriodicConv2d(2, 2, 3, padding=1))
+    assert plain._splits and not periodic._splits  # periodic: the window path by default
+    periodic.overlap = False  # an explicit overlap choice is a choice of the split form
+    assert periodic._splits
+    periodic.split_halo = False
+    assert not periodic._splits
+    plain.side_stream = True  # the side stream posts through the window path
+    assert not plain._splits
+
+
+def test_halo_paths_benchmark_sets_every_domain_conv():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "halo_paths.py"
+    spec = importlib.util.spec_from_file_location("halo_paths_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    model = nn.Sequential(
+        DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1)), nn.SiLU(), nn.Conv2d(2, 2, 1)
+    )
+    assert module.set_halo_path(model, *module.VARIANTS["window"]) == 1
+    assert model[0].split_halo is False and model[0].overlap is False
+    assert module.set_halo_path(model, *module.VARIANTS["default"]) == 1
+    assert model[0].split_halo is None and model[0].overlap is None
