@@ -1,7 +1,8 @@
 """The split convolution: a domain conv that never assembles its window, and halo overlap.
 
 Only the boundary output rows of a rank read halo rows.  :class:`SplitConv` (the default path
-of the non-transposed domain convolutions) posts the exchange, convolves straight from the local
+of the non-transposed domain convolutions, except, by default, those whose other dims are padded
+explicitly: ``_DomainParallelConvNd._splits`` in ``conv.py``) posts the exchange, convolves straight from the local
 shard, then convolves the boundary rows from small strips of the window (a few rows each;
 ``conv_geometry.overlap_split`` says which rows are which).  Two forms of the shard's call:
 
