@@ -32,7 +32,7 @@ from credit_parallel.domain.exchange import (
     record_exchange_stats,
 )
 from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.overlap import set_model_overlap
+from credit_parallel.domain.overlap import overlap_enabled, set_model_overlap
 from credit_parallel.domain.rows import FILL, conv_window, edge_source_row, shard_range
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
@@ -155,7 +155,10 @@ def test_overlap_split_is_none_for_thin_shards_and_transposed_convs():
 
 def test_overlap_is_a_layer_option_default_off_and_set_per_model():
     layer = DomainParallelConv2d(nn.Conv2d(1, 1, 3))
-    assert layer.overlap is None  # the default: off (slower on the 2-core benchmark machine)
+    assert layer.overlap is None  # the default rule: off on CPU (slower on the 2-core machine)
+    assert not overlap_enabled(None, torch.device("cpu"))
+    assert overlap_enabled(None, torch.device("cuda", 0))  # the transfer runs beside kernels
+    assert overlap_enabled(True, torch.device("cpu")) and not overlap_enabled(False, None)
     model = nn.Sequential(layer, nn.SiLU(), DomainParallelConv2d(nn.Conv2d(1, 1, 3), overlap=False))
     assert set_model_overlap(model, True) == 2
     assert model[0].overlap is True and model[2].overlap is True
@@ -287,6 +290,55 @@ def test_overlap_on_equals_overlap_off_to_rounding(world, dtype):
         assert overlapped >= 0.8 * len(per_rank), overlapped
 
 
+def _path_results(mgr, build, shape, dtype, seed):
+    """Forward, input and parameter gradients for each (split_halo, overlap) of one case."""
+    torch.manual_seed(seed)
+    ref = build().to(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=dtype)
+    n, r = mgr.domain_world_size, mgr.domain_rank
+    a, b = shard_range(shape[-2], n, r)
+    with torch.no_grad():
+        out_shape = ref(x).shape
+    grad_out = torch.randn(out_shape, generator=gen, dtype=dtype)
+    oa, ob = shard_range(out_shape[-2], n, r)
+    results = {}
+    for split, late in ((False, False), (True, False), (True, True)):
+        m = convert_to_domain_parallel(copy.deepcopy(ref), mgr)
+        for layer in m.modules():
+            if isinstance(layer, _DomainParallelConvNd):
+                layer.split_halo, layer.overlap = split, late
+        mgr.begin_forward(("path-test", seed, split, late))
+        xl = x[..., a:b, :].clone().requires_grad_()
+        y = m(xl)
+        (y * grad_out[..., oa:ob, :]).sum().backward()
+        results[split, late] = [y.detach(), xl.grad] + [p.grad for p in m.parameters()]
+    return results
+
+
+def _paths_worker(rank, world, dtype):
+    mgr = DomainParallelManager(world, world)
+    out = {}
+    for i, (name, build, shape) in enumerate(_conv_cases()):
+        res = _path_results(mgr, build, shape, dtype, i)
+        late_equal = all(torch.equal(a, b) for a, b in zip(res[True, True], res[True, False]))
+        diff = 0.0
+        for t_split, t_window in zip(res[True, False], res[False, False]):
+            scale = max(float(t_window.double().abs().max()), 1e-30)
+            diff = max(diff, float((t_split.double() - t_window.double()).abs().max()) / scale)
+        out[name] = (late_equal, diff)
+    return out
+
+
+@pytest.mark.parametrize("world,dtype", [(2, torch.float64), (3, torch.float32)])
+def test_split_conv_equals_the_window_path_to_rounding_and_overlap_changes_no_bit(world, dtype):
+    for per_rank in run_on_ranks(_paths_worker, world, dtype):
+        for name, (late_equal, diff) in per_rank.items():
+            # overlap only moves the wait: the same calls on the same operands
+            assert late_equal, name
+            assert diff <= _rounding(dtype), (name, diff)
+
+
 def _convert_overlapped(model, mgr):
     model = convert_to_domain_parallel(model, mgr)
     set_model_overlap(model, True)
@@ -354,19 +406,21 @@ def _memory_worker(rank, world):
     x = torch.randn(1, 8, 32, 16)
     a, b = shard_range(32, world, rank)
     out = {}
-    for enabled in (True, False):
+    for split, enabled in ((True, True), (True, False), (False, False)):
         layer = DomainParallelConv2d(copy.deepcopy(conv), manager=mgr, overlap=enabled)
+        layer.split_halo = split
         xl = x[:, :, a:b].clone().requires_grad_()
         # the input is also kept by another consumer (a residual), as inside a network
-        out[enabled] = _saved_bytes(lambda layer=layer, xl=xl: (layer(xl) * xl).sum())
+        out[split, enabled] = _saved_bytes(lambda layer=layer, xl=xl: (layer(xl) * xl).sum())
     return out
 
 
-def test_overlapped_conv_saves_no_copy_of_the_window():
+def test_split_conv_saves_no_copy_of_the_window_with_overlap_on_and_off():
     for out in run_on_ranks(_memory_worker, 2):
-        # plain: the input plus a copy of it with the halo; overlapped: the input plus halo rows
+        # window path: the input plus a copy of it with the halo; split: the input plus halo rows
         row = 8 * 16 * 4
-        assert out[True] <= out[False] - 14 * row, out
+        assert out[True, True] <= out[False, False] - 14 * row, out
+        assert out[True, False] <= out[False, False] - 14 * row, out
 
 
 # --------------------------------------------------------------------------- batched exchange
@@ -503,7 +557,9 @@ def _shared_worker(rank, world):
     refs = [
         conv(t) for conv, t in zip(ref_model.convs, (t1[:, :, a:b], t2[:, :, a:b], t1[:, :, a:b]))
     ]
-    out["mixed_equal"] = all(torch.equal(y, r) for y, r in zip(ys, refs))
+    # to rounding: a layer whose sharing switched off convolves around the halo (split path),
+    # the reference too; a mis-paired window would differ by O(1)
+    out["mixed_equal"] = all(float((y - r).abs().max()) <= 1e-12 for y, r in zip(ys, refs))
     return out
 
 
@@ -641,3 +697,37 @@ def test_shared_layers_survive_deepcopy_and_pickling_mid_forward():
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert loaded.convs[1].shared_input._entry is None
+
+
+# --------------------------------------------------------------------------- path choice
+def test_default_path_is_split_except_for_explicitly_padded_convs_and_the_side_stream():
+    from credit_parallel.domain.conv import DomainParallelPeriodicConv2d
+
+    plain = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1))
+    periodic = DomainParallelPeriodicConv2d(PeriodicConv2d(2, 2, 3, padding=1))
+    assert plain._splits and not periodic._splits  # periodic: the window path by default
+    periodic.overlap = False  # an explicit overlap choice is a choice of the split form
+    assert periodic._splits
+    periodic.split_halo = False
+    assert not periodic._splits
+    plain.side_stream = True  # the side stream posts through the window path
+    assert not plain._splits
+
+
+def test_halo_paths_benchmark_sets_every_domain_conv():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "halo_paths.py"
+    spec = importlib.util.spec_from_file_location("halo_paths_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    model = nn.Sequential(
+        DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1)), nn.SiLU(), nn.Conv2d(2, 2, 1)
+    )
+    assert module.set_halo_path(model, *module.VARIANTS["window"]) == 1
+    assert model[0].split_halo is False and model[0].overlap is False
+    assert module.set_halo_path(model, *module.VARIANTS["default"]) == 1
+    assert model[0].split_halo is None and model[0].overlap is None

@@ -2,12 +2,16 @@
 dilation, groups, output_padding, padding_mode), and the periodic (lat-reflect / lon-circular)
 convolution of the reference models.
 
-Each rank computes exactly the output rows the balanced layout assigns to it: it assembles the
-input rows those outputs read (own rows, rows of other ranks, and rows beyond the poles mapped by
-the layer's padding rule) with one exchange, then runs the plain op with no padding along the
-sharded dim.  Nothing is padded inside the globe and nothing is trimmed approximately.  The pure
-geometry lives in ``conv_geometry.py``, the halo/compute overlap in ``overlap.py`` and the
-exchange shared by sibling convolutions in ``shared_input.py``.
+Each rank computes exactly the output rows the balanced layout assigns to it from the input rows
+those outputs read (own rows, rows of other ranks, and rows beyond the poles mapped by the
+layer's padding rule), fetched with one exchange.  Non-transposed convolutions convolve straight
+from the shard and only the boundary rows from small halo strips (``overlap.SplitConv``, no copy
+of the shard); transposed, fused-pad and shared-input convolutions, shards too thin for an
+interior row and ``split_halo = False`` assemble the window and run the plain op with no padding
+along the sharded dim.  Nothing is padded inside the globe and nothing is trimmed
+approximately.  The pure geometry lives in ``conv_geometry.py``, the split conv and halo
+overlap in ``overlap.py`` and the exchange shared by sibling convolutions in
+``shared_input.py``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from .conv_geometry import (
 )
 from .exchange import exchange_planned
 from .manager import resolve_manager
-from .overlap import OverlappedConv, check_overlap, overlap_enabled
+from .overlap import SplitConv, check_overlap, overlap_enabled
 from .padding import DomainParallelPad
 from .rows import RankExchangePlan, compose_windows, plan_exchange, shard_range
 from .shared_input import SharedInputExchange
@@ -58,6 +62,8 @@ class _ConvCall:
     owns_no_output: bool
     out_rows: tuple[int, int]  # [o0, o1) of the output rows this rank owns
     first_input_row: int | None  # the first global row of its window (None: an empty window)
+    # (op, window positions of the shard) when one zero-padded call covers every owned row
+    full: tuple | None = None
 
 
 def fused_pad_windows(pad, conv, length: int, n: int) -> tuple:
@@ -97,8 +103,12 @@ class _DomainParallelConvNd(DomainWrapper):
         self.geometry = geometry if geometry is not None else ConvGeometry.of(conv)
         self.manager = manager
         self.overlap: bool | None = check_overlap(overlap)  # None: the default (off)
-        # pack and post the exchange on the device's exchange stream (streams.py; CUDA only)
+        # pack and post the exchange on the device's exchange stream (streams.py; CUDA only;
+        # takes the window path)
         self.side_stream: bool = False
+        # convolve around the halo without assembling the window (overlap.SplitConv); False:
+        # the reference path that assembles the whole window; None: the default rule (_splits)
+        self.split_halo: bool | None = None
         # the local op along the other dims, fixed by the geometry
         self.op = ConvOp.of(self.geometry, self.spatial_index)
         # set by share_input_exchange / the converter's fusion of sibling convolutions
@@ -115,6 +125,20 @@ class _DomainParallelConvNd(DomainWrapper):
     @property
     def conv(self):
         return self.wrapped
+
+    @property
+    def _splits(self) -> bool:
+        """Whether this call takes the split conv: ``split_halo`` True / False, or None (the
+        default): yes unless the other dims are padded explicitly (periodic / reflect: the
+        split backward pads the whole shard again, one shard-sized buffer more at the peak than
+        the window path, measured on the bundled U-Net) and ``overlap`` is left at None (an
+        explicit overlap choice is a choice of the split form, whose wait it places).  Never
+        with the side stream."""
+        if self.side_stream:
+            return False
+        if self.split_halo is not None:
+            return self.split_halo
+        return self.op.pad_flat is None or self.overlap is not None
 
     # ---- geometry (domain/geometry.py)
     def output_height(self, input_height: int) -> int:
@@ -148,10 +172,13 @@ class _DomainParallelConvNd(DomainWrapper):
             window = self.shared_input.window_for(self, x, length, n, dim, mgr)
         else:
             plan, split = call.plan, call.split
-            if overlap_enabled(self.overlap) and split is not None and (plan.sends or plan.recvs):
-                return OverlappedConv.apply(
-                    x, weight, bias, self.op, plan, dim, split, mgr.domain_ranks, mgr.domain_group
-                )
+            if split is not None and self._splits:
+                if plan.sends or plan.recvs:
+                    late = overlap_enabled(self.overlap, x.device)
+                    peers, group = mgr.domain_ranks, mgr.domain_group
+                    return SplitConv.apply(
+                        x, weight, bias, self.op, plan, dim, split, peers, group, late, call.full
+                    )
             # every rank takes part in the exchange, also one that owns no output row
             (window,) = exchange_planned([x], [(plan, dim, 0.0)], mgr, side_stream=self.side_stream)
         if call.owns_no_output:
@@ -175,13 +202,30 @@ class _DomainParallelConvNd(DomainWrapper):
                 split = overlap_split(self.geometry, self.spatial_index, length, n, rank)
             o0, o1 = shard_range(out_h, n, rank)
             first = windows[rank][0] if windows[rank] else None
-            call = _ConvCall(
-                plan_exchange(length, n, windows)[rank], split, o0 == o1, (o0, o1), first
-            )
+            plan = plan_exchange(length, n, windows)[rank]
+            full = None if split is None else self._full_call(length, n, rank, plan)
+            call = _ConvCall(plan, split, o0 == o1, (o0, o1), first, full)
             if len(self._calls) > 64:
                 self._calls.clear()
             self._calls[key] = call
         return call
+
+    def _full_call(self, length: int, n: int, rank: int, plan) -> tuple | None:
+        """``(op, shard positions)`` when the conv with its own zero padding along the sharded
+        dim, run on the shard alone (the other dims padded as the op pads them), gives exactly
+        this rank's output rows (stride 1, symmetric padding, output rows = shard rows): then
+        only the boundary rows need the halo (``overlap.SplitConv``).  Else None."""
+        geo, i = self.geometry, self.spatial_index
+        pb, pa = geo.pads[i]
+        s, e = shard_range(length, n, rank)
+        if (
+            geo.stride[i] != 1
+            or pb != pa
+            or geo.output_length(length, i) != length
+            or plan.window_rows != e - s + pb + pa
+        ):
+            return None
+        return self.op.with_row_padding(i, pb), (pb, pb + e - s)
 
     def _forward_fused_pad(self, x, weight, bias, mgr, length, n, dim):
         """The padding layer ``fused_pad`` then this conv, with ONE exchange of the pad's input

@@ -12,7 +12,7 @@ computed once per geometry and height.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch.nn.functional as F
@@ -237,6 +237,11 @@ class ConvOp:
             flat += [a, b]
         mode = "constant" if geo.other_mode == "zeros" else geo.other_mode
         return cls(nd, geo.stride, (0,) * nd, geo.dilation, geo.groups, tuple(flat), mode)
+
+    def with_row_padding(self, i: int, pad: int) -> ConvOp:
+        """This op with the conv's own zero padding ``pad`` along spatial dim ``i``."""
+        padding = tuple(pad if j == i else p for j, p in enumerate(self.padding))
+        return replace(self, padding=padding)
 
     def input_of(self, window):
         if self.pad_flat is None:

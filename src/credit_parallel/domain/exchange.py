@@ -47,10 +47,13 @@ __all__ = [
     "exchange_planned",
     "exchange_rows_batched",
     "exchange_stats",
+    "halo_gradient_buffers",
     "halo_window",
     "post_gradient_return",
+    "post_halo_gradients",
     "post_rows",
     "record_exchange_stats",
+    "scatter_window_grad",
 ]
 
 
@@ -269,21 +272,88 @@ def post_gradient_return(
     return pending
 
 
-def _window_pieces(x, recv_bufs, plan, dim, fill_value, start, stop) -> list[torch.Tensor]:
-    pieces, pos = [], 0
+def _range_segments(plan, start: int, stop: int, skip: tuple[int, int] = (0, 0)):
+    """The plan's segments cut to window positions ``[start, stop)`` minus ``skip``: yields
+    ``(kind, where, position, count)`` with ``where`` the local row ("own"), ``(recv index,
+    offset)`` ("recv") or None ("fill"), and ``position`` the window position of the piece."""
+    ranges = ((start, stop),)
+    if skip[1] > skip[0]:
+        ranges = ((start, min(stop, skip[0])), (max(start, skip[1]), stop))
+    pos = 0
     for seg in plan.segments:
         count = seg[-1]
-        a, b = max(start, pos), min(stop, pos + count)
-        if a < b:
-            off, c = a - pos, b - a
-            if seg[0] == "own":
-                pieces.append(x.narrow(dim, seg[1] + off, c))
-            elif seg[0] == "recv":
-                pieces.append(recv_bufs[seg[1]].narrow(dim, seg[2] + off, c))
-            else:
-                pieces.append(x.new_full(_shape_with(x, dim, c), fill_value))
+        for lo, hi in ranges:
+            a, b = max(lo, pos), min(hi, pos + count)
+            if a < b:
+                off = a - pos
+                if seg[0] == "own":
+                    yield "own", seg[1] + off, a, b - a
+                elif seg[0] == "recv":
+                    yield "recv", (seg[1], seg[2] + off), a, b - a
+                else:
+                    yield "fill", None, a, b - a
         pos += count
+
+
+def _window_pieces(x, recv_bufs, plan, dim, fill_value, start, stop, skip=(0, 0)) -> list:
+    pieces, pos = [], start
+    for kind, where, a, c in _range_segments(plan, start, stop, skip):
+        if a > pos:  # skipped positions: zeros
+            pieces.append(x.new_zeros(_shape_with(x, dim, a - pos)))
+        if kind == "own":
+            pieces.append(x.narrow(dim, where, c))
+        elif kind == "recv":
+            pieces.append(recv_bufs[where[0]].narrow(dim, where[1], c))
+        else:
+            pieces.append(x.new_full(_shape_with(x, dim, c), fill_value))
+        pos = a + c
+    if pos < stop:
+        pieces.append(x.new_zeros(_shape_with(x, dim, stop - pos)))
     return pieces
+
+
+def scatter_window_grad(grad, start: int, plan, dim: int, grad_x, grad_recv, skip=(0, 0)):
+    """Accumulate the gradient ``grad`` of window positions ``[start, start + rows)`` (minus the
+    positions ``skip``) into the shard gradient ``grad_x`` (own rows) and the per-peer buffers
+    ``grad_recv`` (received rows, one per ``plan.recvs`` entry; either may be None: not
+    accumulated now); fill rows are dropped."""
+    stop = start + grad.shape[dim]
+    for kind, where, a, c in _range_segments(plan, start, stop, skip):
+        g = grad.narrow(dim, a - start, c)
+        if kind == "own" and grad_x is not None:
+            grad_x.narrow(dim, where, c).add_(g)
+        elif kind == "recv" and grad_recv is not None:
+            grad_recv[where[0]].narrow(dim, where[1], c).add_(g)
+
+
+def halo_gradient_buffers(like: torch.Tensor, plan, dim: int) -> list[torch.Tensor]:
+    """Zeroed gradient buffers of the rows ``plan`` receives (one per ``plan.recvs`` entry)."""
+    return [like.new_zeros(_shape_with(like, dim, c)) for _, c in plan.recvs]
+
+
+def post_halo_gradients(grad_recv, plan, dim: int, peers, group, like, *, overlapped=True):
+    """Send the gradients ``grad_recv`` of the received rows back to their owners; ``wait()``
+    gives a function adding, into a shard gradient, what other ranks return for the rows this
+    rank sent them.  For layers that split their window gradient (``overlap.py``)."""
+    back_shapes = {}
+    for q, runs in plan.sends:
+        back_shapes.setdefault(peers[q], []).append(_shape_with(like, dim, sum(c for _, c in runs)))
+    send_parts = {}
+    for (q, _), g in zip(plan.recvs, grad_recv):
+        send_parts.setdefault(peers[q], []).append(g)
+    recvs, views = _receive_buffers(like, back_shapes)
+    sends = _flat_messages(send_parts)
+    works, posted = _post(sends, recvs, group, "backward", overlapped)
+
+    def add_returned(grad_x):
+        for q, runs in plan.sends:
+            back, off = views[peers[q]].pop(0), 0
+            for s, c in runs:
+                grad_x.narrow(dim, s, c).add_(back.narrow(dim, off, c))
+                off += c
+        return grad_x
+
+    return PendingExchange(works, "backward", add_returned, keep=(*sends, *recvs), posted_s=posted)
 
 
 def assemble_window(
@@ -294,11 +364,13 @@ def assemble_window(
     fill_value: float = 0.0,
     start: int = 0,
     stop: int | None = None,
+    skip: tuple[int, int] = (0, 0),
 ) -> torch.Tensor:
     """Positions ``[start, stop)`` of this rank's window, from its own rows ``x``, the buffers
-    received by :func:`post_rows` and fill rows (a view of ``x`` when only own rows are asked)."""
+    received by :func:`post_rows` and fill rows (a view of ``x`` when only own rows are asked);
+    positions in ``skip`` (a range) are zeros."""
     stop = plan.window_rows if stop is None else stop
-    pieces = _window_pieces(x, recv_bufs, plan, dim, fill_value, start, stop)
+    pieces = _window_pieces(x, recv_bufs, plan, dim, fill_value, start, stop, skip)
     if not pieces:  # an empty window, still a view of x (attached to its graph)
         return x.narrow(dim, 0, 0)
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
