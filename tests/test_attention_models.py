@@ -18,8 +18,8 @@ from credit_parallel.domain.gather import DomainGatherModule, nonlocal_policy_fr
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.models import CrossFormer, SwinNet
 from credit_parallel.models.swin import ShiftedWindowAttention, row_segments
+from credit_parallel.run_config import TrainerConfig
 from credit_parallel.testing import run_on_ranks
-from credit_parallel.train.trainer import TrainConfig
 from credit_parallel.verify import judge, verify_layout
 from test_domain_attention import TOL, exactness_errors
 
@@ -77,7 +77,7 @@ def _verify_bundled(rank, world_size, name):
 def test_bundled_attention_configs_verify_exact(name, world):
     conf = load_config(resolve_config(name))
     assert conf["trainer"]["parallelism"]["domain"] == world
-    TrainConfig.from_conf(conf)  # the trainer accepts its keys
+    TrainerConfig.from_conf(conf)  # the trainer accepts its keys
     for rows in run_on_ranks(_verify_bundled, world, name, timeout=240):
         failed = [r for r in rows if r[-1] != "PASS"]
         assert not failed, failed

@@ -29,10 +29,10 @@ from credit_parallel.layout import RankLayout
 from credit_parallel.mesh import build_device_mesh, dp_world_size
 from credit_parallel.models import build_model
 from credit_parallel.preflight import check_run, dist_timeout_s, validate_run
+from credit_parallel.run_config import TrainerConfig
 from credit_parallel.tensor_parallel import build_tensor_parallel_plan
 from credit_parallel.testing import fake_process_group
 from credit_parallel.tools.launcher import launch_local
-from credit_parallel.train.trainer import TrainConfig
 
 __all__: list[str] = []
 
@@ -244,13 +244,13 @@ CATALOG: list[tuple[str, Any, type, tuple[str, ...]]] = [
     ),
     (
         "config/trainer-typo",
-        lambda c: TrainConfig.from_conf({"trainer": {"stpes": 10}}),
+        lambda c: TrainerConfig.from_conf({"trainer": {"stpes": 10}}),
         ValueError,
         ("'stpes'", "trainer"),
     ),
     (
         "config/nonfinite-policy",
-        lambda c: TrainConfig.from_conf({"trainer": {"nonfinite": "ignore"}}),
+        lambda c: TrainerConfig.from_conf({"trainer": {"nonfinite": "ignore"}}),
         ValueError,
         ("trainer.nonfinite", "'ignore'", "skip"),
     ),

@@ -43,7 +43,7 @@ from .exchange import (
     scatter_window_grad,
 )
 
-__all__ = ["OverlappedConv", "SplitConv", "check_overlap", "overlap_enabled", "set_model_overlap"]
+__all__ = ["SplitConv", "check_overlap", "overlap_enabled", "set_model_overlap"]
 
 
 def check_overlap(enabled):
@@ -216,7 +216,3 @@ class SplitConv(torch.autograd.Function):
                 scatter_window_grad(g, start, plan, dim, grad_x, None, skip)
             grad_x = pending.wait()(grad_x)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
-
-
-# the name of the earlier overlap-only form
-OverlappedConv = SplitConv

@@ -48,10 +48,7 @@ from ..preflight import check_run
 from ..run_config import RunConfig, TrainerConfig
 from .step import TrainStep, batch_keys, latitude_weighted_loss, replica_mean_loss
 
-__all__ = ["NonFiniteError", "TrainConfig", "Trainer"]
-
-#: the ``trainer`` section (kept under its former name)
-TrainConfig = TrainerConfig
+__all__ = ["NonFiniteError", "Trainer"]
 
 
 class NonFiniteError(RuntimeError):
