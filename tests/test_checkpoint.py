@@ -35,6 +35,7 @@ from credit_parallel.data import write_sample_dataset
 from credit_parallel.models import UNet
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.trainer import Trainer
+from sample_conf import tiny_unet, tiny_unet_conf
 
 __all__: list[str] = []
 
@@ -44,16 +45,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 TOL = 1e-10
 H, W = 17, 32
 K = 3  # the checkpoint is taken after step K; steps K+1 and K+2 are compared
-MODEL = {
-    "type": "unet",
-    "in_channels": 8,
-    "out_channels": 8,
-    "image_height": H,
-    "image_width": W,
-    "base_channels": 4,
-    "channel_mults": [1, 2],
-    "norm_groups": 2,
-}
+MODEL = tiny_unet(H, W)
 
 
 @pytest.fixture(scope="module")
@@ -64,25 +56,16 @@ def store(tmp_path_factory):
 
 
 def _conf(store, parallelism=None, batch_size=2):
-    return {
-        "model": dict(MODEL),
-        "data": {
-            "path": store,
-            "upper_air_variables": ["T", "U", "V"],
-            "surface_variables": ["t2m", "SP"],
-            "levels": [500, 850],
-            "time_slice": [0, 33],
-        },
-        "trainer": {
-            "parallelism": parallelism or {"data": "none", "tensor": 1, "domain": 1},
-            "steps": 8,
-            "batch_size": batch_size,
-            "lr": 0.01,
-            "warmup_steps": 2,
-            "seed": 5,
-            "dtype": "float64",
-        },
+    trainer = {
+        "parallelism": parallelism or {"data": "none", "tensor": 1, "domain": 1},
+        "steps": 8,
+        "batch_size": batch_size,
+        "lr": 0.01,
+        "warmup_steps": 2,
+        "seed": 5,
+        "dtype": "float64",
     }
+    return tiny_unet_conf(store, H, W, time_slice=[0, 33], trainer=trainer)
 
 
 def _losses(trainer, steps):

@@ -20,6 +20,7 @@ import yaml
 import credit_parallel
 from credit_parallel import cli
 from credit_parallel.data import ERA5Dataset, write_sample_dataset
+from sample_conf import tiny_unet_conf
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(credit_parallel.__file__)))
 
@@ -30,32 +31,14 @@ H, W = 17, 32
 
 
 def _tiny_conf(store, parallelism):
-    return {
-        "model": {
-            "type": "unet",
-            "in_channels": 8,
-            "out_channels": 8,
-            "image_height": H,
-            "image_width": W,
-            "base_channels": 4,
-            "channel_mults": [1, 2],
-            "norm_groups": 2,
-        },
-        "data": {
-            "path": str(store),
-            "upper_air_variables": ["T", "U", "V"],
-            "surface_variables": ["t2m", "SP"],
-            "levels": [500, 850],
-            "time_slice": [0, 20],
-        },
-        "trainer": {
-            "parallelism": parallelism,
-            "steps": 5,
-            "batch_size": 2,
-            "lr": 0.01,
-            "dist_timeout_s": 60,
-        },
+    trainer = {
+        "parallelism": parallelism,
+        "steps": 5,
+        "batch_size": 2,
+        "lr": 0.01,
+        "dist_timeout_s": 60,
     }
+    return tiny_unet_conf(store, H, W, time_slice=[0, 20], trainer=trainer)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from credit_parallel import device as device_mod
 from credit_parallel.data import write_sample_dataset
 from credit_parallel.device import autocast_for, batch_to_device, device_for_process_group
 from credit_parallel.testing import run_on_ranks
+from sample_conf import tiny_unet_conf
 
 __all__: list[str] = []
 
@@ -35,30 +36,12 @@ def store(tmp_path_factory):
 
 
 def _conf(store):
-    return {
-        "model": {
-            "type": "unet",
-            "in_channels": 8,
-            "out_channels": 8,
-            "image_height": H,
-            "image_width": W,
-            "base_channels": 4,
-            "channel_mults": [1, 2],
-            "norm_groups": 2,
-        },
-        "data": {
-            "path": store,
-            "upper_air_variables": ["T", "U", "V"],
-            "surface_variables": ["t2m", "SP"],
-            "levels": [500, 850],
-            "time_slice": [0, 10],
-        },
-        "trainer": {
-            "parallelism": {"data": "none", "tensor": 1, "domain": 1},
-            "batch_size": 2,
-            "seed": 1,
-        },
+    trainer = {
+        "parallelism": {"data": "none", "tensor": 1, "domain": 1},
+        "batch_size": 2,
+        "seed": 1,
     }
+    return tiny_unet_conf(store, H, W, time_slice=[0, 10], trainer=trainer)
 
 
 def _assert_all_on(device, tensors, what):

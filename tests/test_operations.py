@@ -28,6 +28,7 @@ from credit_parallel.data import write_sample_dataset
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train import main as train_main
 from credit_parallel.train.trainer import Trainer
+from sample_conf import tiny_unet_conf
 
 __all__: list[str] = []
 
@@ -52,26 +53,7 @@ def _conf(store, parallelism=None, **trainer):
         "dtype": "float64",
     }
     base.update(trainer)
-    return {
-        "model": {
-            "type": "unet",
-            "in_channels": 8,
-            "out_channels": 8,
-            "image_height": H,
-            "image_width": W,
-            "base_channels": 4,
-            "channel_mults": [1, 2],
-            "norm_groups": 2,
-        },
-        "data": {
-            "path": store,
-            "upper_air_variables": ["T", "U", "V"],
-            "surface_variables": ["t2m", "SP"],
-            "levels": [500, 850],
-            "time_slice": [0, 28],
-        },
-        "trainer": base,
-    }
+    return tiny_unet_conf(store, H, W, time_slice=[0, 28], trainer=base)
 
 
 class _Terminal(io.StringIO):

@@ -19,6 +19,7 @@ import torch.distributed.tensor  # noqa: F401
 from credit_parallel.data import ERA5Dataset, write_sample_dataset
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.trainer import NonFiniteError, Trainer
+from sample_conf import tiny_unet_conf
 
 __all__: list[str] = []
 
@@ -48,28 +49,15 @@ def _conf(store, *, parallelism=None, forecast_len=1, **trainer):
         "val_batches": 2,
     }
     base.update(trainer)
-    return {
-        "model": {
-            "type": "unet",
-            "in_channels": 8,
-            "out_channels": 8,
-            "image_height": H,
-            "image_width": W,
-            "base_channels": 4,
-            "channel_mults": [1, 2],
-            "norm_groups": 2,
-        },
-        "data": {
-            "path": store,
-            "upper_air_variables": ["T", "U", "V"],
-            "surface_variables": ["t2m", "SP"],
-            "levels": [500, 850],
-            "forecast_len": forecast_len,
-            "time_slice": [0, 33],
-            "valid_time_slice": [33, 40],
-        },
-        "trainer": base,
-    }
+    return tiny_unet_conf(
+        store,
+        H,
+        W,
+        time_slice=[0, 33],
+        trainer=base,
+        forecast_len=forecast_len,
+        valid_time_slice=[33, 40],
+    )
 
 
 class NaNAtStep(torch.utils.data.Dataset):
