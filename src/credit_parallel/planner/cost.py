@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..config import DataMode
+from ..domain.attention import form_cost
 from ..domain.geometry import FILL, domain_form_of, domain_kind_of, input_windows_of
 from ..domain.rows import plan_exchange, shard_range, shard_sizes
 from ..tensor_parallel import COLUMN, _check_layer, _resolve, collect_tensor_parallel_targets
@@ -65,6 +66,12 @@ class DomainLayerPlan:
     row_elements: int
     peers: tuple[tuple[int, ...], ...] = ()
     error: str | None = None
+    form: str = ""  # the layer's domain_form (domain/geometry.py FORMS)
+    # attention and gathered modules (``domain.attention.form_cost``), at batch 1: extra bytes
+    # sent over all ranks per forward (the backward sends as much again) and the module input
+    # the busiest rank holds while it runs; 0 for layers that do not report them
+    communication_bytes: int = 0
+    activation_bytes: int = 0
 
     @property
     def exchanges(self) -> bool:
@@ -169,7 +176,8 @@ def predicted_collectives(
     * ``domain_p2p``: ``batch_isend_irecv`` calls, 2 per domain layer this rank exchanges in
       (forward rows + backward gradients);
     * ``domain_all_gather`` / ``domain_all_reduce_norm``: per GroupNorm call one all-gather of the
-      statistics in forward and its adjoint all-reduce in backward;
+      statistics in forward and its adjoint all-reduce in backward; per gathered module
+      (``nonlocal_policy="gather"``) one all-gather of its input rows;
     * ``domain_grad_all_reduce``: buckets of ``sync_domain_gradients`` (domain > 1);
     * ``tp_all_reduce``: one per row-parallel layer (forward) plus one per column layer (backward);
     * ``tp_weight_regroup``: fused column layers regroup their weight (forward and backward);
@@ -201,7 +209,8 @@ def predicted_collectives(
             sum(1 for layer in layers if layer.rank_exchanges(r)) for r in ranks
         )
         norms = sum(1 for layer in layers if layer.kind == "group_norm")
-        counts["domain_all_gather"] = norms
+        gathers = sum(1 for layer in layers if layer.form == "gather")
+        counts["domain_all_gather"] = norms + gathers
         counts["domain_all_reduce_norm"] = norms
         counts["domain_grad_all_reduce"] = _greedy_buckets(grad_sizes_bytes, cap)
     if tp > 1:
@@ -295,27 +304,35 @@ def _halo_sides(windows, in_h: int, n: int) -> tuple[tuple[int, ...], tuple[int,
     return tuple(before), tuple(after)
 
 
-def layer_call_plan(path: str, layer, in_shape, out_shape, n: int, double: bool, exchange=None):
+def layer_call_plan(
+    path: str, layer, in_shape, out_shape, n: int, double: bool, exchange=None, itemsize: int = 4
+):
     """The :class:`DomainLayerPlan` of one call of the domain layer ``layer`` (the converter's
     replacement) on an input of ``in_shape`` giving ``out_shape`` (batch 1), over ``n`` ranks,
     from the layer's own geometry.  ``double``: float64 activations (interpolation indices).
     ``exchange``: None (the layer's own windows), False (another layer exchanges for it: a
     fused pad), or ``(windows, exchanged_shape)`` when it exchanges another tensor (a conv
-    fused with its pad, a shared sibling exchange)."""
+    fused with its pad, a shared sibling exchange).  ``itemsize``: activation element bytes,
+    for the communication and memory that attention and gathered modules report."""
     in_h = in_shape[SHARD_DIM % len(in_shape)]
     out_h = out_shape[SHARD_DIM % len(out_shape)]
     row_elements = math.prod(in_shape) // max(in_h, 1)
     kind = domain_kind_of(layer)
     zeros = (0,) * n
+    form = domain_form_of(layer) or ""
+    cost = form_cost(layer, tuple(in_shape), n, itemsize) if n > 1 else None
+    extra = (cost["communication_bytes"], cost["activation_bytes"]) if cost else (0, 0)
 
     def without_exchange(error: str | None = None) -> DomainLayerPlan:
         peers = ((),) * n if error is None else ()
         return DomainLayerPlan(
             path, kind, in_h, out_h, shard_sizes(out_h, n), zeros, zeros, zeros, zeros,
-            row_elements, peers, error,
+            row_elements, peers, error, form, *extra,
         )  # fmt: skip
 
-    if domain_form_of(layer) is None or exchange is False:
+    # a gathered module all-gathers (a collective, counted in its communication_bytes), it
+    # does not exchange halo rows point to point
+    if not form or exchange is False or form == "gather":
         return without_exchange()  # not a layer this planner can ask, or fused: no halo
     try:
         ex_h = in_h
@@ -343,4 +360,7 @@ def layer_call_plan(path: str, layer, in_shape, out_shape, n: int, double: bool,
         tuple(p.rows_sent for p in plans),
         row_elements,
         tuple(tuple(q for q, _ in p.recvs) for p in plans),
+        None,
+        form,
+        *extra,
     )

@@ -153,23 +153,27 @@ def _layout(block: dict, world_size: int, violations: list, notes: list):
     return dims, dp
 
 
-def _run_settings(conf: dict, violations: list) -> tuple[int, bool]:
-    """(samples per data-parallel rank, amp), parsed exactly as the trainer parses them (the
-    typed run config): a value the trainer would reject is a violation here too."""
+def _run_settings(conf: dict, violations: list) -> tuple[int, bool, str]:
+    """(samples per data-parallel rank, amp, nonlocal policy), parsed exactly as the trainer
+    parses them (the typed run config): a value the trainer would reject is a violation here too."""
     settings = []
-    for key in ("batch_size", "amp"):
+    for key in ("batch_size", "amp", "domain_nonlocal_policy"):
         try:
             settings.append(trainer_option(conf, key))
         except ValueError as err:
             default = TrainerConfig.__dataclass_fields__[key].default
             violations.append(f"{err}; assuming {default!r}")
             settings.append(default)
-    return settings[0], settings[1]
+    return settings[0], settings[1], settings[2]
 
 
-def _traced_layers(model, shapes, n: int, double: bool, violations: list):
-    """(trace, one DomainLayerPlan per domain-layer call) of the meta model."""
-    targets, unsafe = domain_targets(model)
+def _traced_layers(model, shapes, n: int, amp: bool, violations: list, *, policy):
+    """(trace, one DomainLayerPlan per domain-layer call) of the meta model, converted as
+    ``convert_to_domain_parallel(..., nonlocal_policy=policy)`` would convert it."""
+    param_dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
+    double = param_dtype == torch.float64 and not amp  # float64 interpolation indices
+    itemsize = 2 if amp else param_dtype.itemsize
+    targets, unsafe = domain_targets(model, policy)
     trace = trace_model(model, shapes, [t for t in targets if not isinstance(t[2], Exception)])
     for path, _, err in targets:
         if isinstance(err, Exception) and n > 1:
@@ -178,7 +182,8 @@ def _traced_layers(model, shapes, n: int, double: bool, violations: list):
         for path, reason in unsafe:
             violations.append(
                 f"{path}: {reason}; convert_to_domain_parallel refuses it under domain > 1 "
-                "(replace it, declare _domain_local = True if it truly is row-local, or use "
+                "(replace it, declare _domain_local = True if it truly is row-local, set "
+                "trainer.domain_nonlocal_policy: gather to run it on the whole globe, or use "
                 "trainer.parallelism.domain: 1)"
             )
     exchanges = _fused_exchanges(model, targets, trace, n)
@@ -189,7 +194,7 @@ def _traced_layers(model, shapes, n: int, double: bool, violations: list):
         label = path if seen_calls[path] == 1 else f"{path} (call {seen_calls[path]})"
         layers.append(
             layer_call_plan(
-                label, replacement, in_shape, out_shape, n, double, exchanges.get(index)
+                label, replacement, in_shape, out_shape, n, double, exchanges.get(index), itemsize
             )
         )
     return trace, layers
@@ -359,7 +364,7 @@ def make_plan(
     notes: list[str] = []
     data, tp, n = block["data"], block["tensor"], block["domain"]
     dims, dp = _layout(block, world_size, violations, notes)
-    batch_size, amp = _run_settings(conf, violations)
+    batch_size, amp, policy = _run_settings(conf, violations)
 
     # ---- the model, on meta, traced once
     if model is None:
@@ -371,9 +376,7 @@ def make_plan(
         tuple(int(v) for v in s)
         for s in (input_shapes if input_shapes is not None else model_input_shapes(model))
     )
-    param_dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
-    double = param_dtype == torch.float64 and not amp
-    trace, layers = _traced_layers(model, shapes, n, double, violations)
+    trace, layers = _traced_layers(model, shapes, n, amp, violations, policy=policy)
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, n, violations)
 

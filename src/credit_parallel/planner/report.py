@@ -81,24 +81,57 @@ def _levels_section(plan: Plan) -> list[str]:
     return out
 
 
+def _layer_bytes(plan: Plan, layer) -> tuple[str, str]:
+    """(extra communication per call over all ranks, activation per rank) of one layer call at
+    the run's batch: what attention and gathered modules report, the halo rows otherwise."""
+    b, item = plan.batch_size, plan.memory.activation_dtype_bytes
+    if layer.communication_bytes or layer.activation_bytes:
+        return _human(layer.communication_bytes * b), _human(layer.activation_bytes * b)
+    halo = sum(layer.rows_received) * layer.row_elements * b * item
+    own = max(layer.out_rows, default=0) * layer.row_elements * b * item
+    return (_human(halo) if halo else "-"), _human(own)
+
+
 def _layers_section(plan: Plan) -> list[str]:
     out: list[str] = []
     out.append(f"== Domain-parallel layers ({len(plan.layers)} calls) ==")
     if plan.layers:
-        rows = [["module", "kind", "H in->out", "out rows/rank", "halo before", "halo after", ""]]
+        rows = [
+            [
+                "module",
+                "kind",
+                "form",
+                "H in->out",
+                "out rows/rank",
+                "halo before",
+                "halo after",
+                "comm/call",
+                "act/rank",
+                "",
+            ]
+        ]
         for layer in plan.layers:
+            comm, act = _layer_bytes(plan, layer)
             rows.append(
                 [
                     layer.path,
                     layer.kind,
+                    layer.form or "-",
                     f"{layer.in_height}->{layer.out_height}",
                     str(list(layer.out_rows)),
                     str(list(layer.halo_before)),
                     str(list(layer.halo_after)),
+                    comm,
+                    act,
                     f"ERROR: {layer.error}" if layer.error else "",
                 ]
             )
         out.extend(_table(rows))
+        out.append(
+            "comm/call: extra bytes sent over all domain ranks per forward (the backward sends "
+            "as much again); act/rank: the input the busiest rank holds (attention, gather) or "
+            "its own rows of the input (other layers), at the run's batch"
+        )
     else:
         out.append("(none)")
     return out

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..domain.attention import convert_known_attention
 from ..domain.convert import apply_domain_rule, walk_domain_modules
+from ..domain.gather import DomainGatherModule
 from ..models import build_model
 
 __all__ = ["Trace", "build_meta_model", "domain_targets", "model_input_shapes", "trace_model"]
@@ -74,10 +76,43 @@ def build_meta_model(conf: dict) -> tuple[nn.Module, str]:
     return model, str(conf_model.get("type"))
 
 
-def domain_targets(model: nn.Module):
-    """Walk the module tree exactly as ``convert_to_domain_parallel`` does (no custom converters):
-    returns ``(targets, unsafe)``; ``targets`` are ``(path, module, replacement or error)``."""
+def _known_attention(model: nn.Module) -> list:
+    """``(path, original module, replacement)`` of every attention module the converter's own
+    ``convert_known_attention`` replaces.  It runs on ``model`` (manager None: the wrappers only
+    need one when they run) and the originals are put back, so the meta forward still runs the
+    plain modules while the rest of the walk skips them exactly as the converter does."""
+    found = []
+    holder = nn.Module()
+    holder._modules["root"] = model
+    convert_known_attention(holder, None, SHARD_DIM)
+    for path, module in list(holder.named_modules()):
+        if getattr(module, "_domain_parallel", False) and hasattr(module, "module_path"):
+            found.append((path.removeprefix("root").lstrip(".") or "<root>", module))
+    return found
+
+
+def _restore(model: nn.Module, found: list) -> None:
+    for path, replacement in found:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        parent._modules[name] = replacement.wrapped
+
+
+def domain_targets(model: nn.Module, nonlocal_policy: str = "raise"):
+    """Ask the converter (no custom converters) what it does with every module of ``model``:
+    returns ``(targets, unsafe)``; ``targets`` are ``(path, module, replacement or error)`` in
+    conversion order: recognised attention first (``convert_known_attention``), then the rule
+    walk (``walk_domain_modules``), then, under ``nonlocal_policy="gather"``, every module the
+    walk reports as unsafe wrapped in :class:`DomainGatherModule` (``unsafe`` is then empty).
+    The root model itself cannot be replaced here (the tracer hooks the modules in place)."""
     targets, unsafe = [], []
+    found = _known_attention(model)
+    if any(path == "<root>" for path, _ in found):
+        raise ValueError("the planner cannot plan a model whose root is itself an attention module")
+    for path, replacement in found:
+        targets.append((path, replacement.wrapped, replacement))
+    # convert_known_attention left the replacements in place: the walk skips them (already
+    # domain-parallel), as in the converter; they are swapped back before the trace
 
     def candidate(parent, name, path, child) -> bool:
         try:
@@ -90,7 +125,15 @@ def domain_targets(model: nn.Module):
         targets.append((path, child, replacement))
         return True
 
-    walk_domain_modules(model, candidate, lambda path, reason: unsafe.append((path, reason)))
+    try:
+        walk_domain_modules(model, candidate, lambda path, reason: unsafe.append((path, reason)))
+    finally:
+        _restore(model, found)
+    if nonlocal_policy == "gather":
+        for path, _ in unsafe:
+            module = model if path == "<root>" else model.get_submodule(path)
+            targets.append((path, module, DomainGatherModule(module, SHARD_DIM, manager=None)))
+        unsafe = []
     return targets, unsafe
 
 
