@@ -175,7 +175,7 @@ def test_tensor_parallel_divisibility_names_the_layer_and_all_problems_are_colle
     assert len(plan.violations) == 3
 
 
-def test_window_constraints_of_crossformer_are_reported_per_local_height():
+def test_window_constraints_of_crossformer_are_notes_per_local_height_as_attention_is_exact():
     model = {
         "type": "crossformer",
         "in_channels": 2,
@@ -187,10 +187,30 @@ def test_window_constraints_of_crossformer_are_reported_per_local_height():
         "dim_head": 4,
         "window_sizes": [4, 2],
     }
-    assert make_plan(_conf("none", 1, 2, model), 2).violations == []
+    plan2 = make_plan(_conf("none", 1, 2, model), 2)
+    assert plan2.violations == []
+    assert not any("validate_sharding_constraints" in n for n in plan2.notes)
     plan = make_plan(_conf("none", 1, 3, model), 3)  # shards of 11, 11, 10 rows
+    assert plan.violations == []  # exact (verified at domain 3 in test_verify_models)
+    found = [n for n in plan.notes if "validate_sharding_constraints" in n]
+    assert found and all("local_h=1" in n and "exact anyway" in n for n in found)
+    assert {"local_h=11", "local_h=10"} <= {n.split("(")[1].split(",")[0] for n in found}
+
+
+def test_window_constraints_without_exact_attention_stay_violations():
+    class Windowed(nn.Module):  # declares windows but has no attention the converter knows
+        window_sizes = [4]
+
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    plan = make_plan(_conf(domain=3), 3, model=Windowed(), input_shapes=[(2, 32, 8)])
     found = [v for v in plan.violations if "validate_sharding_constraints" in v]
-    assert found and all("local_h=1" in v for v in found)
+    assert found and all("window size" in v for v in found)
 
 
 def test_unsafe_module_under_domain_parallelism_is_a_violation():
