@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "DomainLayerPlan",
     "MemoryEstimate",
+    "activation_parts",
     "fsdp_units",
     "layer_call_plan",
     "local_numel",
@@ -87,19 +88,40 @@ class DomainLayerPlan:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank (the largest rank where ranks differ); an estimate, see ``format_plan``."""
+    """Bytes per rank (the largest rank where ranks differ) at the peak of a training step, by
+    part; an estimate, see ``format_plan``.  Not counted: the framework's own per-process memory
+    (CPU: torch's kernels and caches, tens of MiB; GPU: the CUDA context) and the data loader's
+    prefetched batches."""
 
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-    activation_bytes: int
+    activation_bytes: int  # what autograd saves for backward (traced on meta)
     param_bytes_unsharded: int  # the whole model, fp32, on one rank
     fsdp_largest_unit_bytes: int  # unsharded (all-gathered) size of the largest FSDP2 unit
     activation_dtype_bytes: int
+    # activation gradients alive at once in backward: the largest layer's output and input grads
+    backward_transient_bytes: int = 0
+    workspace_bytes: int = 0  # the largest convolution's im2col column buffer
+    batch_bytes: int = 0  # this rank's inputs and targets
+    input_bytes: int = 0  # the inputs' part of batch_bytes (autograd saves them too)
+    exchange_bytes: int = 0  # halo-extended inputs saved by domain layers, gathered globes
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return (
+            self.state_bytes
+            + self.activation_bytes
+            + self.exchange_bytes
+            + self.backward_transient_bytes
+            + self.workspace_bytes
+            + self.batch_bytes
+        )
 
 
 # --------------------------------------------------------------------------- cost functions
@@ -273,6 +295,64 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, set[str]]]:
                 owner = block
         owned[owner].add(pname)
     return [(name, names) for name, names in owned.items() if names]
+
+
+def _rank_share(numel: int, shape, heights, n: int) -> int:
+    """Elements the busiest domain rank holds of a tensor of ``shape``: its rows of a latitude
+    field (a 4-D/5-D tensor whose dim -2 is one of the model's heights), else a 1/n share (the
+    attention layouts spread reshaped tensors over the ranks)."""
+    if n <= 1:
+        return numel
+    if len(shape) in (4, 5) and shape[SHARD_DIM] in heights:
+        h = shape[SHARD_DIM]
+        return numel // max(h, 1) * max(1, -(-h // n))
+    return -(-numel // n)
+
+
+def activation_parts(
+    trace,
+    layers,
+    input_shapes,
+    heights,
+    n: int,
+    *,
+    batch_size: int,
+    act_bytes: int,
+    data_bytes: int,
+) -> dict[str, int]:
+    """Per-rank activation memory at the peak of a step, by part (``MemoryEstimate`` fields).
+
+    ``trace``: the meta trace (``trace.saved``: what autograd saves, ``leaf_outputs``,
+    ``conv_columns``, ``model_outputs``) at batch 1 in the model's dtype; ``heights``: the
+    model's global heights (the levels); ``act_bytes``: activation element bytes (2 under amp);
+    ``data_bytes``: element bytes of inputs and targets."""
+    saved = 0
+    for shape, nbytes in trace.saved:
+        itemsize = max(1, nbytes // max(1, math.prod(shape)))
+        numel = nbytes // itemsize
+        saved += _rank_share(numel, shape, heights, n) * act_bytes
+    largest = max(
+        (_rank_share(math.prod(s), s, heights, n) for _, s in trace.leaf_outputs), default=0
+    )
+    columns = max((-(-c // n) for c in trace.conv_columns), default=0)
+    inputs = sum(_rank_share(math.prod((1, *s)), (1, *s), heights, n) for s in input_shapes)
+    batch = inputs + sum(
+        _rank_share(math.prod(s), s, heights, n) for s in trace.model_outputs if len(s) >= 3
+    )
+    exchange = 0
+    for layer in layers:
+        if layer.form == "gather":
+            exchange += layer.activation_bytes  # the whole globe's input on every rank
+        elif layer.rows_received:
+            exchange += max(layer.rows_received) * layer.row_elements * act_bytes
+    return {
+        "activation_bytes": saved * batch_size,
+        "backward_transient_bytes": 2 * largest * act_bytes * batch_size,
+        "workspace_bytes": columns * act_bytes * batch_size,
+        "batch_bytes": batch * data_bytes * batch_size,
+        "input_bytes": inputs * data_bytes * batch_size,
+        "exchange_bytes": exchange * batch_size,
+    }
 
 
 def local_numel(shape, split_dim, tp: int, fsdp_dp: int) -> int:

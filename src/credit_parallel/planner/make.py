@@ -20,7 +20,6 @@ are GLOBAL row counts along the sharded dim (latitude: dim -2 of B,C,H,W and of 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ from ..run_config import TrainerConfig, trainer_option
 from .cost import (
     DomainLayerPlan,
     MemoryEstimate,
+    activation_parts,
     fsdp_units,
     layer_call_plan,
     local_numel,
@@ -308,7 +308,9 @@ def _window_constraints(model, shapes, layers, n: int, violations: list, notes: 
             )
 
 
-def _memory(model, trace, *, data, dp, tp, n, batch_size, amp, violations, notes):
+def _memory(
+    model, trace, layers, shapes, levels, *, data, dp, tp, n, batch_size, amp, violations, notes
+):
     """(MemoryEstimate, tp targets, FSDP units, local parameter numels) of one rank."""
     split, tp_listed = tp_split_dims(model, tp, violations)
     if tp > 1 and not tp_listed:
@@ -333,24 +335,18 @@ def _memory(model, trace, *, data, dp, tp, n, batch_size, amp, violations, notes
     )
     param_dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     act_bytes = 2 if amp else param_dtype.itemsize
-    col_outputs = {t.path for t in tp_listed if t.role == "col"} if tp > 1 else set()
-    activation_elems = 0
-    for path, shape in trace.leaf_outputs:
-        numel = math.prod(shape) * batch_size
-        if len(shape) in (4, 5) and n > 1:
-            h = shape[SHARD_DIM]
-            numel = numel // max(h, 1) * max(1, -(-h // n))  # the largest rank's rows
-        if path in col_outputs:
-            numel = -(-numel // tp)
-        activation_elems += numel
+    parts = activation_parts(
+        trace, layers, shapes, {h for h, _ in levels}, n,
+        batch_size=batch_size, act_bytes=act_bytes, data_bytes=param_dtype.itemsize,
+    )  # fmt: skip
     memory = MemoryEstimate(
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
         optimizer_bytes=2 * param_bytes,
-        activation_bytes=activation_elems * act_bytes,
         param_bytes_unsharded=full_numel * _PARAM_BYTES,
         fsdp_largest_unit_bytes=largest_unit * (2 if amp else _PARAM_BYTES),
         activation_dtype_bytes=act_bytes,
+        **parts,
     )
     return memory, tp_listed, units, local_numels
 
@@ -397,7 +393,7 @@ def make_plan(
 
     # ---- memory and communication
     memory, tp_listed, units, local_numels = _memory(
-        model, trace, data=data, dp=dp, tp=tp, n=n, batch_size=batch_size, amp=amp,
+        model, trace, layers, shapes, levels, data=data, dp=dp, tp=tp, n=n, batch_size=batch_size, amp=amp,
         violations=violations, notes=notes,
     )  # fmt: skip
     act_bytes = memory.activation_dtype_bytes

@@ -153,11 +153,29 @@ def _memory_section(plan: Plan) -> list[str]:
     out.append(f"gradients       {_human(m.grad_bytes):>12}  same layout as the parameters")
     out.append(f"AdamW state     {_human(m.optimizer_bytes):>12}  2 x parameters (fp32 moments)")
     out.append(
-        f"activations     {_human(m.activation_bytes):>12}  estimate of saved activations: "
-        f"leaf-module outputs x batch {plan.batch_size} x {m.activation_dtype_bytes} B, "
-        f"4-D/5-D ones at the largest rank's share of the rows"
+        f"saved activ.    {_human(m.activation_bytes):>12}  what autograd saves for backward "
+        f"(traced on meta) x batch {plan.batch_size} x {m.activation_dtype_bytes} B, "
+        "4-D/5-D fields at the largest rank's rows"
     )
-    out.append(f"total           {_human(m.total_bytes):>12}")
+    if m.exchange_bytes:
+        out.append(
+            f"exchange        {_human(m.exchange_bytes):>12}  halo-extended inputs the domain "
+            "layers save, whole-globe inputs of gathered modules"
+        )
+    out.append(
+        f"backward peak   {_human(m.backward_transient_bytes):>12}  activation gradients alive "
+        "at once: the largest layer's output and input gradients"
+    )
+    out.append(
+        f"conv workspace  {_human(m.workspace_bytes):>12}  the largest convolution's im2col "
+        "columns (C_in x kernel x output positions)"
+    )
+    out.append(f"batch           {_human(m.batch_bytes):>12}  this rank's inputs and targets")
+    out.append(
+        f"total           {_human(m.total_bytes):>12}  peak of a step; not counted: the "
+        "framework's own per-process memory (torch kernels/caches, the CUDA context) and "
+        "prefetched batches"
+    )
     if plan.fsdp_units:
         out.append(
             f"FSDP2 units: {len(plan.fsdp_units)} (largest unsharded while in use: "

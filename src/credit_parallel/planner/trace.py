@@ -17,7 +17,8 @@ which mirror the ``model:`` config keys):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -149,10 +150,17 @@ def _tensors(obj):
 
 
 _SHAPE_PRESERVING = (nn.GroupNorm, nn.LayerNorm)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
-def _same_shape(x: torch.Tensor) -> torch.Tensor:
-    return x
+def _saves_its_input(one: torch.Tensor):
+    """A stand-in for a normalisation on meta: a new output of the input's shape that saves the
+    input for backward, as the real normalisation does (``x * one``, ``one`` requiring grad)."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * one
+
+    return forward
 
 
 @dataclass
@@ -160,15 +168,41 @@ class Trace:
     calls: list  # (path, module, replacement, in_shape, out_shape, input tensor)
     leaf_outputs: list  # (path, out_shape)
     model_outputs: list  # shapes
+    # what autograd saves for backward, one entry per distinct storage (parameters and model
+    # inputs excluded): (shape, bytes) at batch 1
+    saved: list = field(default_factory=list)
+    # per convolution call, its im2col buffer at batch 1 (elements): C_in/groups x kernel x
+    # output positions, the column matrix CPU convolution (and cuDNN's GEMM algorithms) build
+    conv_columns: list = field(default_factory=list)
+
+
+def _conv_columns(mod, args, out) -> int:
+    x = next(_tensors(args), None)
+    if x is None or not isinstance(out, torch.Tensor):
+        return 0
+    if isinstance(mod, (nn.ConvTranspose2d, nn.ConvTranspose3d)):  # columns of the input
+        return mod.out_channels * math.prod(mod.kernel_size) * math.prod(x.shape[2:])
+    return mod.in_channels * math.prod(mod.kernel_size) * math.prod(out.shape[2:])
 
 
 def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
-    """One forward on meta tensors (batch 1) recording domain-layer calls and leaf outputs."""
-    calls, leaf_outputs, handles = [], [], []
+    """One forward on meta tensors (batch 1, autograd on) recording domain-layer calls, leaf
+    outputs, the tensors autograd saves and convolution column buffers."""
+    calls, leaf_outputs, handles, conv_columns = [], [], [], []
     dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     by_module = {}
     for path, module, replacement in targets:
         by_module.setdefault(id(module), (path, module, replacement))
+    inputs = [torch.empty((1, *s), device="meta", dtype=dtype) for s in input_shapes]
+    excluded = {t.untyped_storage()._cdata for t in (*model.parameters(), *inputs)}
+    saved: dict[int, tuple] = {}
+
+    def pack(t: torch.Tensor):
+        key = t.untyped_storage()._cdata
+        if key not in excluded:
+            saved.setdefault(key, (tuple(t.shape), t.untyped_storage().nbytes()))
+        return t
+
     try:
         for path, module, replacement in by_module.values():
 
@@ -189,15 +223,18 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
             def leaf(mod, args, out, path=path):
                 for t in _tensors(out):
                     leaf_outputs.append((path or "<root>", tuple(t.shape)))
+                if isinstance(mod, _CONVS):
+                    conv_columns.append(_conv_columns(mod, args, out))
 
             handles.append(module.register_forward_hook(leaf))
+        one = torch.ones((), device="meta", dtype=dtype, requires_grad=True)
         for module in model.modules():
             # Normalisations keep the shape; on meta tensors their reference decompositions cost
-            # seconds of imports for nothing, so the (private, meta) copy skips them.
+            # seconds of imports for nothing, so the (private, meta) copy runs a stand-in that
+            # saves what they save (their input) and makes a new output.
             if type(module) in _SHAPE_PRESERVING:
-                module.forward = _same_shape
-        inputs = [torch.empty((1, *s), device="meta", dtype=dtype) for s in input_shapes]
-        with torch.no_grad():
+                module.forward = _saves_its_input(one)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(*inputs)
     except Exception as err:  # a forward that cannot run on meta tensors: unusable for planning
         raise ValueError(
@@ -207,4 +244,11 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    return Trace(calls, leaf_outputs, [tuple(t.shape) for t in _tensors(out)])
+    saved.pop(one.untyped_storage()._cdata, None)
+    return Trace(
+        calls,
+        leaf_outputs,
+        [tuple(t.shape) for t in _tensors(out)],
+        list(saved.values()),
+        conv_columns,
+    )
