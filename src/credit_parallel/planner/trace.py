@@ -1,6 +1,7 @@
 """Tracing a model for the planner: its input shapes, a meta-device build, and ONE forward on
 meta tensors (no memory, no arithmetic) that records every call of a module the converter would
-replace, with its input and output shapes, and every leaf module's output shape.
+replace, with its input and output shapes, every leaf module's output shape, the tensors autograd
+saves for backward and the convolutions' column buffers (for the memory estimate).
 
 Which modules are replaced, and by what, comes from the converter's own walker and rule
 registry (``domain/convert.py``), so the planner sees exactly the layers a run would build.
