@@ -3,8 +3,10 @@ meta tensors (no memory, no arithmetic) that records every call of a module the 
 replace, with its input and output shapes, every leaf module's output shape, the tensors autograd
 saves for backward and the convolutions' column buffers (for the memory estimate).
 
-Which modules are replaced, and by what, comes from the converter's own walker and rule
-registry (``domain/convert.py``), so the planner sees exactly the layers a run would build.
+Which modules are replaced, and by what, comes from the converter's own steps: its attention
+recognition (``convert_known_attention``), its walker and rule registry (``domain/convert.py``) and
+its ``nonlocal_policy`` (``trainer.domain_nonlocal_policy``: "gather" wraps what "raise" refuses),
+so the planner sees exactly the layers a run would build.
 Input shapes of the known model types (assumptions, read from the built model's attributes,
 which mirror the ``model:`` config keys):
 
