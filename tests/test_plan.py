@@ -305,6 +305,7 @@ def test_batchnorm_under_gather_policy_is_planned_as_gather_with_its_all_gather_
     assert bn.activation_bytes == 3 * 8 * 4 * 4  # the whole globe on every rank
     assert bn.rows_received == (0, 0)  # a collective, not a halo exchange
     assert plan.collectives["domain_all_gather"] == 1
+    assert any(n.startswith("trainer.domain_nonlocal_policy: gather: 1: ") for n in plan.notes)
     assert "gather" in format_plan(plan)
     # the default policy refuses it
     default = make_plan(_conf(domain=2), 2, model=model, input_shapes=[(2, 8, 4)])

@@ -30,6 +30,7 @@ from ..config import DataMode, ParallelDims, parse_parallelism_conf
 from ..domain.conv import fused_pad_windows
 from ..domain.convert import validate_sharding_constraints
 from ..domain.fusion import find_fusions
+from ..domain.gather import gather_cost_note
 from ..domain.rows import shard_sizes
 from ..domain.shared_input import union_windows
 from ..mesh import full_rank_layout
@@ -167,7 +168,7 @@ def _run_settings(conf: dict, violations: list) -> tuple[int, bool, str]:
     return settings[0], settings[1], settings[2]
 
 
-def _traced_layers(model, shapes, n: int, amp: bool, violations: list, *, policy):
+def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: list, *, policy):
     """(trace, one DomainLayerPlan per domain-layer call) of the meta model, converted as
     ``convert_to_domain_parallel(..., nonlocal_policy=policy)`` would convert it."""
     param_dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
@@ -196,6 +197,11 @@ def _traced_layers(model, shapes, n: int, amp: bool, violations: list, *, policy
             layer_call_plan(
                 label, replacement, in_shape, out_shape, n, double, exchanges.get(index), itemsize
             )
+        )
+    gathered = [layer.path for layer in layers if layer.form == "gather"]
+    if gathered and n > 1:
+        notes.append(
+            f"trainer.domain_nonlocal_policy: gather: {', '.join(gathered)}: {gather_cost_note(n)}"
         )
     return trace, layers
 
@@ -387,7 +393,7 @@ def make_plan(
         tuple(int(v) for v in s)
         for s in (input_shapes if input_shapes is not None else model_input_shapes(model))
     )
-    trace, layers = _traced_layers(model, shapes, n, amp, violations, policy=policy)
+    trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, layers, n, violations, notes)
 

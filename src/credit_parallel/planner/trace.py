@@ -86,11 +86,12 @@ def _known_attention(model: nn.Module) -> list:
     need one when they run) and the originals are put back, so the meta forward still runs the
     plain modules while the rest of the walk skips them exactly as the converter does."""
     found = []
+    before = {id(m) for m in model.modules()}  # layers already domain-parallel stay as they are
     holder = nn.Module()
     holder._modules["root"] = model
     convert_known_attention(holder, None, SHARD_DIM)
     for path, module in list(holder.named_modules()):
-        if getattr(module, "_domain_parallel", False) and hasattr(module, "module_path"):
+        if id(module) not in before and getattr(module, "_domain_parallel", False):
             found.append((path.removeprefix("root").lstrip(".") or "<root>", module))
     return found
 
