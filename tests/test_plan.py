@@ -175,7 +175,7 @@ def test_tensor_parallel_divisibility_names_the_layer_and_all_problems_are_colle
     assert len(plan.violations) == 3
 
 
-def test_window_constraints_of_crossformer_are_reported_per_local_height():
+def test_window_constraints_of_crossformer_are_notes_per_local_height_as_attention_is_exact():
     model = {
         "type": "crossformer",
         "in_channels": 2,
@@ -187,10 +187,30 @@ def test_window_constraints_of_crossformer_are_reported_per_local_height():
         "dim_head": 4,
         "window_sizes": [4, 2],
     }
-    assert make_plan(_conf("none", 1, 2, model), 2).violations == []
+    plan2 = make_plan(_conf("none", 1, 2, model), 2)
+    assert plan2.violations == []
+    assert not any("validate_sharding_constraints" in n for n in plan2.notes)
     plan = make_plan(_conf("none", 1, 3, model), 3)  # shards of 11, 11, 10 rows
+    assert plan.violations == []  # exact (verified at domain 3 in test_verify_models)
+    found = [n for n in plan.notes if "validate_sharding_constraints" in n]
+    assert found and all("local_h=1" in n and "exact anyway" in n for n in found)
+    assert {"local_h=11", "local_h=10"} <= {n.split("(")[1].split(",")[0] for n in found}
+
+
+def test_window_constraints_without_exact_attention_stay_violations():
+    class Windowed(nn.Module):  # declares windows but has no attention the converter knows
+        window_sizes = [4]
+
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    plan = make_plan(_conf(domain=3), 3, model=Windowed(), input_shapes=[(2, 32, 8)])
     found = [v for v in plan.violations if "validate_sharding_constraints" in v]
-    assert found and all("local_h=1" in v for v in found)
+    assert found and all("window size" in v for v in found)
 
 
 def test_unsafe_module_under_domain_parallelism_is_a_violation():
@@ -198,6 +218,107 @@ def test_unsafe_module_under_domain_parallelism_is_a_violation():
     plan = make_plan(_conf(domain=2), 2, model=model, input_shapes=[(2, 8, 8)])
     assert any(v.startswith("1: BatchNorm2d") for v in plan.violations)
     assert make_plan(_conf(), 1, model=model, input_shapes=[(2, 8, 8)]).violations == []
+
+
+_CROSSFORMER = {
+    "type": "crossformer",
+    "in_channels": 2,
+    "out_channels": 2,
+    "image_height": 32,
+    "image_width": 16,
+    "dims": [8, 16],
+    "depths": [2, 2],
+    "dim_head": 4,
+    "window_sizes": [4, 2],
+}
+_SWIN = {
+    "type": "swin",
+    "in_channels": 2,
+    "out_channels": 2,
+    "image_height": 32,
+    "image_width": 16,
+    "dim": 16,
+    "depth": 2,
+    "dim_head": 8,
+    "window_size": 4,
+    "patch": 2,
+}
+
+
+def _attention_layers(plan):
+    return {layer.path: layer for layer in plan.layers if layer.form in ("relayout", "regroup")}
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_crossformer_plan_lists_its_attention_as_relayout_and_regroup(domain):
+    plan = make_plan(_conf("none", 1, domain, _CROSSFORMER), domain)
+    attn = _attention_layers(plan)
+    # depths [2, 2]: block 0 of each level short-distance windows, block 1 long-distance groups
+    assert {p: a.form for p, a in attn.items()} == {
+        "levels.0.0.attn": "relayout",
+        "levels.0.1.attn": "regroup",
+        "levels.1.0.attn": "relayout",
+        "levels.1.1.attn": "regroup",
+    }
+    assert not any("Attention" in v and "refuses" in v for v in plan.violations)
+    # the long-distance groups reach from pole to pole: rows always move
+    assert attn["levels.0.1.attn"].communication_bytes > 0
+    assert attn["levels.1.1.attn"].communication_bytes > 0
+    # level 0 is 16 rows in C=8 x W=8 (batch 1, fp32) in 4 strided groups of 4 rows: a rank
+    # holds whole groups, the busiest ceil(4/d) of them
+    layer = attn["levels.0.1.attn"]
+    row_bytes = 8 * 8 * 4
+    assert layer.activation_bytes == 4 * math.ceil(4 / domain) * row_bytes
+    text = format_plan(plan)
+    assert "levels.0.1.attn" in text and "regroup" in text and "comm/call" in text
+
+
+def test_crossformer_windows_that_cut_shards_cost_a_relayout_at_domain_3():
+    plan = make_plan(_conf("none", 1, 3, _CROSSFORMER), 3)
+    # 16 rows over 3 ranks (6, 5, 5) with windows of 4: boundaries at 6 and 11 cut windows
+    assert _attention_layers(plan)["levels.0.0.attn"].communication_bytes > 0
+    plan2 = make_plan(_conf("none", 1, 2, _CROSSFORMER), 2)
+    # 8 | 8 rows: every window on one rank, nothing moves
+    assert _attention_layers(plan2)["levels.0.0.attn"].communication_bytes == 0
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_swin_plan_lists_its_window_attention_with_communication(domain):
+    plan = make_plan(_conf("none", 1, domain, _SWIN), domain)
+    attn = _attention_layers(plan)
+    assert set(attn) == {"blocks.0.attn", "blocks.1.attn"}
+    assert all(a.form == "relayout" for a in attn.values())
+    # the shifted block moves rows across the seam on any layout
+    assert attn["blocks.1.attn"].communication_bytes > 0
+    assert not any("Attention" in v for v in plan.violations)
+
+
+def test_batchnorm_under_gather_policy_is_planned_as_gather_with_its_all_gather_bytes():
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3))
+    conf = _conf(domain=2, domain_nonlocal_policy="gather")
+    plan = make_plan(conf, 2, model=model, input_shapes=[(2, 8, 4)])
+    assert plan.violations == []
+    (bn,) = [layer for layer in plan.layers if layer.path == "1"]
+    assert bn.form == "gather"
+    # all-gather of the (1, 3, 8, 4) fp32 input: every rank receives the other rank's half
+    assert bn.communication_bytes == 3 * 8 * 4 * 4 * (2 - 1)
+    assert bn.activation_bytes == 3 * 8 * 4 * 4  # the whole globe on every rank
+    assert bn.rows_received == (0, 0)  # a collective, not a halo exchange
+    assert plan.collectives["domain_all_gather"] == 1
+    assert any(n.startswith("trainer.domain_nonlocal_policy: gather: 1: ") for n in plan.notes)
+    assert "gather" in format_plan(plan)
+    # the default policy refuses it
+    default = make_plan(_conf(domain=2), 2, model=model, input_shapes=[(2, 8, 4)])
+    assert any(v.startswith("1: BatchNorm2d") for v in default.violations)
+    assert not any(layer.form == "gather" for layer in default.layers)
+
+
+def test_a_bad_nonlocal_policy_is_a_violation_naming_the_key():
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1))
+    plan = make_plan(
+        _conf(domain=2, domain_nonlocal_policy="ring"), 2, model=model, input_shapes=[(2, 8, 4)]
+    )
+    assert any("domain_nonlocal_policy" in v for v in plan.violations)
 
 
 def test_a_module_the_converter_cannot_replace_is_a_violation_naming_its_path():

@@ -40,8 +40,8 @@ UNET = {
     "channel_mults": [1, 2],
     "norm_groups": 2,
 }
-# windows must not cross shards: at domain 2 each shard has 16 rows -> 8 / 4 rows at the two
-# levels, multiples of the windows 4 / 2; domain 3 (11/11/10) is refused by the constraints
+# at domain 2 each shard has 16 rows -> 8 / 4 rows at the two levels, multiples of the windows
+# 4 / 2; at domain 3 (11/11/10) shard boundaries cut windows: warned, re-laid out, still exact
 CROSSFORMER = {
     "type": "crossformer",
     "in_channels": 3,
@@ -140,12 +140,14 @@ def test_verify_three_ranks_uneven_domain3_unet_and_pangu():
     _assert_all_pass(run_on_ranks(_verify_cases, 3, cases, timeout=240), 3)
 
 
-def test_crossformer_windows_allow_domain2_but_not_domain3():
+def test_crossformer_windows_cut_at_domain3_are_warned_yet_exact():
     model = build_model(CROSSFORMER)
     assert validate_sharding_constraints(model, 16) == []  # domain 2: 16 + 16 rows
-    for local_h in shard_sizes(32, 3):  # domain 3: 11, 11, 10 rows
+    for local_h in shard_sizes(32, 3):  # domain 3: 11, 11, 10 rows cut the windows
         warnings = validate_sharding_constraints(model, local_h)
         assert warnings and all("level" in w for w in warnings), (local_h, warnings)
+    # ... which the converter handles: windows re-laid out, long-distance groups regrouped
+    _assert_all_pass(run_on_ranks(_verify_cases, 3, [(CROSSFORMER, {"domain": 3}, F64)]), 3)
 
 
 def test_verify_four_ranks_domain4_and_two_axis_compositions():

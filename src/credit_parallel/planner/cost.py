@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..config import DataMode
+from ..domain.attention import form_cost
 from ..domain.geometry import FILL, domain_form_of, domain_kind_of, input_windows_of
 from ..domain.rows import plan_exchange, shard_range, shard_sizes
 from ..tensor_parallel import COLUMN, _check_layer, _resolve, collect_tensor_parallel_targets
@@ -25,6 +26,7 @@ __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "DomainLayerPlan",
     "MemoryEstimate",
+    "activation_parts",
     "fsdp_units",
     "layer_call_plan",
     "local_numel",
@@ -65,6 +67,12 @@ class DomainLayerPlan:
     row_elements: int
     peers: tuple[tuple[int, ...], ...] = ()
     error: str | None = None
+    form: str = ""  # the layer's domain_form (domain/geometry.py FORMS)
+    # attention and gathered modules (``domain.attention.form_cost``), at batch 1: extra bytes
+    # sent over all ranks per forward (the backward sends as much again) and the module input
+    # the busiest rank holds while it runs; 0 for layers that do not report them
+    communication_bytes: int = 0
+    activation_bytes: int = 0
 
     @property
     def exchanges(self) -> bool:
@@ -80,19 +88,40 @@ class DomainLayerPlan:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank (the largest rank where ranks differ); an estimate, see ``format_plan``."""
+    """Bytes per rank (the largest rank where ranks differ) at the peak of a training step, by
+    part; an estimate, see ``format_plan``.  Not counted: the framework's own per-process memory
+    (CPU: torch's kernels and caches, tens of MiB; GPU: the CUDA context) and the data loader's
+    prefetched batches."""
 
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-    activation_bytes: int
+    activation_bytes: int  # what autograd saves for backward (traced on meta)
     param_bytes_unsharded: int  # the whole model, fp32, on one rank
     fsdp_largest_unit_bytes: int  # unsharded (all-gathered) size of the largest FSDP2 unit
     activation_dtype_bytes: int
+    # activation gradients alive at once in backward: the largest layer's output and input grads
+    backward_transient_bytes: int = 0
+    workspace_bytes: int = 0  # the largest convolution's im2col column buffer
+    batch_bytes: int = 0  # this rank's inputs and targets
+    input_bytes: int = 0  # the inputs' part of batch_bytes (autograd saves them too)
+    exchange_bytes: int = 0  # halo-extended inputs saved by domain layers, gathered globes
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return (
+            self.state_bytes
+            + self.activation_bytes
+            + self.exchange_bytes
+            + self.backward_transient_bytes
+            + self.workspace_bytes
+            + self.batch_bytes
+        )
 
 
 # --------------------------------------------------------------------------- cost functions
@@ -169,7 +198,8 @@ def predicted_collectives(
     * ``domain_p2p``: ``batch_isend_irecv`` calls, 2 per domain layer this rank exchanges in
       (forward rows + backward gradients);
     * ``domain_all_gather`` / ``domain_all_reduce_norm``: per GroupNorm call one all-gather of the
-      statistics in forward and its adjoint all-reduce in backward;
+      statistics in forward and its adjoint all-reduce in backward; per gathered module
+      (``nonlocal_policy="gather"``) one all-gather of its input rows;
     * ``domain_grad_all_reduce``: buckets of ``sync_domain_gradients`` (domain > 1);
     * ``tp_all_reduce``: one per row-parallel layer (forward) plus one per column layer (backward);
     * ``tp_weight_regroup``: fused column layers regroup their weight (forward and backward);
@@ -201,7 +231,8 @@ def predicted_collectives(
             sum(1 for layer in layers if layer.rank_exchanges(r)) for r in ranks
         )
         norms = sum(1 for layer in layers if layer.kind == "group_norm")
-        counts["domain_all_gather"] = norms
+        gathers = sum(1 for layer in layers if layer.form == "gather")
+        counts["domain_all_gather"] = norms + gathers
         counts["domain_all_reduce_norm"] = norms
         counts["domain_grad_all_reduce"] = _greedy_buckets(grad_sizes_bytes, cap)
     if tp > 1:
@@ -266,6 +297,64 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, set[str]]]:
     return [(name, names) for name, names in owned.items() if names]
 
 
+def _rank_share(numel: int, shape, heights, n: int) -> int:
+    """Elements the busiest domain rank holds of a tensor of ``shape``: its rows of a latitude
+    field (a 4-D/5-D tensor whose dim -2 is one of the model's heights), else a 1/n share (the
+    attention layouts spread reshaped tensors over the ranks)."""
+    if n <= 1:
+        return numel
+    if len(shape) in (4, 5) and shape[SHARD_DIM] in heights:
+        h = shape[SHARD_DIM]
+        return numel // max(h, 1) * max(1, -(-h // n))
+    return -(-numel // n)
+
+
+def activation_parts(
+    trace,
+    layers,
+    input_shapes,
+    heights,
+    n: int,
+    *,
+    batch_size: int,
+    act_bytes: int,
+    data_bytes: int,
+) -> dict[str, int]:
+    """Per-rank activation memory at the peak of a step, by part (``MemoryEstimate`` fields).
+
+    ``trace``: the meta trace (``trace.saved``: what autograd saves, ``leaf_outputs``,
+    ``conv_columns``, ``model_outputs``) at batch 1 in the model's dtype; ``heights``: the
+    model's global heights (the levels); ``act_bytes``: activation element bytes (2 under amp);
+    ``data_bytes``: element bytes of inputs and targets."""
+    saved = 0
+    for shape, nbytes in trace.saved:
+        itemsize = max(1, nbytes // max(1, math.prod(shape)))
+        numel = nbytes // itemsize
+        saved += _rank_share(numel, shape, heights, n) * act_bytes
+    largest = max(
+        (_rank_share(math.prod(s), s, heights, n) for _, s in trace.leaf_outputs), default=0
+    )
+    columns = max((-(-c // n) for c in trace.conv_columns), default=0)
+    inputs = sum(_rank_share(math.prod((1, *s)), (1, *s), heights, n) for s in input_shapes)
+    batch = inputs + sum(
+        _rank_share(math.prod(s), s, heights, n) for s in trace.model_outputs if len(s) >= 3
+    )
+    exchange = 0
+    for layer in layers:
+        if layer.form == "gather":
+            exchange += layer.activation_bytes  # the whole globe's input on every rank
+        elif layer.rows_received:
+            exchange += max(layer.rows_received) * layer.row_elements * act_bytes
+    return {
+        "activation_bytes": saved * batch_size,
+        "backward_transient_bytes": 2 * largest * act_bytes * batch_size,
+        "workspace_bytes": columns * act_bytes * batch_size,
+        "batch_bytes": batch * data_bytes * batch_size,
+        "input_bytes": inputs * data_bytes * batch_size,
+        "exchange_bytes": exchange * batch_size,
+    }
+
+
 def local_numel(shape, split_dim, tp: int, fsdp_dp: int) -> int:
     shape = list(shape)
     if split_dim is not None and tp > 1 and len(shape) > split_dim:
@@ -295,27 +384,35 @@ def _halo_sides(windows, in_h: int, n: int) -> tuple[tuple[int, ...], tuple[int,
     return tuple(before), tuple(after)
 
 
-def layer_call_plan(path: str, layer, in_shape, out_shape, n: int, double: bool, exchange=None):
+def layer_call_plan(
+    path: str, layer, in_shape, out_shape, n: int, double: bool, exchange=None, itemsize: int = 4
+):
     """The :class:`DomainLayerPlan` of one call of the domain layer ``layer`` (the converter's
     replacement) on an input of ``in_shape`` giving ``out_shape`` (batch 1), over ``n`` ranks,
     from the layer's own geometry.  ``double``: float64 activations (interpolation indices).
     ``exchange``: None (the layer's own windows), False (another layer exchanges for it: a
     fused pad), or ``(windows, exchanged_shape)`` when it exchanges another tensor (a conv
-    fused with its pad, a shared sibling exchange)."""
+    fused with its pad, a shared sibling exchange).  ``itemsize``: activation element bytes,
+    for the communication and memory that attention and gathered modules report."""
     in_h = in_shape[SHARD_DIM % len(in_shape)]
     out_h = out_shape[SHARD_DIM % len(out_shape)]
     row_elements = math.prod(in_shape) // max(in_h, 1)
     kind = domain_kind_of(layer)
     zeros = (0,) * n
+    form = domain_form_of(layer) or ""
+    cost = form_cost(layer, tuple(in_shape), n, itemsize) if n > 1 else None
+    extra = (cost["communication_bytes"], cost["activation_bytes"]) if cost else (0, 0)
 
     def without_exchange(error: str | None = None) -> DomainLayerPlan:
         peers = ((),) * n if error is None else ()
         return DomainLayerPlan(
             path, kind, in_h, out_h, shard_sizes(out_h, n), zeros, zeros, zeros, zeros,
-            row_elements, peers, error,
+            row_elements, peers, error, form, *extra,
         )  # fmt: skip
 
-    if domain_form_of(layer) is None or exchange is False:
+    # a gathered module all-gathers (a collective, counted in its communication_bytes), it
+    # does not exchange halo rows point to point
+    if not form or exchange is False or form == "gather":
         return without_exchange()  # not a layer this planner can ask, or fused: no halo
     try:
         ex_h = in_h
@@ -343,4 +440,7 @@ def layer_call_plan(path: str, layer, in_shape, out_shape, n: int, double: bool,
         tuple(p.rows_sent for p in plans),
         row_elements,
         tuple(tuple(q for q, _ in p.recvs) for p in plans),
+        None,
+        form,
+        *extra,
     )

@@ -81,24 +81,57 @@ def _levels_section(plan: Plan) -> list[str]:
     return out
 
 
+def _layer_bytes(plan: Plan, layer) -> tuple[str, str]:
+    """(extra communication per call over all ranks, activation per rank) of one layer call at
+    the run's batch: what attention and gathered modules report, the halo rows otherwise."""
+    b, item = plan.batch_size, plan.memory.activation_dtype_bytes
+    if layer.communication_bytes or layer.activation_bytes:
+        return _human(layer.communication_bytes * b), _human(layer.activation_bytes * b)
+    halo = sum(layer.rows_received) * layer.row_elements * b * item
+    own = max(layer.out_rows, default=0) * layer.row_elements * b * item
+    return (_human(halo) if halo else "-"), _human(own)
+
+
 def _layers_section(plan: Plan) -> list[str]:
     out: list[str] = []
     out.append(f"== Domain-parallel layers ({len(plan.layers)} calls) ==")
     if plan.layers:
-        rows = [["module", "kind", "H in->out", "out rows/rank", "halo before", "halo after", ""]]
+        rows = [
+            [
+                "module",
+                "kind",
+                "form",
+                "H in->out",
+                "out rows/rank",
+                "halo before",
+                "halo after",
+                "comm/call",
+                "act/rank",
+                "",
+            ]
+        ]
         for layer in plan.layers:
+            comm, act = _layer_bytes(plan, layer)
             rows.append(
                 [
                     layer.path,
                     layer.kind,
+                    layer.form or "-",
                     f"{layer.in_height}->{layer.out_height}",
                     str(list(layer.out_rows)),
                     str(list(layer.halo_before)),
                     str(list(layer.halo_after)),
+                    comm,
+                    act,
                     f"ERROR: {layer.error}" if layer.error else "",
                 ]
             )
         out.extend(_table(rows))
+        out.append(
+            "comm/call: extra bytes sent over all domain ranks per forward (the backward sends "
+            "as much again); act/rank: the input the busiest rank holds (attention, gather) or "
+            "its own rows of the input (other layers), at the run's batch"
+        )
     else:
         out.append("(none)")
     return out
@@ -120,11 +153,29 @@ def _memory_section(plan: Plan) -> list[str]:
     out.append(f"gradients       {_human(m.grad_bytes):>12}  same layout as the parameters")
     out.append(f"AdamW state     {_human(m.optimizer_bytes):>12}  2 x parameters (fp32 moments)")
     out.append(
-        f"activations     {_human(m.activation_bytes):>12}  estimate of saved activations: "
-        f"leaf-module outputs x batch {plan.batch_size} x {m.activation_dtype_bytes} B, "
-        f"4-D/5-D ones at the largest rank's share of the rows"
+        f"saved activ.    {_human(m.activation_bytes):>12}  what autograd saves for backward "
+        f"(traced on meta) x batch {plan.batch_size} x {m.activation_dtype_bytes} B, "
+        "4-D/5-D fields at the largest rank's rows"
     )
-    out.append(f"total           {_human(m.total_bytes):>12}")
+    if m.exchange_bytes:
+        out.append(
+            f"exchange        {_human(m.exchange_bytes):>12}  halo-extended inputs the domain "
+            "layers save, whole-globe inputs of gathered modules"
+        )
+    out.append(
+        f"backward peak   {_human(m.backward_transient_bytes):>12}  activation gradients alive "
+        "at once: the largest layer's output and input gradients"
+    )
+    out.append(
+        f"conv workspace  {_human(m.workspace_bytes):>12}  the largest convolution's im2col "
+        "columns (C_in x kernel x output positions)"
+    )
+    out.append(f"batch           {_human(m.batch_bytes):>12}  this rank's inputs and targets")
+    out.append(
+        f"total           {_human(m.total_bytes):>12}  peak of a step; not counted: the "
+        "framework's own per-process memory (torch kernels/caches, the CUDA context) and "
+        "prefetched batches"
+    )
     if plan.fsdp_units:
         out.append(
             f"FSDP2 units: {len(plan.fsdp_units)} (largest unsharded while in use: "

@@ -1,9 +1,12 @@
 """Tracing a model for the planner: its input shapes, a meta-device build, and ONE forward on
 meta tensors (no memory, no arithmetic) that records every call of a module the converter would
-replace, with its input and output shapes, and every leaf module's output shape.
+replace, with its input and output shapes, every leaf module's output shape, the tensors autograd
+saves for backward and the convolutions' column buffers (for the memory estimate).
 
-Which modules are replaced, and by what, comes from the converter's own walker and rule
-registry (``domain/convert.py``), so the planner sees exactly the layers a run would build.
+Which modules are replaced, and by what, comes from the converter's own steps: its attention
+recognition (``convert_known_attention``), its walker and rule registry (``domain/convert.py``) and
+its ``nonlocal_policy`` (``trainer.domain_nonlocal_policy``: "gather" wraps what "raise" refuses),
+so the planner sees exactly the layers a run would build.
 Input shapes of the known model types (assumptions, read from the built model's attributes,
 which mirror the ``model:`` config keys):
 
@@ -17,12 +20,15 @@ which mirror the ``model:`` config keys):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from ..domain.attention import convert_known_attention
 from ..domain.convert import apply_domain_rule, walk_domain_modules
+from ..domain.gather import DomainGatherModule
 from ..models import build_model
 
 __all__ = ["Trace", "build_meta_model", "domain_targets", "model_input_shapes", "trace_model"]
@@ -74,10 +80,44 @@ def build_meta_model(conf: dict) -> tuple[nn.Module, str]:
     return model, str(conf_model.get("type"))
 
 
-def domain_targets(model: nn.Module):
-    """Walk the module tree exactly as ``convert_to_domain_parallel`` does (no custom converters):
-    returns ``(targets, unsafe)``; ``targets`` are ``(path, module, replacement or error)``."""
+def _known_attention(model: nn.Module) -> list:
+    """``(path, original module, replacement)`` of every attention module the converter's own
+    ``convert_known_attention`` replaces.  It runs on ``model`` (manager None: the wrappers only
+    need one when they run) and the originals are put back, so the meta forward still runs the
+    plain modules while the rest of the walk skips them exactly as the converter does."""
+    found = []
+    before = {id(m) for m in model.modules()}  # layers already domain-parallel stay as they are
+    holder = nn.Module()
+    holder._modules["root"] = model
+    convert_known_attention(holder, None, SHARD_DIM)
+    for path, module in list(holder.named_modules()):
+        if id(module) not in before and getattr(module, "_domain_parallel", False):
+            found.append((path.removeprefix("root").lstrip(".") or "<root>", module))
+    return found
+
+
+def _restore(model: nn.Module, found: list) -> None:
+    for path, replacement in found:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        parent._modules[name] = replacement.wrapped
+
+
+def domain_targets(model: nn.Module, nonlocal_policy: str = "raise"):
+    """Ask the converter (no custom converters) what it does with every module of ``model``:
+    returns ``(targets, unsafe)``; ``targets`` are ``(path, module, replacement or error)`` in
+    conversion order: recognised attention first (``convert_known_attention``), then the rule
+    walk (``walk_domain_modules``), then, under ``nonlocal_policy="gather"``, every module the
+    walk reports as unsafe wrapped in :class:`DomainGatherModule` (``unsafe`` is then empty).
+    The root model itself cannot be replaced here (the tracer hooks the modules in place)."""
     targets, unsafe = [], []
+    found = _known_attention(model)
+    if any(path == "<root>" for path, _ in found):
+        raise ValueError("the planner cannot plan a model whose root is itself an attention module")
+    for path, replacement in found:
+        targets.append((path, replacement.wrapped, replacement))
+    # convert_known_attention left the replacements in place: the walk skips them (already
+    # domain-parallel), as in the converter; they are swapped back before the trace
 
     def candidate(parent, name, path, child) -> bool:
         try:
@@ -90,7 +130,15 @@ def domain_targets(model: nn.Module):
         targets.append((path, child, replacement))
         return True
 
-    walk_domain_modules(model, candidate, lambda path, reason: unsafe.append((path, reason)))
+    try:
+        walk_domain_modules(model, candidate, lambda path, reason: unsafe.append((path, reason)))
+    finally:
+        _restore(model, found)
+    if nonlocal_policy == "gather":
+        for path, _ in unsafe:
+            module = model if path == "<root>" else model.get_submodule(path)
+            targets.append((path, module, DomainGatherModule(module, SHARD_DIM, manager=None)))
+        unsafe = []
     return targets, unsafe
 
 
@@ -106,10 +154,17 @@ def _tensors(obj):
 
 
 _SHAPE_PRESERVING = (nn.GroupNorm, nn.LayerNorm)
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
-def _same_shape(x: torch.Tensor) -> torch.Tensor:
-    return x
+def _saves_its_input(one: torch.Tensor):
+    """A stand-in for a normalisation on meta: a new output of the input's shape that saves the
+    input for backward, as the real normalisation does (``x * one``, ``one`` requiring grad)."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * one
+
+    return forward
 
 
 @dataclass
@@ -117,15 +172,41 @@ class Trace:
     calls: list  # (path, module, replacement, in_shape, out_shape, input tensor)
     leaf_outputs: list  # (path, out_shape)
     model_outputs: list  # shapes
+    # what autograd saves for backward, one entry per distinct storage (parameters and model
+    # inputs excluded): (shape, bytes) at batch 1
+    saved: list = field(default_factory=list)
+    # per convolution call, its im2col buffer at batch 1 (elements): C_in/groups x kernel x
+    # output positions, the column matrix CPU convolution (and cuDNN's GEMM algorithms) build
+    conv_columns: list = field(default_factory=list)
+
+
+def _conv_columns(mod, args, out) -> int:
+    x = next(_tensors(args), None)
+    if x is None or not isinstance(out, torch.Tensor):
+        return 0
+    if isinstance(mod, (nn.ConvTranspose2d, nn.ConvTranspose3d)):  # columns of the input
+        return mod.out_channels * math.prod(mod.kernel_size) * math.prod(x.shape[2:])
+    return mod.in_channels * math.prod(mod.kernel_size) * math.prod(out.shape[2:])
 
 
 def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
-    """One forward on meta tensors (batch 1) recording domain-layer calls and leaf outputs."""
-    calls, leaf_outputs, handles = [], [], []
+    """One forward on meta tensors (batch 1, autograd on) recording domain-layer calls, leaf
+    outputs, the tensors autograd saves and convolution column buffers."""
+    calls, leaf_outputs, handles, conv_columns = [], [], [], []
     dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     by_module = {}
     for path, module, replacement in targets:
         by_module.setdefault(id(module), (path, module, replacement))
+    inputs = [torch.empty((1, *s), device="meta", dtype=dtype) for s in input_shapes]
+    excluded = {t.untyped_storage()._cdata for t in (*model.parameters(), *inputs)}
+    saved: dict[int, tuple] = {}
+
+    def pack(t: torch.Tensor):
+        key = t.untyped_storage()._cdata
+        if key not in excluded:
+            saved.setdefault(key, (tuple(t.shape), t.untyped_storage().nbytes()))
+        return t
+
     try:
         for path, module, replacement in by_module.values():
 
@@ -146,15 +227,18 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
             def leaf(mod, args, out, path=path):
                 for t in _tensors(out):
                     leaf_outputs.append((path or "<root>", tuple(t.shape)))
+                if isinstance(mod, _CONVS):
+                    conv_columns.append(_conv_columns(mod, args, out))
 
             handles.append(module.register_forward_hook(leaf))
+        one = torch.ones((), device="meta", dtype=dtype, requires_grad=True)
         for module in model.modules():
             # Normalisations keep the shape; on meta tensors their reference decompositions cost
-            # seconds of imports for nothing, so the (private, meta) copy skips them.
+            # seconds of imports for nothing, so the (private, meta) copy runs a stand-in that
+            # saves what they save (their input) and makes a new output.
             if type(module) in _SHAPE_PRESERVING:
-                module.forward = _same_shape
-        inputs = [torch.empty((1, *s), device="meta", dtype=dtype) for s in input_shapes]
-        with torch.no_grad():
+                module.forward = _saves_its_input(one)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(*inputs)
     except Exception as err:  # a forward that cannot run on meta tensors: unusable for planning
         raise ValueError(
@@ -164,4 +248,11 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    return Trace(calls, leaf_outputs, [tuple(t.shape) for t in _tensors(out)])
+    saved.pop(one.untyped_storage()._cdata, None)
+    return Trace(
+        calls,
+        leaf_outputs,
+        [tuple(t.shape) for t in _tensors(out)],
+        list(saved.values()),
+        conv_columns,
+    )

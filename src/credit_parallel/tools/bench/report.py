@@ -133,8 +133,9 @@ NOTES = (
     "Halo time is the time a rank is blocked in exchanges (posting plus waiting, including "
     "waiting for a slower neighbour); with overlap on, the computation between post and wait "
     "is not counted, so 'hidden' is the share of the overlap-off halo time that disappeared.",
-    "The cost model's activation estimate counts leaf-module outputs; autograd saves module "
-    "inputs (the model input, not the last output) and the halo rows, hence the small gap.",
+    "The cost model's saved-activation estimate traces what autograd saves on the meta device "
+    "(plus the halo-extended inputs and the model inputs); the measurement also holds what the "
+    "loss saves, hence the small gap.",
 )
 
 

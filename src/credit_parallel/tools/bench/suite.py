@@ -79,7 +79,10 @@ def _row(spec, layout, overlap, results, reference_s, single, plan) -> Row:
         collectives_predicted=predicted_kinds(plan.collectives),
         saved_bytes=saved,
         saved_ratio=saved * layout.domain / single["saved_bytes"],
-        saved_predicted_bytes=plan.memory.activation_bytes,
+        # what autograd saves: the traced saved tensors, the halo-extended inputs, the inputs
+        saved_predicted_bytes=plan.memory.activation_bytes
+        + plan.memory.exchange_bytes
+        + plan.memory.input_bytes,
         peak_bytes=peak,
         peak_ratio=(peak * layout.domain / single["peak_bytes"]) if single["peak_bytes"] else 0.0,
         halo_s=statistics.mean(r["halo_s"] for r in results),
