@@ -393,6 +393,17 @@ def test_fsdp2_over_dp4_holds_a_quarter_of_the_replicated_parameter_bytes():
     assert sharded.optimizer_bytes == 2 * sharded.param_bytes
 
 
+def test_fsdp2_with_domain_shards_parameters_over_dp_times_domain():
+    """FSDP2 shards over the flattened dp x domain axis: {fsdp2, 1, 2} on 4 ranks holds the
+    same parameter bytes per rank as {fsdp2, 1, 1} on 4 ranks (dp 4), a quarter of the model."""
+    over_dp = make_plan(_conf("fsdp2", 1, 1, _UNET), 4).memory
+    over_dp_domain = make_plan(_conf("fsdp2", 1, 2, _UNET), 4).memory
+    over_domain = make_plan(_conf("fsdp2", 1, 4, _UNET), 4).memory
+    assert over_dp_domain.param_bytes == over_dp.param_bytes == over_domain.param_bytes
+    assert over_dp.param_bytes < over_dp.param_bytes_unsharded / 3
+    assert "dp x domain = 2 x 2" in format_plan(make_plan(_conf("fsdp2", 1, 2, _UNET), 4))
+
+
 def test_tensor_parallel_splits_only_the_declared_layers():
     base = make_plan(_conf("none", 1, 1, _UNET), 1).memory.param_bytes
     tp2 = make_plan(_conf("none", 2, 1, _UNET), 2).memory.param_bytes

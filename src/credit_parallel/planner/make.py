@@ -324,7 +324,8 @@ def _memory(
             "tensor > 1 but the model declares no _tp_col/_tp_row layers: every tp rank "
             "repeats the same work"
         )
-    fsdp_dp = dp if data == DataMode.FSDP2 and dp > 1 else 1
+    # FSDP2 shards over the flattened dp x domain axis (composition.apply_data_parallel)
+    fsdp_dp = dp * n if data == DataMode.FSDP2 and dp * n > 1 else 1
     local_numels, full_numel = {}, 0
     for pname, p in model.named_parameters():
         full_numel += p.numel()

@@ -142,7 +142,12 @@ def _memory_section(plan: Plan) -> list[str]:
     m = plan.memory
     out.append("== Memory per rank (estimate) ==")
     if plan.data == DataMode.FSDP2:
-        sharding = f"sharded over dp={max(plan.dp, 1)} (FSDP2, dim 0 padded)"
+        over = max(plan.dp, 1) * plan.domain
+        sharding = (
+            f"sharded over dp x domain = {max(plan.dp, 1)} x {plan.domain} (FSDP2, dim 0 padded)"
+            if plan.domain > 1
+            else f"sharded over dp={over} (FSDP2, dim 0 padded)"
+        )
     else:
         sharding = f"replicated over dp ({plan.data})"
     tp_part = f", TP layers split over tp={plan.tp}" if plan.tp > 1 else ""
