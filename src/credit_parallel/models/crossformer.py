@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from credit_parallel.models.layers import (
+    AttentionBlock,
     ChannelLayerNorm,
-    ConvFeedForward,
     check_int_tuple,
     check_positive_int,
     group_norm,
@@ -115,23 +115,13 @@ class WindowAttention(nn.Module):
         return self.to_out(self._from_windows(attn @ v, h, w))
 
 
-class CrossFormerBlock(nn.Module):
+class CrossFormerBlock(AttentionBlock):
     """Pre-norm transformer block: window attention and 1x1-conv feed-forward, both residual."""
-
-    _fsdp2_shard = True
 
     def __init__(
         self, dim: int, dim_head: int, window_size: int, long_range: bool, mlp_ratio: int
     ) -> None:
-        super().__init__()
-        self.attn_norm = ChannelLayerNorm(dim)
-        self.attn = WindowAttention(dim, dim_head, window_size, long_range)
-        self.ff_norm = ChannelLayerNorm(dim)
-        self.ff = ConvFeedForward(dim, mlp_ratio)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.ff(self.ff_norm(x))
+        super().__init__(dim, WindowAttention(dim, dim_head, window_size, long_range), mlp_ratio)
 
 
 class CrossScaleEmbedding(nn.Module):

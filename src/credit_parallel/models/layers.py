@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "AttentionBlock",
     "ChannelLayerNorm",
     "ChannelsLastFeedForward",
     "ConvFeedForward",
@@ -103,3 +104,21 @@ class ChannelsLastFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self.norm(x.movedim(1, -1))).movedim(-1, 1)
+
+
+class AttentionBlock(nn.Module):
+    """Pre-norm transformer block around a given attention module: ``x + attn(norm(x))``, then
+    ``x + ff(norm(x))`` with a 1x1-conv feed-forward (the CrossFormer and Swin blocks)."""
+
+    _fsdp2_shard = True
+
+    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: int) -> None:
+        super().__init__()
+        self.attn_norm = ChannelLayerNorm(dim)
+        self.attn = attn
+        self.ff_norm = ChannelLayerNorm(dim)
+        self.ff = ConvFeedForward(dim, mlp_ratio)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ff(self.ff_norm(x))

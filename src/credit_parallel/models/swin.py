@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from credit_parallel.models.layers import (
-    ChannelLayerNorm,
-    ConvFeedForward,
+    AttentionBlock,
     check_positive_int,
     group_norm,
 )
@@ -102,21 +101,11 @@ class ShiftedWindowAttention(nn.Module):
         return self.to_out(out)
 
 
-class SwinBlock(nn.Module):
+class SwinBlock(AttentionBlock):
     """Pre-norm block: (shifted-)window attention and a 1x1-conv feed-forward, both residual."""
 
-    _fsdp2_shard = True
-
     def __init__(self, dim: int, dim_head: int, window_size: int, shift: int, mlp_ratio: int):
-        super().__init__()
-        self.attn_norm = ChannelLayerNorm(dim)
-        self.attn = ShiftedWindowAttention(dim, dim_head, window_size, shift)
-        self.ff_norm = ChannelLayerNorm(dim)
-        self.ff = ConvFeedForward(dim, mlp_ratio)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.ff(self.ff_norm(x))
+        super().__init__(dim, ShiftedWindowAttention(dim, dim_head, window_size, shift), mlp_ratio)
 
 
 class SwinNet(nn.Module):
