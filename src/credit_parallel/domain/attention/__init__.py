@@ -5,6 +5,9 @@
   and one out (forms "relayout" and "regroup");
 * :mod:`.sequence` — :class:`DomainSequenceAttention`: heads split over ranks, all positions per
   head, all-to-all in and out (form "sequence");
+* :mod:`.tokens` — :class:`DomainTokenAttention`: ``nn.MultiheadAttention`` /
+  ``F.scaled_dot_product_attention`` over flattened H*W tokens, run unmodified under a
+  ``TorchFunctionMode`` that makes the attention sequence parallel (form "sequence");
 * :mod:`.recognise` — which modules get which form (qualified class names, ``_domain_attention``);
 * :mod:`.cost` — form, extra communication and memory per rank, for the planner.
 """
@@ -19,11 +22,14 @@ from .recognise import (
 )
 from .relayout import DomainRowGroupAttention, return_rows
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention, all_to_all_parts
+from .tokens import DomainTokenAttention, SequenceParallelAttention, sequence_parallel_attention
 
 __all__ = [
     "SEQUENCE_CORES",
     "DomainRowGroupAttention",
     "DomainSequenceAttention",
+    "DomainTokenAttention",
+    "SequenceParallelAttention",
     "all_to_all_parts",
     "attention_replacement",
     "convert_known_attention",
@@ -32,6 +38,7 @@ __all__ = [
     "qualified_name",
     "recognised_attention_form",
     "return_rows",
+    "sequence_parallel_attention",
     "shifted_window_layout",
     "strided_group_layout",
     "window_layout",

@@ -12,7 +12,12 @@ Declaring the structure on your own module (class attribute or property)::
     #              windows of w rows of the tensor rolled by -s over H; the wrapper performs
     #              the roll as part of its row exchange and calls
     #              module.forward_rows(x_held, global_rows) (masks from global positions; see
-    #              credit_parallel.models.swin.ShiftedWindowAttention).
+    #              credit_parallel.models.swin.ShiftedWindowAttention);
+    #              {"form": "tokens"}: the forward flattens its own rows to tokens with H
+    #              outermost (x.flatten(2)) and attends over all of them with
+    #              nn.MultiheadAttention or F.scaled_dot_product_attention, no mask: run
+    #              unmodified, sequence parallel (DomainTokenAttention).  nn.MultiheadAttention
+    #              itself is recognised by type.
 
 ``"rows"`` may also name an attribute of the module (``{"form": "windows", "rows":
 "window_size"}``).  A ready wrapper for ``custom_converters`` is
@@ -26,6 +31,7 @@ from torch import nn
 
 from .relayout import DomainRowGroupAttention
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention
+from .tokens import DomainTokenAttention
 
 __all__ = [
     "attention_replacement",
@@ -54,10 +60,12 @@ def _declared(module: nn.Module):
     spec = getattr(module, "_domain_attention", None)
     if spec is None:
         return None
+    if isinstance(spec, dict) and spec.get("form") == "tokens":
+        return "tokens", 0, 0, None  # attention over all tokens: nothing about rows to say
     if not isinstance(spec, dict) or "form" not in spec or "rows" not in spec:
         raise ValueError(
-            f"{type(module).__name__}._domain_attention must be a dict with 'form' and 'rows', "
-            f"got {spec!r}"
+            f"{type(module).__name__}._domain_attention must be a dict with 'form' and 'rows' "
+            f"(or {{'form': 'tokens'}}), got {spec!r}"
         )
     rows = spec["rows"]
     if isinstance(rows, str):
@@ -69,6 +77,10 @@ def attention_replacement(module: nn.Module, manager, shard_dim: int = -2):
     """The exact domain-parallel form of ``module``, or None when its structure is unknown."""
     name = qualified_name(module)
     declared = _declared(module)
+    if (declared is not None and declared[0] == "tokens") or isinstance(
+        module, nn.MultiheadAttention
+    ):
+        return DomainTokenAttention(module, shard_dim, manager=manager)
     if declared is not None:
         form, rows, shift, entry = declared
         return DomainRowGroupAttention(
@@ -110,6 +122,10 @@ def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip
 def recognised_attention_form(module: nn.Module) -> str | None:
     """The form the converter gives ``module`` ("relayout", "regroup", "sequence"), or None."""
     declared = _declared(module)
+    if (declared is not None and declared[0] == "tokens") or isinstance(
+        module, nn.MultiheadAttention
+    ):
+        return "sequence"
     if declared is not None:
         return "regroup" if declared[0] == "strided" else "relayout"
     name = qualified_name(module)

@@ -1,0 +1,115 @@
+"""The pieces of sequence-parallel token attention shared by its SDPA and MHA forms.
+
+Token counts of every rank (one tiny all_gather), the core run "my units, all tokens" between two
+all-to-alls, and ``F.scaled_dot_product_attention`` over tokens sharded in rank order.  See
+:mod:`.tokens` for why this is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .layouts import head_split
+from .sequence import heads_to_positions, positions_to_heads
+
+__all__ = [
+    "checked_counts",
+    "core_over_all_tokens",
+    "mask_refused",
+    "sequence_parallel_sdpa",
+    "token_counts",
+    "unit_range",
+]
+
+
+def mask_refused(name: str, call: str) -> ValueError:
+    return ValueError(
+        f"{name}: {call} with attn_mask or is_causal=True refers to global token positions, "
+        "which sequence-parallel attention does not see; run this module on the whole globe "
+        "with nonlocal_policy='gather' (or drop the mask)"
+    )
+
+
+def token_counts(manager, *lengths: int) -> list[tuple[int, ...]]:
+    """Per domain rank, its local token counts ``lengths`` (one tiny all_gather, on the
+    device the group communicates on)."""
+    mine = torch.tensor(lengths, dtype=torch.int64, device=manager.device)
+    out = [torch.empty_like(mine) for _ in range(manager.domain_world_size)]
+    dist.all_gather(out, mine, group=manager.domain_group)
+    return [tuple(int(v) for v in t.tolist()) for t in out]
+
+
+def checked_counts(manager, name: str, q_len: int, k_len: int, units: int):
+    """Per-rank query and key token counts (one tiny all_gather); every rank must hold the same
+    (batch x head) units, else the dim taken for tokens is not the sharded one."""
+    counts = token_counts(manager, q_len, k_len, units)
+    if len({c[2] for c in counts}) != 1:
+        raise ValueError(
+            f"{name}: sequence-parallel attention found different batch x head sizes on the "
+            f"domain ranks ({[c[2] for c in counts]}): its token dim is not the latitude-sharded "
+            "one (check batch_first, and flatten H outermost: x.flatten(2))"
+        )
+    return [c[0] for c in counts], [c[1] for c in counts]
+
+
+def unit_range(units: int, manager) -> tuple[int, int]:
+    return head_split(units, manager.domain_world_size)[manager.domain_rank]
+
+
+def core_over_all_tokens(core, q, k, v, q_counts, k_counts, manager):
+    """(U, L_mine, D) q, k, v -> ``core(q, k, v)`` for this rank's share of the U units on every
+    token -> (U, L_mine, Dv).  ``core`` returns the output (and optionally more per-unit
+    tensors of shape (u, L_all, ...), returned to the query owners the same way)."""
+    units = q.shape[0]
+    q = heads_to_positions(q, 0, 1, units, q_counts, manager)
+    k = heads_to_positions(k, 0, 1, units, k_counts, manager)
+    v = heads_to_positions(v, 0, 1, units, k_counts, manager)
+    outs = core(q, k, v)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return tuple(positions_to_heads(o, 0, 1, units, q_counts, manager) for o in outs)
+
+
+def _sdpa_core(dropout_p, scale):
+    def core(q, k, v):
+        if q.shape[0] == 0:  # no unit on this rank: still part of both all-to-alls' graphs
+            linked = (q.sum() + k.sum() + v.sum()) * 0
+            return q.new_zeros(0, q.shape[1], v.shape[-1]) + linked
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+
+    return core
+
+
+def sequence_parallel_sdpa(
+    manager,
+    name: str,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale=None,
+    enable_gqa: bool = False,
+):
+    """``F.scaled_dot_product_attention`` on (..., L_local, D) tensors whose token dim -2 is
+    sharded in rank order: the same function as one process on the concatenated tokens."""
+    if attn_mask is not None or is_causal:
+        raise mask_refused(name, "scaled_dot_product_attention")
+    lead = query.shape[:-2]
+    if key.shape[:-2] != lead or value.shape[:-2] != lead:
+        raise ValueError(
+            f"{name}: sequence-parallel scaled_dot_product_attention needs q, k and v with the "
+            f"same leading (batch, head) dims, got {tuple(query.shape)}, {tuple(key.shape)}, "
+            f"{tuple(value.shape)} (grouped-query / broadcast heads are not split)"
+        )
+    units = math.prod(lead)
+    q_counts, k_counts = checked_counts(manager, name, query.shape[-2], key.shape[-2], units)
+    q, k, v = (t.reshape(units, t.shape[-2], t.shape[-1]) for t in (query, key, value))
+    (out,) = core_over_all_tokens(
+        _sdpa_core(dropout_p, scale), q, k, v, q_counts, k_counts, manager
+    )
+    return out.reshape(*lead, query.shape[-2], value.shape[-1])
