@@ -1,0 +1,270 @@
+"""Attention over flattened H*W tokens (``nn.MultiheadAttention``, ``F.scaled_dot_product_attention``)
+converted by the DEFAULT ``convert_to_domain_parallel`` is sequence parallel and exact: output,
+input gradient and every parameter gradient summed over the domain ranks equal one process's
+(float64, max abs error <= 1e-10) on uneven shards, inside a model with convolutions before and
+after; returned attention weights are the single-process rows of each rank's queries; masks and
+``is_causal`` are refused naming the module; the attention layer's activation memory per rank is
+about 1/d of one process; the guard follows tokens flattened with H outermost; the planner
+reports the form "sequence"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from credit_parallel import convert_to_domain_parallel, shard_tensor
+from credit_parallel.domain.attention import DomainTokenAttention, recognised_attention_form
+from credit_parallel.domain.convert import find_unsafe_modules
+from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.domain.rows import shard_range
+from credit_parallel.testing import run_on_ranks
+from test_domain_attention import TOL, exactness_errors, saved_activation_bytes
+
+
+class GlobalSelfAttention(nn.Module):
+    """nn.MultiheadAttention over all H*W positions of a B,C,H,W tensor (the typical user
+    module: flatten with H outermost, attend, fold back)."""
+
+    def __init__(self, c, heads, *, batch_first=True, need_weights=None, masked=False, **mha):
+        super().__init__()
+        self.batch_first, self.need_weights, self.masked = batch_first, need_weights, masked
+        self.mha = nn.MultiheadAttention(c, heads, batch_first=batch_first, **mha)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        t = x.flatten(2).transpose(1, 2)  # B, H*W, C: the local rows' tokens
+        if not self.batch_first:
+            t = t.transpose(0, 1)
+        kwargs = {} if self.need_weights is None else {"need_weights": self.need_weights}
+        if self.masked:  # ignore the keys whose first channel is negative (local per token)
+            kwargs["key_padding_mask"] = x[:, 0].flatten(1) < -1.0
+        y, _ = self.mha(t, t, t, **kwargs)
+        if not self.batch_first:
+            y = y.transpose(0, 1)
+        return y.transpose(1, 2).reshape(b, c, h, w)
+
+
+class CrossTokenAttention(nn.Module):
+    """Queries from x, keys and values from another token-sharded projection with its own
+    channel count (separate q/k/v projection weights in nn.MultiheadAttention)."""
+
+    def __init__(self, c, heads):
+        super().__init__()
+        self.kv = nn.Conv2d(c, 4, 1)
+        self.mha = nn.MultiheadAttention(c, heads, kdim=4, vdim=4, batch_first=True)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q = x.flatten(2).transpose(1, 2)
+        kv = self.kv(x).flatten(2).transpose(1, 2)
+        y, _ = self.mha(q, kv, kv, need_weights=False)
+        return y.transpose(1, 2).reshape(b, c, h, w)
+
+
+class SdpaAttention(nn.Module):
+    """1x1-conv qkv projection, F.scaled_dot_product_attention on (B, heads, H*W, D), 1x1-conv
+    output projection; declares its structure."""
+
+    _domain_attention = {"form": "tokens"}
+
+    def __init__(self, c, heads, *, causal=False):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv = nn.Conv2d(c, 3 * heads * 2, 1)
+        self.out = nn.Conv2d(heads * 2, c, 1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x).reshape(b, 3, self.heads, 2, h * w).transpose(-1, -2).unbind(1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.out(y.transpose(-1, -2).reshape(b, self.heads * 2, h, w))
+
+
+def _layer(kind: str) -> nn.Module:
+    return {
+        "mha": lambda: GlobalSelfAttention(6, 3),
+        "mha_seq_first": lambda: GlobalSelfAttention(6, 3, batch_first=False),
+        "mha_no_weights": lambda: GlobalSelfAttention(6, 3, need_weights=False),
+        "mha_bias_kv_zero_attn": lambda: GlobalSelfAttention(
+            6, 2, add_bias_kv=True, add_zero_attn=True
+        ),
+        "mha_key_padding_mask": lambda: GlobalSelfAttention(6, 2, masked=True),
+        "mha_one_head": lambda: GlobalSelfAttention(6, 1),  # heads < d
+        "mha_cross_separate_kv": lambda: CrossTokenAttention(6, 2),
+        "sdpa": lambda: SdpaAttention(6, 3),
+    }[kind]()
+
+
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    # convolutions before and after: halos and sequence-parallel attention compose
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), _layer(kind), nn.Conv2d(6, 2, 3, padding=1)
+    ).double()
+
+
+def _exact_on_ranks(rank, world_size, kind, height, mode):
+    net = _model(kind)
+    net.train(mode == "train")
+    x = torch.randn(
+        2, 3, height, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
+    errors = exactness_errors(net, x, (), DomainParallelManager(world_size, world_size))
+    errors["converted"] = sorted(
+        getattr(m, "module_path", "") for m in net.modules() if isinstance(m, DomainTokenAttention)
+    )
+    return errors
+
+
+_KINDS = [
+    "mha",
+    "mha_seq_first",
+    "mha_no_weights",
+    "mha_bias_kv_zero_attn",
+    "mha_key_padding_mask",
+    "mha_one_head",
+    "mha_cross_separate_kv",
+    "sdpa",
+]
+
+
+@pytest.mark.parametrize("domain,height", [(2, 7), (3, 11)])
+@pytest.mark.parametrize("kind", _KINDS)
+def test_token_attention_default_converter_exact_uneven_h(kind, domain, height):
+    for errors in run_on_ranks(_exact_on_ranks, domain, kind, height, "eval"):
+        assert errors["keys_equal"]
+        assert errors["out"] <= TOL, errors
+        assert errors["input_grad"] <= TOL, errors
+        assert errors["param_grad"] <= TOL, errors
+        assert errors["out_ref"] > 1e-3 and errors["param_grad_ref"] > 1e-3  # not vacuous
+        assert errors["converted"] == (["1"] if kind == "sdpa" else ["1.mha"])
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_multihead_attention_train_and_eval_mode_exact_dropout_zero(mode):
+    for errors in run_on_ranks(_exact_on_ranks, 3, "mha", 7, mode):
+        assert errors["out"] <= TOL and errors["input_grad"] <= TOL, errors
+        assert errors["param_grad"] <= TOL, errors
+
+
+# ------------------------------------------------------------------ returned attention weights
+def _weights_on_ranks(rank, world_size, average):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(6, 3, batch_first=True).double()
+    ref = nn.MultiheadAttention(6, 3, batch_first=True).double()
+    ref.load_state_dict(mha.state_dict())
+    height, width = 7, 4
+    x = torch.randn(2, 6, height, width, dtype=torch.float64)
+    tokens = x.flatten(2).transpose(1, 2)
+    _, w_ref = ref(tokens, tokens, tokens, average_attn_weights=average)
+    manager = DomainParallelManager(world_size, world_size)
+    layer = convert_to_domain_parallel(mha, manager)
+    xl = shard_tensor(x, -2, manager)
+    tl = xl.flatten(2).transpose(1, 2)
+    _, w = layer(tl, tl, tl, average_attn_weights=average)
+    start, stop = shard_range(height, world_size, rank)
+    mine = w_ref[..., start * width : stop * width, :]  # my queries' rows, every key
+    return tuple(w.shape) == tuple(mine.shape), (w - mine).abs().max().item()
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_returned_attention_weights_are_the_rows_of_my_queries(average):
+    for same_shape, err in run_on_ranks(_weights_on_ranks, 3, average):
+        assert same_shape and err <= TOL
+
+
+# ------------------------------------------------------------------ what stays refused
+def _masked_on_ranks(rank, world_size, which):
+    manager = DomainParallelManager(world_size, world_size)
+    if which == "sdpa_causal":
+        net = nn.Sequential(nn.Conv2d(3, 6, 1), SdpaAttention(6, 2, causal=True)).double()
+    else:
+
+        class MaskedAttention(GlobalSelfAttention):
+            def forward(self, x):
+                t = x.flatten(2).transpose(1, 2)
+                mask = torch.ones(t.shape[1], t.shape[1], dtype=torch.bool).triu(1)
+                return self.mha(t, t, t, attn_mask=mask)[0].transpose(1, 2).reshape(x.shape)
+
+        net = nn.Sequential(nn.Conv2d(3, 6, 1), MaskedAttention(6, 2)).double()
+    net = convert_to_domain_parallel(net, manager)
+    x = shard_tensor(torch.randn(1, 3, 7, 4, dtype=torch.float64), -2, manager)
+    try:
+        net(x)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("which", ["sdpa_causal", "mha_attn_mask"])
+def test_masks_and_causal_raise_naming_the_module(which):
+    for message in run_on_ranks(_masked_on_ranks, 2, which):
+        assert message is not None
+        path = "1" if which == "sdpa_causal" else "1.mha"
+        assert message.startswith(f"{path}: ") and "nonlocal_policy='gather'" in message
+
+
+class HandWrittenAttention(nn.Module):
+    """Softmax attention over all tokens written by hand: nothing the converter recognises."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.qkv = nn.Conv2d(c, 3 * c, 1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).flatten(2).chunk(3, dim=1)
+        attn = (q.transpose(1, 2) @ k).softmax(-1)
+        return (v @ attn.transpose(1, 2)).reshape(x.shape)
+
+
+def test_module_named_attention_without_recognised_attention_still_refused():
+    net = nn.Sequential(nn.Conv2d(3, 6, 1), HandWrittenAttention(6))
+    assert [p for p, _ in find_unsafe_modules(net)] == ["1"]
+    with pytest.raises(ValueError, match="1: HandWrittenAttention"):
+        convert_to_domain_parallel(net, object())  # nothing communicates
+
+
+def test_module_named_attention_holding_multihead_attention_is_not_refused():
+    net = nn.Sequential(nn.Conv2d(3, 6, 1), GlobalSelfAttention(6, 2), SdpaAttention(6, 2))
+    assert find_unsafe_modules(net) == []
+    assert recognised_attention_form(net[1].mha) == "sequence"
+    assert recognised_attention_form(net[2]) == "sequence"
+    assert recognised_attention_form(net[1]) is None  # the parent stays the user's module
+
+
+# ------------------------------------------------------------------ memory per rank
+def _memory_on_ranks(rank, world_size, kind):
+    torch.manual_seed(0)
+    layer = _layer(kind).double()
+    # batch 2 x 3 heads: 6 (batch, head) units, whole shares at d = 2 and 3
+    x = torch.randn(2, 6, 24, 8, dtype=torch.float64, requires_grad=True)
+    single = saved_activation_bytes(layer, x)
+    manager = DomainParallelManager(world_size, world_size)
+    layer = convert_to_domain_parallel(layer, manager)
+    xl = shard_tensor(x.detach(), -2, manager).requires_grad_()
+    return single, saved_activation_bytes(layer, xl)
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+@pytest.mark.parametrize("kind", ["mha", "sdpa"])
+def test_token_attention_memory_per_rank_at_most_1_2_over_d(kind, domain):
+    for single, per_rank in run_on_ranks(_memory_on_ranks, domain, kind):
+        assert per_rank <= 1.2 * single / domain, (kind, domain, single, per_rank)
+
+
+# ------------------------------------------------------------------ planner
+def test_planner_shows_form_sequence_for_the_converted_multihead_attention():
+    from credit_parallel.planner import make_plan
+
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), GlobalSelfAttention(6, 3))
+    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": 2}}}
+    plan = make_plan(conf, 2, model=model, input_shapes=[(3, 8, 4)])
+    assert plan.violations == []
+    (layer,) = [layer for layer in plan.layers if layer.path == "1.mha"]
+    assert layer.form == "sequence"
+    # fp32, batch 1: q, k, v and output (32 tokens x 6 channels) half of it moving, plus
+    # the returned weights (3 heads x 32 x 32)
+    assert layer.communication_bytes == (4 * 32 * 6 + 3 * 32 * 32) * 4 // 2
+    assert layer.activation_bytes == 3 * 2 * 32 * 2 * 4  # 2 of 3 heads on the busiest rank
