@@ -19,17 +19,18 @@ from test_domain_attention import TOL, exactness_errors
 
 
 class GlobalSelfAttention(nn.Module):
-    """Self-attention over all H*W positions (nn.MultiheadAttention on flattened tokens)."""
+    """Self-attention over all H*W positions written by hand (softmax of q k^T over flattened
+    tokens): nothing the converter recognises (nn.MultiheadAttention would be converted to the
+    sequence-parallel form, tests/test_token_attention.py), so the default policy refuses it."""
 
     def __init__(self, channels: int):
         super().__init__()
-        self.attn = nn.MultiheadAttention(channels, 2, batch_first=True)
+        self.qkv = nn.Conv2d(channels, 3 * channels, 1)
 
     def forward(self, x):
-        b, c, h, w = x.shape
-        tokens = x.flatten(2).transpose(1, 2)
-        out, _ = self.attn(tokens, tokens, tokens)
-        return out.transpose(1, 2).reshape(b, c, h, w)
+        q, k, v = self.qkv(x).flatten(2).chunk(3, dim=1)  # B, C, H*W each
+        attn = (q.transpose(1, 2) @ k / q.shape[1] ** 0.5).softmax(-1)
+        return (v @ attn.transpose(1, 2)).reshape(x.shape)
 
 
 class ShiftedRowWindowBlock(nn.Module):
