@@ -64,8 +64,8 @@ def test_guard_flags_pad_roll_flip_reduction_over_h_and_merging_reshape():
         "flip": lambda t: t.flip(2),
         "mean": lambda t: t.mean(dim=(-2, -1)),
         "sum": lambda t: t.sum(),
-        "flatten": lambda t: t.flatten(2),
-        "reshape": lambda t: t.reshape(1, 2, 24),
+        "flatten": lambda t: t.flatten(1),  # C, H, W: H inside the merged dim
+        "reshape": lambda t: t.reshape(1, 12, 4),  # C and H merged: H inner
         "adaptive_avg_pool2d": lambda t: F.adaptive_avg_pool2d(t, 1),
     }
     for op, fn in offending.items():
@@ -82,6 +82,10 @@ def test_guard_accepts_row_local_calls():
         lambda t: t.softmax(dim=-1),
         lambda t: t.reshape(1, 2, 3, 2, 4),  # H split into factors: rows stay apart
         lambda t: t.flatten(0, 1),
+        # H merged OUTERMOST with W: each shard is one block of tokens (token attention's
+        # layout); folded back to (H, W) after a transpose round trip
+        lambda t: t.flatten(2).transpose(1, 2).transpose(1, 2).reshape(1, 2, 6, 4),
+        lambda t: t.reshape(1, 2, 24),
         lambda t: t * 2 + 1,
     ]
     for fn in row_local:

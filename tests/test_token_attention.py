@@ -17,6 +17,7 @@ from torch import nn
 from credit_parallel import convert_to_domain_parallel, shard_tensor
 from credit_parallel.domain.attention import DomainTokenAttention, recognised_attention_form
 from credit_parallel.domain.convert import find_unsafe_modules
+from credit_parallel.domain.guard import FunctionalCallGuard
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import shard_range
 from credit_parallel.testing import run_on_ranks
@@ -268,3 +269,101 @@ def test_planner_shows_form_sequence_for_the_converted_multihead_attention():
     # the returned weights (3 heads x 32 x 32)
     assert layer.communication_bytes == (4 * 32 * 6 + 3 * 32 * 32) * 4 // 2
     assert layer.activation_bytes == 3 * 2 * 32 * 2 * 4  # 2 of 3 heads on the busiest rank
+
+
+# ------------------------------------------------------------------ the functional-call guard
+def _findings(module, x):
+    with FunctionalCallGuard(module) as guard:
+        guard.mark(x)
+        module(x)
+    return [(f.path, f.op) for f in guard.findings]
+
+
+class UndeclaredSdpa(SdpaAttention):
+    """F.scaled_dot_product_attention on the shard, not declared: its name says nothing, so
+    the converter keeps it (1x1 convs only); the guard is what catches it."""
+
+    _domain_attention = None
+
+
+class InnerMerge(nn.Module):
+    def forward(self, x):  # C and H merged, H inner: rows of the shard interleave
+        return x.reshape(x.shape[0], -1, x.shape[-1]).softmax(-1).reshape(x.shape)
+
+
+def test_guard_flags_undeclared_sdpa_unconverted_mha_and_h_inner_merge_with_paths():
+    x = torch.randn(1, 6, 4, 3)
+    net = nn.Sequential(nn.Conv2d(6, 6, 1), UndeclaredSdpa(6, 2), GlobalSelfAttention(6, 2))
+    net.append(InnerMerge())
+    assert _findings(net, x) == [
+        ("1", "scaled_dot_product_attention"),
+        ("2.mha", "multi_head_attention_forward"),
+        ("3", "reshape"),
+    ]
+
+
+def test_guard_follows_tokens_flattened_h_outermost_and_folded_back():
+    # flatten(2) / transpose / reshape back are not findings; a softmax or a reduction over
+    # the token dim afterwards is (the mark followed the tokens)
+    x = torch.randn(1, 6, 4, 3)
+    assert _findings(_call(lambda t: t.flatten(2).transpose(1, 2).sigmoid()), x) == []
+    tokens_softmax = _call(lambda t: t.flatten(2).transpose(1, 2).softmax(1))
+    assert _findings(tokens_softmax, x) == [("<root>", "softmax")]
+    assert _findings(_call(lambda t: t.flatten(2).mean(-1)), x) == [("<root>", "mean")]
+
+
+def _call(fn):
+    class Call(nn.Module):
+        def forward(self, x):
+            return fn(x)
+
+    return Call()
+
+
+class TokenNet(nn.Module):
+    """conv -> global token attention -> conv, for ``credit-parallel verify``."""
+
+    def __init__(self, in_channels=3, out_channels=2, image_height=7, image_width=6, sdpa="mha"):
+        super().__init__()
+        self.image_height, self.image_width = image_height, image_width
+        attention = {"mha": lambda: GlobalSelfAttention(6, 3), "sdpa": lambda: UndeclaredSdpa(6, 3)}
+        self.net = nn.Sequential(
+            nn.Conv2d(in_channels, 6, 3, padding=1),
+            attention[sdpa](),
+            nn.Conv2d(6, out_channels, 3, padding=1),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _verify_token_net(rank, world_size, attention):
+    from credit_parallel.models import MODEL_TYPES
+    from credit_parallel.verify import judge, verify_layout
+
+    MODEL_TYPES["token_net"] = TokenNet  # in the forked worker only
+    conf = {
+        "model": {
+            "type": "token_net",
+            "in_channels": 3,
+            "out_channels": 2,
+            "image_height": 7,
+            "image_width": 6,
+            "sdpa": attention,
+        },
+        "trainer": {"parallelism": {"domain": world_size}, "seed": 1},
+    }
+    rows = judge(verify_layout(conf, batch_size=1), torch.float64)
+    return [r for r in rows if r[0].startswith("functional call")], [r[-1] for r in rows]
+
+
+def test_verify_converted_global_attention_has_no_finding():
+    for flagged, verdicts in run_on_ranks(_verify_token_net, 2, "mha"):
+        assert flagged == []
+        assert "FAIL" not in verdicts
+
+
+def test_verify_flags_undeclared_sdpa_module_with_its_path():
+    for flagged, _ in run_on_ranks(_verify_token_net, 2, "sdpa"):
+        assert len(flagged) == 1 and flagged[0][-1] == "FAIL"
+        assert "net.1: scaled_dot_product_attention" in flagged[0][0]

@@ -2,7 +2,12 @@
 
 The converter only sees modules; a forward that calls ``F.interpolate``, ``F.pad`` over H,
 ``torch.roll`` / ``flip`` over H, a reduction over H, a functional pooling, or a reshape that
-merges H with another dim computes something different on a shard than on the globe.
+merges H with a dim before it computes something different on a shard than on the globe.
+A merge with H OUTERMOST (``x.flatten(2)`` of B,C,H,W) keeps each shard one contiguous block of
+tokens: the mark moves to the merged dim and follows transposes, permutes and the split back
+to (H, W); attention (``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``),
+a softmax or reduction, or a matrix product contracting over a marked token dim is then a
+finding (outside the library's wrappers, e.g. ``DomainTokenAttention``).
 :class:`FunctionalCallGuard` is a ``TorchFunctionMode`` active during one forward: tensors
 marked as domain-sharded (the model's inputs, by :meth:`FunctionalCallGuard.mark`) propagate the
 mark to every tensor computed from them, and each offending call on a marked tensor is recorded
@@ -37,7 +42,11 @@ _REDUCE = {
     "log_softmax", "cumsum", "cumprod", "norm", "argmax", "argmin", "median", "nansum",
     "nanmean", "std_mean", "var_mean", "sort", "argsort", "topk", "cummax", "cummin",
 }  # fmt: skip
-_RESHAPE = {"reshape", "view", "flatten"}
+# shape ops whose result's sharded dim is followed exactly (flatten with H outermost: tokens)
+_SHAPE_OPS = {
+    "reshape", "view", "flatten", "transpose", "swapaxes", "swapdims", "permute", "unflatten",
+    "unsqueeze",
+}  # fmt: skip
 _DOMAIN_DIR = os.path.dirname(os.path.abspath(__file__))  # our layers: not a call site
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
@@ -76,30 +85,108 @@ def _covers(dims, t: torch.Tensor) -> bool:
     return any(isinstance(d, int) and d % t.dim() == h for d in dims)
 
 
-def _merges_h(t: torch.Tensor, shape) -> bool:
-    """True when ``shape`` does not keep the rows of H apart from the other dims (a split of H
-    into factors keeps them; a merge of H with a neighbour does not)."""
+def _shape_arg(t: torch.Tensor, shape) -> list[int]:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = shape[0]
     shape = [int(s) for s in shape]
     if any(s == -1 for s in shape):
         known = prod(s for s in shape if s != -1)
         shape = [t.numel() // max(known, 1) if s == -1 else s for s in shape]
-    h = _h_axis(t)
-    before, rows = prod(t.shape[:h]), t.shape[h]
-    for j in range(len(shape) + 1):
-        if prod(shape[:j]) != before:
+    return shape
+
+
+def _reshape_target(t: torch.Tensor, shape) -> int | None:
+    """Index in the new ``shape`` of the dim holding ``t``'s sharded dim after a reshape: where
+    it stays, is split (its first factor), or is merged as the OUTERMOST of the merged dims
+    (``x.flatten(2)`` of B,C,H,W: each shard is then one contiguous block of the H*W tokens);
+    None when it merges with a dim before it (rows of a shard interleave with others)."""
+    shape = _shape_arg(t, shape)
+    h, old = _h_axis(t), list(t.shape)
+    before = prod(old[:h])
+    for j in range(len(shape)):
+        if prod(shape[:j]) != before or (shape[j] == 1 and old[h] != 1):
             continue
-        for k in range(j + 1, len(shape) + 1):
-            if prod(shape[j:k]) == rows:
-                return False
-    return True
+        if any(prod(shape[j:k]) == old[h] for k in range(j + 1, len(shape) + 1)):
+            return j  # kept or split into factors
+        if any(prod(old[h:m]) == shape[j] for m in range(h + 2, len(old) + 1)):
+            return j  # merged with the dims after it, H outermost
+    return None
 
 
-def _flatten_merges_h(t: torch.Tensor, args, kwargs) -> bool:
+def _flatten_target(t: torch.Tensor, args, kwargs) -> int | None:
     start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0) % t.dim()
     end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1) % t.dim()
-    return start <= _h_axis(t) <= end and start != end
+    h = _h_axis(t)
+    if h < start:
+        return h
+    if h > end:
+        return h - (end - start)
+    return start if h == start else None
+
+
+def _int_args(args, kwargs, names) -> list:
+    out = list(args[1:])
+    out += [kwargs[n] for n in names if n in kwargs]
+    if len(out) == 1 and isinstance(out[0], (tuple, list, torch.Size)):
+        out = list(out[0])
+    return out
+
+
+def _moved_axis(name: str, t: torch.Tensor, args, kwargs, out: torch.Tensor) -> int | None:
+    """Where the sharded dim of ``t`` is in ``out`` after a shape op (index from the front), or
+    None when this is not a shape op it can follow."""
+    h = _h_axis(t)
+    if name in ("reshape", "view"):
+        return _reshape_target(t, args[1:] if len(args) > 1 else (kwargs.get("shape"),))
+    if name == "flatten":
+        return _flatten_target(t, args, kwargs)
+    if name in ("transpose", "swapaxes", "swapdims"):
+        d0, d1 = (d % t.dim() for d in _int_args(args, kwargs, ("dim0", "dim1"))[:2])
+        return d1 if h == d0 else d0 if h == d1 else h
+    if name == "permute":
+        dims = [d % t.dim() for d in _int_args(args, kwargs, ("dims",))]
+        return dims.index(h) if h in dims else None
+    if name == "unflatten":
+        dim, sizes = _int_args(args, kwargs, ("dim", "sizes"))[:2]
+        return h + len(sizes) - 1 if dim % t.dim() < h else h
+    if name == "unsqueeze":
+        dim = _int_args(args, kwargs, ("dim",))[0] % out.dim()
+        return h + 1 if dim <= h else h
+    return None
+
+
+def _token_attention_offence(name: str, args, kwargs) -> str | None:
+    """SDPA or nn.MultiheadAttention's function called on latitude-sharded tokens outside the
+    library's wrappers: the softmax would see only this shard's keys."""
+    if name == "scaled_dot_product_attention":
+        token_dim = -2
+    elif name == "multi_head_attention_forward":
+        token_dim = 0
+    else:
+        return None
+    qkv = list(args[:3]) + [kwargs.get(k) for k in ("query", "key", "value")]
+    for t in qkv:
+        if _marked_dim(t) is not None and _h_axis(t) == token_dim % t.dim():
+            return (
+                "attends over latitude-sharded tokens on a shard (use nn.MultiheadAttention in "
+                "a converted model, or declare _domain_attention = {'form': 'tokens'} on the "
+                "module)"
+            )
+    return None
+
+
+def _contraction_offence(name: str, args) -> str | None:
+    """A matrix product or linear layer contracting over a sharded dim sums only this shard."""
+    if name in ("matmul", "__matmul__", "bmm", "baddbmm") and len(args) >= 2:
+        a, b = args[-2], args[-1]
+        a_hit = _marked_dim(a) is not None and _h_axis(a) == a.dim() - 1
+        b_hit = _marked_dim(b) is not None and b.dim() >= 2 and _h_axis(b) == b.dim() - 2
+        if a_hit or b_hit:
+            return "contracts a latitude-sharded dim (a matrix product over the tokens of a shard)"
+    if name == "linear" and args and _marked_dim(args[0]) is not None:
+        if _h_axis(args[0]) == args[0].dim() - 1:
+            return "applies a linear layer across a latitude-sharded dim"
+    return None
 
 
 def _offence(name: str, t: torch.Tensor, args, kwargs) -> str | None:
@@ -123,11 +210,11 @@ def _offence(name: str, t: torch.Tensor, args, kwargs) -> str | None:
             return "reduces over every dim, H included, on a shard"
         if _covers(dims, t):
             return "reduces over H on a shard"
-    if name in ("reshape", "view") and _merges_h(t, args[1:]):
-        return "reshapes H together with another dim on a shard"
-    if name == "flatten" and _flatten_merges_h(t, args, kwargs):
-        return "flattens H together with another dim on a shard"
-    return None
+    if name in ("reshape", "view") and _reshape_target(t, args[1:]) is None:
+        return "reshapes H together with a dim outside it on a shard"
+    if name == "flatten" and _flatten_target(t, args, kwargs) is None:
+        return "flattens H together with a dim outside it on a shard"
+    return _token_attention_offence(name, args, kwargs) or _contraction_offence(name, args)
 
 
 class FunctionalCallGuard(TorchFunctionMode):
@@ -164,7 +251,7 @@ class FunctionalCallGuard(TorchFunctionMode):
             # carry the mark across every module boundary instead
             marked = next((a for a in args if _marked_dim(a) is not None), None)
             if marked is not None:
-                self._propagate(output, _marked_dim(marked))
+                self._propagate(output, marked)
 
         self._handles = [
             register_module_forward_pre_hook(enter),
@@ -210,19 +297,35 @@ class FunctionalCallGuard(TorchFunctionMode):
                     raise RuntimeError(f"domain guard: {finding}")
         out = func(*args, **kwargs)
         if marked is not None:
-            self._propagate(out, _marked_dim(marked))
+            name = getattr(func, "__name__", "")
+            moved = (
+                _moved_axis(name, marked, args, kwargs, out)
+                if isinstance(out, torch.Tensor) and name in _SHAPE_OPS
+                else None
+            )
+            if moved is not None:
+                self._set_mark(out, moved - out.dim())
+            elif name not in _SHAPE_OPS:
+                self._propagate(out, marked)
         return out
 
-    def _propagate(self, out, dim: int) -> None:
+    @staticmethod
+    def _set_mark(t: torch.Tensor, dim: int) -> None:
+        try:
+            setattr(t, _MARK, dim)
+        except (AttributeError, RuntimeError):
+            pass
+
+    def _propagate(self, out, source: torch.Tensor) -> None:
+        """Results of an op on a marked tensor keep its mark (counted from the end) when they
+        keep its rank, or are latitude fields (>= 4 dims); pooled or reduced results do not."""
+        dim = _marked_dim(source)
         if isinstance(out, torch.Tensor):
-            if out.dim() >= 4:  # a latitude field; pooled / flattened results are not
-                try:
-                    setattr(out, _MARK, dim)
-                except (AttributeError, RuntimeError):
-                    pass
+            if out.dim() == source.dim() or out.dim() >= 4:
+                self._set_mark(out, dim)
         elif isinstance(out, (tuple, list)):
             for o in out:
-                self._propagate(o, dim)
+                self._propagate(o, source)
 
 
 class _NoGuard:
