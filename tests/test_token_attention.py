@@ -207,6 +207,62 @@ def test_masks_and_causal_raise_naming_the_module(which):
         assert message.startswith(f"{path}: ") and "nonlocal_policy='gather'" in message
 
 
+class ClassTokenAttention(GlobalSelfAttention):
+    """Prepends a token per rank (a class token): not the flattened rows of the shard."""
+
+    def forward(self, x):
+        t = x.flatten(2).transpose(1, 2)
+        t = torch.cat([t[:, :1], t], 1)
+        return self.mha(t, t, t)[0][:, 1:].transpose(1, 2).reshape(x.shape)
+
+
+def _class_token_on_ranks(rank, world_size):
+    manager = DomainParallelManager(world_size, world_size)
+    net = convert_to_domain_parallel(nn.Sequential(ClassTokenAttention(6, 2)).double(), manager)
+    x = shard_tensor(torch.randn(1, 6, 7, 4, dtype=torch.float64), -2, manager)
+    try:
+        net(x)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_extra_tokens_per_rank_raise_naming_the_module_on_uneven_shards():
+    for message in run_on_ranks(_class_token_on_ranks, 2):
+        assert message is not None and message.startswith("0.mha: token counts [17, 13]")
+
+
+class RowAttention(nn.Module):
+    """nn.MultiheadAttention within each row (tokens = the W positions of one row)."""
+
+    _domain_local = True
+
+    def __init__(self, c, heads):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(c, heads, batch_first=True)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        t = x.permute(0, 2, 3, 1).reshape(b * h, w, c)
+        return self.mha(t, t, t)[0].reshape(b, h, w, c).permute(0, 3, 1, 2)
+
+
+def _row_attention_on_ranks(rank, world_size):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), RowAttention(6, 2)).double()
+    x = torch.randn(2, 3, 7, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    errors = exactness_errors(net, x, (), DomainParallelManager(world_size, world_size))
+    errors["converted"] = [m for m in net.modules() if isinstance(m, DomainTokenAttention)]
+    return errors
+
+
+def test_multihead_attention_inside_a_declared_row_local_module_is_left_alone_and_exact():
+    for errors in run_on_ranks(_row_attention_on_ranks, 3):
+        assert errors["converted"] == []
+        assert errors["out"] <= TOL and errors["input_grad"] <= TOL, errors
+        assert errors["param_grad"] <= TOL, errors
+
+
 class HandWrittenAttention(nn.Module):
     """Softmax attention over all tokens written by hand: nothing the converter recognises."""
 

@@ -106,6 +106,10 @@ def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip
     def visit(module: nn.Module, path: str):
         if getattr(module, "_domain_parallel", False) or isinstance(module, tuple(skip_types)):
             return module
+        if getattr(module, "_domain_local", None) is True:
+            # declared row-local: an nn.MultiheadAttention inside attends within rows it holds
+            # (per row, per window), not over the sharded tokens; the walker skips it too
+            return module
         replacement = attention_replacement(module, manager, shard_dim)
         if replacement is not None:
             replacement.module_path = path or "<root>"

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..rows import shard_sizes
 from .layouts import head_split
 from .sequence import heads_to_positions, positions_to_heads
 
@@ -53,7 +54,27 @@ def checked_counts(manager, name: str, q_len: int, k_len: int, units: int):
             f"domain ranks ({[c[2] for c in counts]}): its token dim is not the latitude-sharded "
             "one (check batch_first, and flatten H outermost: x.flatten(2))"
         )
-    return [c[0] for c in counts], [c[1] for c in counts]
+    q_counts = [c[0] for c in counts]
+    if not _balanced_multiple(q_counts):
+        raise ValueError(
+            f"{name}: token counts {q_counts} across the domain ranks are not whole rows of the "
+            "balanced latitude layout: the tokens must be exactly the local rows flattened with "
+            "H outermost (no per-rank extra tokens such as a class token)"
+        )
+    return q_counts, [c[1] for c in counts]
+
+
+def _balanced_multiple(counts: list[int]) -> bool:
+    """True when ``counts[r] = rows[r] * W`` for the balanced row shards of some height and
+    some row length W (equal counts always pass: nothing to tell them apart)."""
+    if len(set(counts)) == 1:
+        return True
+    g = math.gcd(*counts)
+    for width in (w for w in range(1, g + 1) if g % w == 0):
+        rows = [c // width for c in counts]
+        if tuple(rows) == shard_sizes(sum(rows), len(rows)):
+            return True
+    return False
 
 
 def unit_range(units: int, manager) -> tuple[int, int]:
