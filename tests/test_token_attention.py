@@ -423,3 +423,15 @@ def test_verify_flags_undeclared_sdpa_module_with_its_path():
     for flagged, _ in run_on_ranks(_verify_token_net, 2, "sdpa"):
         assert len(flagged) == 1 and flagged[0][-1] == "FAIL"
         assert "net.1: scaled_dot_product_attention" in flagged[0][0]
+
+
+def test_form_cost_of_declared_sdpa_module_over_its_tokens():
+    from credit_parallel.domain.attention import form_cost
+
+    layer = DomainTokenAttention(SdpaAttention(6, 3))
+    cost = form_cost(layer, (1, 6, 8, 4), 2, 8)
+    assert cost["form"] == "sequence"
+    # q, k, v and the output at the input's 6 channels x 32 tokens, half of each moving
+    assert cost["communication_bytes"] == 4 * 32 * 6 * 8 // 2
+    # 3 heads over 2 ranks: the busiest holds 2 heads of 6 // 3 channels on all 32 tokens
+    assert cost["activation_bytes"] == 3 * 2 * 32 * 2 * 8

@@ -57,6 +57,18 @@ def sequence_parallel_attention(manager, name: str = "attention") -> SequencePar
     return SequenceParallelAttention(manager, name)
 
 
+def _heads(module: nn.Module) -> int:
+    """Heads, for the planner's memory estimate: ``nn.MultiheadAttention.num_heads``, the
+    declaration's ``"heads"`` (a number or an attribute name), a ``heads`` attribute, or 1."""
+    spec = getattr(module, "_domain_attention", None)
+    heads = spec.get("heads") if isinstance(spec, dict) else None
+    if isinstance(heads, str):
+        heads = getattr(module, heads)
+    if heads is None:
+        heads = getattr(module, "num_heads", getattr(module, "heads", 1))
+    return int(heads)
+
+
 class DomainTokenAttention(DomainWrapper):
     """Run ``module``'s unmodified forward under :func:`sequence_parallel_attention`.
 
@@ -73,7 +85,7 @@ class DomainTokenAttention(DomainWrapper):
         super().__init__(module)
         copy_tp_declarations(self, module)
         self.shard_dim, self.manager = shard_dim, manager
-        self.heads = int(getattr(module, "num_heads", getattr(module, "heads", 1)))
+        self.heads = _heads(module)
 
     def _name(self) -> str:
         return getattr(self, "module_path", None) or type(self.wrapped).__name__
