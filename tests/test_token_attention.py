@@ -435,3 +435,22 @@ def test_form_cost_of_declared_sdpa_module_over_its_tokens():
     assert cost["communication_bytes"] == 4 * 32 * 6 * 8 // 2
     # 3 heads over 2 ranks: the busiest holds 2 heads of 6 // 3 channels on all 32 tokens
     assert cost["activation_bytes"] == 3 * 2 * 32 * 2 * 8
+
+
+def _unbatched_on_ranks(rank, world_size):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(6, 3, add_bias_kv=True).double()
+    ref = nn.MultiheadAttention(6, 3, add_bias_kv=True).double()
+    ref.load_state_dict(mha.state_dict())
+    x = torch.randn(7 * 4, 6, dtype=torch.float64)  # (L, E): 7 rows of 4 tokens, unbatched
+    y_ref, w_ref = ref(x, x, x)
+    layer = convert_to_domain_parallel(mha, DomainParallelManager(world_size, world_size))
+    start, stop = shard_range(7, world_size, rank)
+    mine = slice(start * 4, stop * 4)
+    y, w = layer(x[mine], x[mine], x[mine])
+    return (y - y_ref[mine]).abs().max().item(), (w - w_ref[mine]).abs().max().item()
+
+
+def test_unbatched_input_with_bias_kv_output_and_weights_exact():
+    for out_err, weights_err in run_on_ranks(_unbatched_on_ranks, 3):
+        assert out_err <= TOL and weights_err <= TOL
