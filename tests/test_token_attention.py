@@ -454,3 +454,24 @@ def _unbatched_on_ranks(rank, world_size):
 def test_unbatched_input_with_bias_kv_output_and_weights_exact():
     for out_err, weights_err in run_on_ranks(_unbatched_on_ranks, 3):
         assert out_err <= TOL and weights_err <= TOL
+
+
+def _no_grad_eval_on_ranks(rank, world_size):
+    torch.manual_seed(0)
+    # batch_first, self-attention, eval, no grad: the conditions of torch's fused fast path
+    # (torch._native_multi_head_attention), which a TorchFunctionMode must turn off
+    mha = nn.MultiheadAttention(6, 3, batch_first=True).double().eval()
+    ref = nn.MultiheadAttention(6, 3, batch_first=True).double().eval()
+    ref.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 7 * 4, 6, dtype=torch.float64)
+    layer = convert_to_domain_parallel(mha, DomainParallelManager(world_size, world_size))
+    start, stop = shard_range(7, world_size, rank)
+    mine = x[:, start * 4 : stop * 4]
+    with torch.no_grad():
+        y_ref = ref(x, x, x, need_weights=False)[0][:, start * 4 : stop * 4]
+        y = layer(mine, mine, mine, need_weights=False)[0]
+    return (y - y_ref).abs().max().item()
+
+
+def test_eval_no_grad_fast_path_conditions_still_sequence_parallel_and_exact():
+    assert max(run_on_ranks(_no_grad_eval_on_ranks, 2)) <= TOL

@@ -69,12 +69,11 @@ def _balanced_multiple(counts: list[int]) -> bool:
     some row length W (equal counts always pass: nothing to tell them apart)."""
     if len(set(counts)) == 1:
         return True
-    g = math.gcd(*counts)
-    for width in (w for w in range(1, g + 1) if g % w == 0):
-        rows = [c // width for c in counts]
-        if tuple(rows) == shard_sizes(sum(rows), len(rows)):
-            return True
-    return False
+    width = max(counts) - min(counts)  # balanced row counts differ by exactly one row
+    if any(c % width for c in counts):
+        return False
+    rows = [c // width for c in counts]
+    return tuple(rows) == shard_sizes(sum(rows), len(rows))
 
 
 def unit_range(units: int, manager) -> tuple[int, int]:
