@@ -44,6 +44,8 @@ _EXPORTS = {
     "unpad_shard_interp": "domain.sharding",
     "DomainRowGroupAttention": "domain.attention",
     "DomainSequenceAttention": "domain.attention",
+    "DomainTokenAttention": "domain.attention",
+    "sequence_parallel_attention": "domain.attention",
     "DomainGatherModule": "domain.gather",
     "FunctionalCallGuard": "domain.guard",
     # tensor parallel, data parallel, collectives, composition
