@@ -100,8 +100,11 @@ def _reshape_target(t: torch.Tensor, shape) -> int | None:
     it stays, is split (its first factor), or is merged as the OUTERMOST of the merged dims
     (``x.flatten(2)`` of B,C,H,W: each shard is then one contiguous block of the H*W tokens);
     None when it merges with a dim before it (rows of a shard interleave with others)."""
-    shape = _shape_arg(t, shape)
     h, old = _h_axis(t), list(t.shape)
+    try:
+        shape = _shape_arg(t, shape)
+    except (TypeError, ValueError):  # view(dtype): no shape change to follow
+        return h
     before = prod(old[:h])
     for j in range(len(shape)):
         if prod(shape[:j]) != before or (shape[j] == 1 and old[h] != 1):
