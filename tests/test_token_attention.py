@@ -70,10 +70,10 @@ class SdpaAttention(nn.Module):
 
     _domain_attention = {"form": "tokens"}
 
-    def __init__(self, c, heads, *, causal=False):
+    def __init__(self, c, heads, *, causal=False, kernel=1):
         super().__init__()
         self.heads, self.causal = heads, causal
-        self.qkv = nn.Conv2d(c, 3 * heads * 2, 1)
+        self.qkv = nn.Conv2d(c, 3 * heads * 2, kernel, padding=kernel // 2)
         self.out = nn.Conv2d(heads * 2, c, 1)
 
     def forward(self, x):
@@ -95,6 +95,8 @@ def _layer(kind: str) -> nn.Module:
         "mha_one_head": lambda: GlobalSelfAttention(6, 1),  # heads < d
         "mha_cross_separate_kv": lambda: CrossTokenAttention(6, 2),
         "sdpa": lambda: SdpaAttention(6, 3),
+        # a 3x3 qkv conv inside the declared module still gets its halo exchange
+        "sdpa_3x3_qkv": lambda: SdpaAttention(6, 2, kernel=3),
     }[kind]()
 
 
@@ -116,6 +118,7 @@ def _exact_on_ranks(rank, world_size, kind, height, mode):
     errors["converted"] = sorted(
         getattr(m, "module_path", "") for m in net.modules() if isinstance(m, DomainTokenAttention)
     )
+    errors["halo_convs"] = [type(m).__name__ for m in net[1].modules()]
     return errors
 
 
@@ -128,6 +131,7 @@ _KINDS = [
     "mha_one_head",
     "mha_cross_separate_kv",
     "sdpa",
+    "sdpa_3x3_qkv",
 ]
 
 
@@ -140,7 +144,9 @@ def test_token_attention_default_converter_exact_uneven_h(kind, domain, height):
         assert errors["input_grad"] <= TOL, errors
         assert errors["param_grad"] <= TOL, errors
         assert errors["out_ref"] > 1e-3 and errors["param_grad_ref"] > 1e-3  # not vacuous
-        assert errors["converted"] == (["1"] if kind == "sdpa" else ["1.mha"])
+        assert errors["converted"] == (["1"] if kind.startswith("sdpa") else ["1.mha"])
+        halo = "DomainParallelConv2d" in errors["halo_convs"]
+        assert halo == (kind == "sdpa_3x3_qkv"), errors["halo_convs"]
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
