@@ -319,7 +319,7 @@ def test_token_attention_memory_per_rank_at_most_1_2_over_d(kind, domain):
 
 # ------------------------------------------------------------------ planner
 def test_planner_shows_form_sequence_for_the_converted_multihead_attention():
-    from credit_parallel.planner import make_plan
+    from credit_parallel.planner import format_plan, make_plan
 
     model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), GlobalSelfAttention(6, 3))
     conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": 2}}}
@@ -331,6 +331,8 @@ def test_planner_shows_form_sequence_for_the_converted_multihead_attention():
     # the returned weights (3 heads x 32 x 32)
     assert layer.communication_bytes == (4 * 32 * 6 + 3 * 32 * 32) * 4 // 2
     assert layer.activation_bytes == 3 * 2 * 32 * 2 * 4  # 2 of 3 heads on the busiest rank
+    text = format_plan(plan)
+    assert "1.mha" in text and "sequence" in text
 
 
 # ------------------------------------------------------------------ the functional-call guard
