@@ -3,6 +3,11 @@ collectives (every rank bitwise the same sum), the collective path beyond the th
 
 from __future__ import annotations
 
+import importlib.util
+import io
+from contextlib import redirect_stdout
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -101,3 +106,19 @@ def test_small_tensor_is_one_batch_of_point_to_point_large_one_all_reduce():
         run_on_ranks(_count_worker, 2, small + 1)
         == [(["all_reduce", "p2p"], {"all_gather": 1})] * 2
     )
+
+
+def test_collective_latency_benchmark_tiny_run_times_every_variant_and_size():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "collective_latency.py"
+    spec = importlib.util.spec_from_file_location("collective_latency", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with redirect_stdout(io.StringIO()) as out:
+        times = bench.main(["--world", "2", "--sizes", "64,4096", "--calls", "3", "--warmup", "1"])
+    names = {name for name, _ in times}
+    assert names == {
+        "gloo all_reduce", "gloo all_gather", "send/recv all peers", "sum_small_", "gather_small"
+    }  # fmt: skip
+    assert {size for _, size in times} == {64, 4096}
+    assert all(t > 0 for t in times.values())
+    assert "bytes per rank" in out.getvalue()
