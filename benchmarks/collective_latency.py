@@ -37,21 +37,24 @@ def _exchange_with_peers(x: torch.Tensor, bufs: list[torch.Tensor], rank: int, w
         work.wait()
 
 
+def _variants(nbytes: int, rank: int, world: int) -> dict:
+    x = torch.randn(max(1, nbytes // 4))
+    gathered = x.new_empty(world * x.numel())
+    bufs = [torch.empty_like(x) for _ in range(world)]
+    return {
+        "gloo all_reduce": lambda: dist.all_reduce(x),
+        "gloo all_gather": lambda: dist.all_gather_single(gathered, x),
+        "send/recv all peers": lambda: _exchange_with_peers(x, bufs, rank, world),
+        "sum_small_": lambda: sum_small_(x, None),
+        "gather_small": lambda: gather_small(x, None),
+    }
+
+
 def _worker(rank, world, sizes, calls, warmup):
     torch.set_num_threads(1)
     out = {}
     for nbytes in sizes:
-        x = torch.randn(max(1, nbytes // 4))
-        gathered = x.new_empty(world * x.numel())
-        bufs = [torch.empty_like(x) for _ in range(world)]
-        variants = {
-            "gloo all_reduce": lambda: dist.all_reduce(x),
-            "gloo all_gather": lambda: dist.all_gather_single(gathered, x),
-            "send/recv all peers": lambda: _exchange_with_peers(x, bufs, rank, world),
-            "sum_small_": lambda: sum_small_(x, None),
-            "gather_small": lambda: gather_small(x, None),
-        }
-        for name, call in variants.items():
+        for name, call in _variants(nbytes, rank, world).items():
             for _ in range(warmup):
                 call()
             dist.barrier()
@@ -77,7 +80,9 @@ def main(argv=None) -> dict:
     per_rank = run_on_ranks(_worker, args.world, sizes, args.calls, args.warmup, timeout=1800)
     slowest = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
     names = list(dict.fromkeys(name for name, _ in slowest))
-    print(f"{args.world} gloo ranks, 1 thread each, ms per call (slowest rank, mean of {args.calls})")
+    print(
+        f"{args.world} gloo ranks, 1 thread each, ms per call (slowest rank, mean of {args.calls})"
+    )
     print(f"{'bytes per rank':>14} | " + " | ".join(f"{n:>19}" for n in names))
     for nbytes in sizes:
         cells = " | ".join(f"{slowest[(n, nbytes)] * 1e3:19.3f}" for n in names)
