@@ -44,6 +44,7 @@ LAYER_OF = {
     "tensor_parallel": "library",
     "fsdp": "library",
     "collectives": "library",
+    "small_collectives": "library",
     "checkpoint": "library",
     "composition": "composition",
     "model_init": "composition",

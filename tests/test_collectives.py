@@ -33,21 +33,25 @@ F64_TOL = 1e-10
 
 
 class _AllReduceCounter:
-    """Replaces torch.distributed.all_reduce for the duration of a with-block and counts calls."""
+    """Counts the reductions made in a with-block: ``all_reduce`` calls, and the batches of
+    point-to-point sends that stand in for one on small gloo groups (small_collectives)."""
 
     def __enter__(self):
         self.calls = 0
-        self._original = dist.all_reduce
+        self._originals = dist.all_reduce, dist.batch_isend_irecv
 
-        def counting(*args, **kwargs):
-            self.calls += 1
-            return self._original(*args, **kwargs)
+        def counting(original):
+            def call(*args, **kwargs):
+                self.calls += 1
+                return original(*args, **kwargs)
 
-        dist.all_reduce = counting
+            return call
+
+        dist.all_reduce, dist.batch_isend_irecv = map(counting, self._originals)
         return self
 
     def __exit__(self, *exc):
-        dist.all_reduce = self._original
+        dist.all_reduce, dist.batch_isend_irecv = self._originals
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from credit_parallel import small_collectives
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.norm import (
     DomainParallelGroupNorm,
@@ -114,8 +115,10 @@ def test_group_norm_float32_h13_matches_single_process_and_is_stable_at_mean_100
         assert rel["param:weight"] <= 1e-5 and rel["param:bias"] <= 1e-5, rel
 
 
-def _count_collectives_worker(rank, world):
+def _count_collectives_worker(rank, world, point_to_point):
     torch.set_default_dtype(torch.float64)
+    if not point_to_point:  # the collective path, as on NCCL or large groups
+        small_collectives.P2P_MAX_BYTES = 0
     mgr = DomainParallelManager(world, world)
     calls = {}
     names = ("all_gather_single", "all_gather", "all_gather_into_tensor", "all_reduce")
@@ -147,9 +150,26 @@ def _count_collectives_worker(rank, world):
 
 
 def test_group_norm_forward_is_one_all_gather_backward_one_all_reduce():
-    for forward, backward in run_on_ranks(_count_collectives_worker, 2):
+    for forward, backward in run_on_ranks(_count_collectives_worker, 2, False):
         assert forward == {"all_gather_single": 1}
         assert backward == {"all_reduce": 1}
+
+
+def test_group_norm_on_two_gloo_ranks_is_one_batch_of_point_to_point_per_direction():
+    for forward, backward in run_on_ranks(_count_collectives_worker, 2, True):
+        assert forward == {"batch_isend_irecv": 1}
+        assert backward == {"batch_isend_irecv": 1}
+
+
+def _collective_path_parity_worker(rank, world):
+    small_collectives.P2P_MAX_BYTES = 0
+    return _parity_cases_worker(rank, world, (13,))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_group_norm_matches_single_process_through_the_gloo_collectives_too(world):
+    cases = run_on_ranks(_collective_path_parity_worker, world)[0]
+    assert len(cases) == 2 * 3 * 2
 
 
 def _domain1_worker(rank, world):

@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate
 
 from .config import DP_DOMAIN
+from .small_collectives import sum_small_
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -80,7 +81,7 @@ def _reduce_bucket(bucket: list[torch.Tensor], group, op: str, world: int) -> No
         # copy_ below writes back in the same logical order, so non-contiguous / channels_last
         # gradients keep their layout and their values line up across ranks.
         flat = torch.cat([t.reshape(-1) for t in bucket])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)  # gloo has no AVG
+    sum_small_(flat, group)  # gloo has no AVG; small buckets go point to point on gloo
     if op == "avg":
         flat.div_(world)
     if flat is bucket[0]:
@@ -239,7 +240,10 @@ def _global_norm(
     total = torch.zeros((), dtype=torch.float64, device=device)
     for groups, partial in partials.items():
         for group in groups:
-            dist.all_reduce(partial, op=reduce_op, group=group)
+            if is_inf:
+                dist.all_reduce(partial, op=reduce_op, group=group)
+            else:
+                sum_small_(partial, group)
         total = torch.maximum(total, partial) if is_inf else total + partial
     return total if is_inf else total ** (1.0 / norm_type)
 

@@ -8,6 +8,9 @@
 * :func:`all_gather_stacked` — stack one equally shaped tensor per rank (norm statistics);
   backward = all-reduce of the stacked gradient, each rank keeps its slot;
 * :func:`all_reduce_sum` — plain in-place sum over the domain group (inside a backward).
+
+The last two carry a few hundred bytes: they go through :mod:`credit_parallel.small_collectives`
+(point to point on small gloo groups, where gloo's collectives cost several times the latency).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..small_collectives import gather_small, sum_small_
 from .rows import shard_range, shard_sizes
 
 __all__ = ["all_gather_rows", "all_gather_stacked", "all_reduce_sum", "scatter_rows"]
@@ -72,18 +76,12 @@ class _ScatterRows(torch.autograd.Function):
 class _AllGatherStacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rank, group):
-        n = dist.get_world_size(group)
         ctx.rank, ctx.group = rank, group
-        # all_gather_single wants the ranks concatenated along dim 0; view that as a stack
-        flat = x.reshape(1, *x.shape).contiguous()
-        out = x.new_empty((n, *x.shape))
-        dist.all_gather_single(out.view(n, *x.shape), flat, group=group)
-        return out
+        return gather_small(x, group)  # point to point where that is faster (small_collectives)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        grad = sum_small_(grad.contiguous(), ctx.group)
         return grad[ctx.rank], None, None
 
 
@@ -102,5 +100,4 @@ def all_gather_stacked(x: torch.Tensor, manager) -> torch.Tensor:
 def all_reduce_sum(x: torch.Tensor, manager) -> torch.Tensor:
     """Sum ``x`` over the domain group in place and return it (not differentiable: for use
     inside an autograd Function's backward, e.g. the GroupNorm gradient statistics)."""
-    dist.all_reduce(x, group=manager.domain_group)
-    return x
+    return sum_small_(x, manager.domain_group)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..collectives import clip_grad_norm_, sync_domain_gradients
 from ..domain.sharding import shard_batch
 from ..fsdp import no_grad_sync
+from ..small_collectives import sum_small_
 from .loss import latitude_weighted_mse_share
 
 __all__ = [
@@ -110,7 +111,7 @@ def replica_mean_loss(
     the tp replicas (which hold identical shares) and averaged over dp.  A world collective."""
     total = loss_share.detach().clone()
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total)
+        sum_small_(total, None)
     tp_size = world_size // dp_size // domain_size
     return total / (tp_size * dp_size)
 

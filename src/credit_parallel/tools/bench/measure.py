@@ -23,6 +23,7 @@ from ...domain.overlap import set_model_overlap
 from ...domain.rows import shard_range
 from ...domain.traffic import record_exchange_stats
 from ...planner import make_plan
+from ...small_collectives import record_small_collectives
 from ...testing import run_on_ranks
 from ...train.step import TrainStep
 from ..profile import profile_step
@@ -220,9 +221,9 @@ def _worker(rank, world, spec: ModelSpec, layout: Layout, overlap: bool, opts: d
     if opts.get("profile"):
         return {"profile": profile_step(step, model, steps=opts["steps"], warmup=0)}
     counter = _collective_counter()
-    with counter, record_exchange_stats() as exchange_stats:
+    with counter, record_exchange_stats() as exchange_stats, record_small_collectives() as small:
         saved = _saved_bytes(step, list(model.parameters()))
-    counts = dict(counter.counts)
+    counts = dict(counter.counts + small)  # an all-reduce taken point to point is one still
     counts["p2p"] = exchange_stats.p2p_calls
     barrier()
     peak = _peak_bytes(step, device) if opts["memory"] else 0
