@@ -52,7 +52,11 @@ def _call(fn):
 
 def test_guard_flags_interpolate_with_module_path_and_call_site():
     found = _findings(InterpolatingNet(), torch.randn(1, 2, 8, 8))
-    assert [(f.path, f.op) for f in found] == [("decoder.0", "interpolate")]
+    # and its every-other-row subscript: a row's position on a shard is not its global one
+    assert [(f.path, f.op) for f in found] == [
+        ("decoder.0", "interpolate"),
+        ("<root>", "__getitem__"),
+    ]
     assert "test_domain_guard.py" in found[0].site
 
 
@@ -73,6 +77,32 @@ def test_guard_flags_pad_roll_flip_reduction_over_h_and_merging_reshape():
         assert [f.op for f in found] == [op], (op, found)
 
 
+def test_guard_flags_rows_chosen_by_position_on_a_shard():
+    x = torch.randn(1, 2, 6, 4)
+    rows = torch.tensor([0, 2])
+    offending = {
+        "__getitem__": [
+            lambda t: t[:, :, 1:-1],
+            lambda t: t[..., 1:, :],
+            lambda t: t[:, :, 0],
+            lambda t: t[:, :, rows],
+            lambda t: t[:, :, ::2],
+            lambda t: torch.cat([t, t], dim=1)[:, :, 2:],  # still marked after a cat over C
+        ],
+        "narrow": [lambda t: t.narrow(-2, 0, 2)],
+        "index_select": [lambda t: t.index_select(2, rows)],
+        "cat": [lambda t: torch.cat([t, t], dim=-2)],
+        "chunk": [lambda t: t.chunk(2, dim=2)[0]],
+        "split": [lambda t: torch.split(t, 3, dim=-2)[0]],
+        "unbind": [lambda t: t.unbind(2)[0]],
+    }
+    for op, fns in offending.items():
+        for fn in fns:
+            found = _findings(_call(fn), x)
+            assert [f.op for f in found] == [op], (op, found)
+            assert "latitude" in found[0].reason
+
+
 def test_guard_accepts_row_local_calls():
     x = torch.randn(1, 2, 6, 4)
     row_local = [
@@ -87,6 +117,14 @@ def test_guard_accepts_row_local_calls():
         lambda t: t.flatten(2).transpose(1, 2).transpose(1, 2).reshape(1, 2, 6, 4),
         lambda t: t.reshape(1, 2, 24),
         lambda t: t * 2 + 1,
+        # every row kept: channels, longitude, whole slices, a new axis, cat / chunk over C
+        lambda t: t[:, :1],
+        lambda t: t[:, :, :],
+        lambda t: t[..., 1:],
+        lambda t: t[:, None, :, :],
+        lambda t: t.narrow(2, 0, 6),
+        lambda t: torch.cat([t, t], dim=1),
+        lambda t: t.chunk(2, dim=1)[0],
     ]
     for fn in row_local:
         assert _findings(_call(fn), x) == []
@@ -124,8 +162,9 @@ def _verify_interpolating(rank, world_size):
 def test_verify_flags_interpolate_on_sharded_activation_with_module_path():
     for rows in run_on_ranks(_verify_interpolating, 2):
         flagged = [r for r in rows if r[0].startswith("functional call")]
-        assert len(flagged) == 1 and flagged[0][-1] == "FAIL"
+        assert len(flagged) == 2 and all(r[-1] == "FAIL" for r in flagged)
         assert "decoder.0: interpolate" in flagged[0][0]
+        assert "<root>: __getitem__" in flagged[1][0]
 
 
 def test_debug_mode_off_by_default_on_by_config_or_env(monkeypatch):

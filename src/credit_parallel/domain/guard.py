@@ -2,7 +2,9 @@
 
 The converter only sees modules; a forward that calls ``F.interpolate``, ``F.pad`` over H,
 ``torch.roll`` / ``flip`` over H, a reduction over H, a functional pooling, or a reshape that
-merges H with a dim before it computes something different on a shard than on the globe.
+merges H with a dim before it, or a choice of rows by position (slicing or indexing over H,
+``narrow``, ``index_select``, ``split`` / ``chunk``, ``cat`` along H) computes something
+different on a shard than on the globe.
 A merge with H OUTERMOST (``x.flatten(2)`` of B,C,H,W) keeps each shard one contiguous block of
 tokens: the mark moves to the merged dim and follows transposes, permutes and the split back
 to (H, W); attention (``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``),
@@ -192,6 +194,76 @@ def _contraction_offence(name: str, args) -> str | None:
     return None
 
 
+def _index_on_h(t: torch.Tensor, index):
+    """The element of a ``t[index]`` subscript that applies to the sharded dim (``slice(None)``
+    when none does).  None adds a dim, Ellipsis stands for the dims not named, a boolean mask
+    takes as many dims as it has."""
+    items = list(index) if isinstance(index, tuple) else [index]
+
+    def width(item) -> int:
+        if item is None or item is Ellipsis:
+            return 0
+        if isinstance(item, torch.Tensor) and item.dtype == torch.bool:
+            return max(item.dim(), 1)
+        return 1
+
+    named = sum(width(i) for i in items)
+    h, axis = _h_axis(t), 0
+    for item in items:
+        if item is Ellipsis:
+            axis += t.dim() - named
+            continue
+        w = width(item)
+        if axis <= h < axis + w:
+            return item
+        axis += w
+    return slice(None)
+
+
+def _whole(item, size: int) -> bool:
+    """Whether a subscript element keeps every row, in order."""
+    if not isinstance(item, slice):
+        return False
+    start, stop, step = item.start, item.stop, item.step
+    return (
+        start in (None, 0)
+        and (stop is None or (isinstance(stop, int) and stop >= size))
+        and step in (None, 1)
+    )
+
+
+def _selection_offence(name: str, t: torch.Tensor, args, kwargs) -> str | None:
+    """Rows chosen by position (slicing, narrow, index_select, split, cat over H): a position
+    on a shard is not the same row of the globe."""
+    reason = "selects latitude rows by position on a shard (slicing / indexing over H)"
+    if name == "__getitem__" and len(args) > 1:
+        if not _whole(_index_on_h(t, args[1]), t.shape[_h_axis(t)]):
+            return reason
+    if name in ("narrow", "select", "index_select", "gather", "take_along_dim", "index_add"):
+        dims, given = _dims_arg(args, kwargs, 1, ("dim",))
+        if not given or _covers(dims, t):
+            whole = name == "narrow" and len(args) > 3 and args[2] == 0
+            if not (whole and args[3] >= t.shape[_h_axis(t)]):
+                return reason
+    if name in ("split", "chunk", "tensor_split", "unbind", "split_with_sizes"):
+        dims, given = _dims_arg(args, kwargs, 1 if name == "unbind" else 2, ("dim",))
+        if _covers(dims if given else 0, t):
+            return "splits a latitude-sharded tensor over H by position on a shard"
+    return None
+
+
+def _concat_offence(name: str, args, kwargs) -> str | None:
+    """``torch.cat`` of sharded tensors along H stacks each shard's rows, not the globe's."""
+    if name not in ("cat", "concat", "concatenate") or not args:
+        return None
+    tensors = args[0] if isinstance(args[0], (list, tuple)) else ()
+    marked = next((x for x in tensors if _marked_dim(x) is not None), None)
+    dim = kwargs.get("dim", kwargs.get("axis", args[1] if len(args) > 1 else 0))
+    if marked is not None and _covers(dim, marked):
+        return "concatenates latitude-sharded tensors along H on a shard"
+    return None
+
+
 def _offence(name: str, t: torch.Tensor, args, kwargs) -> str | None:
     if name in _RESAMPLE:
         return "resamples a latitude-sharded tensor (use nn.Upsample / DomainParallelInterpolate)"
@@ -217,7 +289,25 @@ def _offence(name: str, t: torch.Tensor, args, kwargs) -> str | None:
         return "reshapes H together with a dim outside it on a shard"
     if name == "flatten" and _flatten_target(t, args, kwargs) is None:
         return "flattens H together with a dim outside it on a shard"
-    return _token_attention_offence(name, args, kwargs) or _contraction_offence(name, args)
+    return (
+        _selection_offence(name, t, args, kwargs)
+        or _concat_offence(name, args, kwargs)
+        or _token_attention_offence(name, args, kwargs)
+        or _contraction_offence(name, args)
+    )
+
+
+def _first_marked(args, kwargs) -> torch.Tensor | None:
+    """The first marked tensor among the arguments, also inside a list of tensors (cat, stack:
+    their results stay marked)."""
+    for a in (*args, *kwargs.values()):
+        if _marked_dim(a) is not None:
+            return a
+        if isinstance(a, (list, tuple)):
+            inner = next((x for x in a if _marked_dim(x) is not None), None)
+            if inner is not None:
+                return inner
+    return None
 
 
 class FunctionalCallGuard(TorchFunctionMode):
@@ -287,9 +377,7 @@ class FunctionalCallGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        marked = next((a for a in args if _marked_dim(a) is not None), None)
-        if marked is None:
-            marked = next((v for v in kwargs.values() if _marked_dim(v) is not None), None)
+        marked = _first_marked(args, kwargs)
         if marked is not None and not self._in_domain_layer():
             name = getattr(func, "__name__", str(func))
             reason = _offence(name, marked, args, kwargs)
