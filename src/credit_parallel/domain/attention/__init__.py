@@ -5,6 +5,8 @@
   and one out (forms "relayout" and "regroup");
 * :mod:`.sequence` — :class:`DomainSequenceAttention`: heads split over ranks, all positions per
   head, all-to-all in and out (form "sequence");
+* :mod:`.swin_blocks` — :class:`DomainSwinBlock`: timm's and miles-credit's Swin-V2 blocks on
+  (B, H, W, C) shards, the cyclic shift over H as a row exchange (form "relayout");
 * :mod:`.recognise` — which modules get which form (qualified class names, ``_domain_attention``);
 * :mod:`.cost` — form, extra communication and memory per rank, for the planner.
 """
@@ -19,11 +21,14 @@ from .recognise import (
 )
 from .relayout import DomainRowGroupAttention, return_rows
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention, all_to_all_parts
+from .swin_blocks import SWIN_BLOCKS, DomainSwinBlock, swin_unshardable_reason
 
 __all__ = [
     "SEQUENCE_CORES",
+    "SWIN_BLOCKS",
     "DomainRowGroupAttention",
     "DomainSequenceAttention",
+    "DomainSwinBlock",
     "all_to_all_parts",
     "attention_replacement",
     "convert_known_attention",
@@ -34,5 +39,6 @@ __all__ = [
     "return_rows",
     "shifted_window_layout",
     "strided_group_layout",
+    "swin_unshardable_reason",
     "window_layout",
 ]
