@@ -237,6 +237,22 @@ def test_timm_block_global_height_not_multiple_of_window_at_forward_raises():
         assert "nonlocal_policy='gather'" in message
 
 
+def _mask_grid_on_ranks(rank, world_size):
+    """A static-mask shifted block built for 14 rows, fed a globe of 16 (its mask has the
+    windows of 14 rows: the block itself would fail or mix windows on the globe)."""
+    manager = DomainParallelManager(world_size, world_size)
+    block = convert_to_domain_parallel(timm_block(2, True), manager)
+    x = shard_tensor(torch.randn(1, 16, 6, 8, dtype=torch.float64), -3, manager)
+    with pytest.raises(ValueError) as refused:
+        block(x)
+    return str(refused.value)
+
+
+def test_timm_block_global_height_other_than_its_static_mask_raises():
+    for message in run_on_ranks(_mask_grid_on_ranks, 2):
+        assert "SwinTransformerV2Block" in message and "16 x 6" in message
+
+
 # ------------------------------------------------------------------ recognition, cost, memory
 def test_swin_blocks_recognised_by_qualified_name_not_reported_unsafe():
     assert recognised_attention_form(timm_block(3, True)) == "relayout"
@@ -283,3 +299,19 @@ def test_timm_swin_block_memory_per_rank_at_most_1_2_over_d(domain):
     for single, per_rank, wrapper in run_on_ranks(_memory_on_ranks, domain):
         assert wrapper == "DomainSwinBlock"
         assert per_rank <= 1.2 * single / domain, (domain, single, per_rank)
+
+
+def test_plan_of_bchw_model_with_timm_stage_reads_h_of_the_blocks_at_dim_minus_3():
+    from credit_parallel.planner import make_plan
+
+    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": 2}}}
+    plan = make_plan(conf, 2, model=PermutedStage(15, 8, 3), input_shapes=[(2, 15, 8)])
+    assert plan.violations == []
+    blocks = {layer.path: layer for layer in plan.layers if layer.kind == "DomainSwinBlock"}
+    assert sorted(blocks) == ["stage.blocks.0", "stage.blocks.1"]
+    row = 8 * 8 * 4  # W * C * float32 bytes at batch 1
+    plain, shifted = blocks["stage.blocks.0"], blocks["stage.blocks.1"]
+    assert (plain.in_height, plain.out_rows, plain.form) == (15, (8, 7), "relayout")
+    # plain windows of 3 rows over 8 + 7 rows: row 8 travels; shifted by 1: rows 8, 9 and 0
+    assert (plain.communication_bytes, shifted.communication_bytes) == (2 * row, 2 * 3 * row)
+    assert plain.rows_received == (1, 0) and shifted.rows_received == (2, 1)

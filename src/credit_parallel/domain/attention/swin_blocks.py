@@ -55,14 +55,15 @@ class SwinFamily:
     attention_method: str  # the block's method: roll -> windows -> attn(mask) -> roll back
     resolution: str  # attribute holding the configured global (H, W)
     pads_width: bool  # pads W to a window multiple (timm) instead of requiring one
+    fixed_grid: bool  # its forward reads the configured (H, W), not the input's (credit)
 
 
 SWIN_BLOCKS = {
     "timm.models.swin_transformer_v2.SwinTransformerV2Block": SwinFamily(
-        "_attn", "input_resolution", pads_width=True
+        "_attn", "input_resolution", pads_width=True, fixed_grid=False
     ),
     "credit.models.swin.SwinTransformerV2CrBlock": SwinFamily(
-        "_shifted_window_attn", "feat_size", pads_width=False
+        "_shifted_window_attn", "feat_size", pads_width=False, fixed_grid=True
     ),
 }
 
@@ -154,6 +155,12 @@ class DomainSwinBlock(DomainRowGroupAttention):
                 f"{self._name()}: a global height of {height} rows is not a multiple of its "
                 f"{rows}-row windows; " + _gather_hint()
             )
+        configured = tuple(int(v) for v in getattr(block, self.family.resolution))
+        if self.family.fixed_grid and (height, width) != configured:
+            raise ValueError(
+                f"{self._name()}: the global grid is {height} x {width} but the block was built "
+                f"for {configured} (the block itself would fail on the whole globe)"
+            )
         if not self.family.pads_width and width % int(block.window_size[1]):
             raise ValueError(
                 f"{self._name()}: a width of {width} is not a multiple of its window width "
@@ -164,7 +171,7 @@ class DomainSwinBlock(DomainRowGroupAttention):
             if block.attn_mask.shape[0] != (height // rows) * cols:
                 raise ValueError(
                     f"{self._name()}: its mask has {block.attn_mask.shape[0]} windows, built for "
-                    f"{tuple(getattr(block, self.family.resolution))}, but the global grid is "
+                    f"{configured}, but the global grid is "
                     f"{height} x {width}"
                 )
 
