@@ -104,6 +104,12 @@ def _build(kind: str, rows: int, shifted: bool):
     if kind == "timm_dynamic_mask":
         block = timm_block(rows, shifted, dynamic_mask=True)
         return block, torch.randn(2, h, 6, 8, dtype=torch.float64), -3
+    if kind == "timm_fewer_windows_than_ranks":
+        torch.manual_seed(0)
+        block = import_timm(TIMM).SwinTransformerV2Block(
+            dim=8, input_resolution=(4, 8), num_heads=2, window_size=(2, 4), shift_size=(1, 2)
+        )
+        return _randomise(block), torch.randn(2, 4, 8, 8, dtype=torch.float64), -3
     if kind == "credit":
         return credit_block(rows, shifted), torch.randn(2, h, 8, 8, dtype=torch.float64), -3
     torch.manual_seed(0)
@@ -140,6 +146,11 @@ def _assert_exact(results, blocks: int):
 @pytest.mark.parametrize("shifted", [False, True], ids=["plain", "shifted"])
 def test_timm_swinv2_block_uneven_shards_cut_windows_exact(domain, rows, shifted):
     _assert_exact(run_on_ranks(_exact_on_ranks, domain, "timm", rows, shifted), 1)
+
+
+def test_timm_swinv2_block_two_window_rows_over_3_ranks_idle_rank_exact():
+    # H = 4 in windows of 2 rows: rank 2 owns a row but holds no window while attention runs
+    _assert_exact(run_on_ranks(_exact_on_ranks, 3, "timm_fewer_windows_than_ranks", 2, True), 1)
 
 
 @pytest.mark.parametrize("domain", [2, 3])
