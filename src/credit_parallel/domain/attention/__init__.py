@@ -6,7 +6,8 @@
 * :mod:`.sequence` — :class:`DomainSequenceAttention`: heads split over ranks, all positions per
   head, all-to-all in and out (form "sequence");
 * :mod:`.swin_blocks` — :class:`DomainSwinBlock`: timm's and miles-credit's Swin-V2 blocks on
-  (B, H, W, C) shards, the cyclic shift over H as a row exchange (form "relayout");
+  (B, H, W, C) shards, the cyclic shift over H as a row exchange (form "relayout"), and
+  :class:`DomainSwinPatchMerging` for their patch merging;
 * :mod:`.recognise` — which modules get which form (qualified class names, ``_domain_attention``);
 * :mod:`.cost` — form, extra communication and memory per rank, for the planner.
 """
@@ -21,14 +22,22 @@ from .recognise import (
 )
 from .relayout import DomainRowGroupAttention, return_rows
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention, all_to_all_parts
-from .swin_blocks import SWIN_BLOCKS, DomainSwinBlock, swin_unshardable_reason
+from .swin_blocks import (
+    SWIN_BLOCKS,
+    SWIN_PATCH_MERGING,
+    DomainSwinBlock,
+    DomainSwinPatchMerging,
+    swin_unshardable_reason,
+)
 
 __all__ = [
     "SEQUENCE_CORES",
     "SWIN_BLOCKS",
+    "SWIN_PATCH_MERGING",
     "DomainRowGroupAttention",
     "DomainSequenceAttention",
     "DomainSwinBlock",
+    "DomainSwinPatchMerging",
     "all_to_all_parts",
     "attention_replacement",
     "convert_known_attention",

@@ -26,7 +26,13 @@ from torch import nn
 
 from .relayout import DomainRowGroupAttention
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention
-from .swin_blocks import DomainSwinBlock, swin_family, swin_unshardable_reason
+from .swin_blocks import (
+    DomainSwinBlock,
+    DomainSwinPatchMerging,
+    is_swin_patch_merging,
+    swin_family,
+    swin_unshardable_reason,
+)
 
 __all__ = [
     "attention_replacement",
@@ -86,6 +92,8 @@ def attention_replacement(module: nn.Module, manager, shard_dim: int = -2):
     if swin_family(module) is not None and swin_unshardable_reason(module) is None:
         # (B, H, W, C) blocks: H is their dim 1 whatever the model's shard_dim
         return DomainSwinBlock(module, manager=manager)
+    if is_swin_patch_merging(module):
+        return DomainSwinPatchMerging(module, manager=manager)
     return None
 
 
@@ -112,7 +120,8 @@ def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip
 
 
 def recognised_attention_form(module: nn.Module) -> str | None:
-    """The form the converter gives ``module`` ("relayout", "regroup", "sequence"), or None."""
+    """The form the converter gives ``module`` ("relayout", "regroup", "sequence"; "halo" for a
+    Swin patch merging), or None."""
     declared = _declared(module)
     if declared is not None:
         return "regroup" if declared[0] == "strided" else "relayout"
@@ -123,4 +132,6 @@ def recognised_attention_form(module: nn.Module) -> str | None:
         return "sequence"
     if swin_family(module) is not None and swin_unshardable_reason(module) is None:
         return "relayout"
+    if is_swin_patch_merging(module):
+        return "halo"
     return None

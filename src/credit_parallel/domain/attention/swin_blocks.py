@@ -16,6 +16,9 @@ window rows held, and :func:`return_rows` sends every row back to its owner.  Th
 block's own forward (norm1 residual, MLP, norm2, all row-local) then runs unmodified on the
 owned rows.  Parameter names and state_dict keys are the block's.
 
+Their patch merging (2 x 2 patches to channels, timm's padding an odd H at the end) is
+:class:`DomainSwinPatchMerging`: each rank receives the row pairs of its share of the output.
+
 What cannot be exact is refused, naming the module: a height that is not a multiple of the
 window rows (timm pads the ROLLED grid at its end, a row no rank holds in order), or a global
 height other than the one the block's static mask was built for.
@@ -34,13 +37,17 @@ from torch import nn
 from ..exchange import exchange_rows
 from ..manager import resolve_manager
 from ..rows import shard_range
+from ..wrap import DomainWrapper
 from .relayout import DomainRowGroupAttention, _no_rows, return_rows
 
 __all__ = [
     "SWIN_BLOCKS",
+    "SWIN_PATCH_MERGING",
     "SWIN_SHARD_DIM",
     "DomainSwinBlock",
+    "DomainSwinPatchMerging",
     "SwinFamily",
+    "is_swin_patch_merging",
     "swin_family",
     "swin_unshardable_reason",
 ]
@@ -234,3 +241,72 @@ class DomainSwinBlock(DomainRowGroupAttention):
         index = [small_rows - 1 if j == total - 1 else 0 for j in range(first, first + count)]
         picked = small[torch.tensor(index, dtype=torch.long, device=small.device)]
         return picked.reshape(-1, *small.shape[2:])
+
+
+# --------------------------------------------------------------------------- patch merging
+# (B, H, W, C) -> (B, ceil(H/2), ceil(W/2), C'): 2 x 2 patches concatenated, then a Linear and
+# a LayerNorm over channels.  timm pads an odd H / W with one zero row / column at the end
+# first; miles-credit's requires even sizes.  On a shard of odd length timm's would pad in the
+# middle of the globe: silently wrong, so it is never left alone.
+SWIN_PATCH_MERGING = {
+    "timm.models.swin_transformer_v2.PatchMerging": True,  # pads an odd H itself
+    "credit.models.swin.PatchMerging": False,
+}
+
+
+def is_swin_patch_merging(module: nn.Module) -> bool:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}" in SWIN_PATCH_MERGING
+
+
+def _merging_windows(height: int, n: int) -> tuple:
+    """Input rows of each rank's balanced share of the ceil(H/2) output rows: output row o
+    reads rows 2o and 2o + 1 (the last one absent, padded by the module, when H is odd)."""
+    out_h = -(-height // 2)
+    return tuple(
+        tuple(range(2 * a, min(2 * b, height)))
+        for a, b in (shard_range(out_h, n, r) for r in range(n))
+    )
+
+
+class DomainSwinPatchMerging(DomainWrapper):
+    """A recognised Swin patch merging on (B, H, W, C) shards along H: each rank receives the
+    row pairs of its balanced share of the output rows (one exchange in, none out) and runs
+    the unmodified module on them; the only odd row count, if any, is at the globe's end,
+    where the module's own padding is the global one."""
+
+    domain_form = "halo"
+    domain_kind = "patch_merging"
+
+    def __init__(self, module: nn.Module, *, manager=None):
+        if not is_swin_patch_merging(module):
+            raise TypeError(f"DomainSwinPatchMerging: {type(module).__qualname__} is not known")
+        super().__init__(module)
+        self.pads_height = SWIN_PATCH_MERGING[
+            f"{type(module).__module__}.{type(module).__qualname__}"
+        ]
+        self.shard_dim = SWIN_SHARD_DIM
+        self.manager = manager
+
+    # ---- geometry (domain/geometry.py)
+    def output_height(self, input_height: int) -> int:
+        if input_height % 2 and not self.pads_height:
+            raise ValueError(
+                f"{getattr(self, 'module_path', None) or '<root>'} "
+                f"({type(self.wrapped).__name__}): a height of {input_height} rows is odd (the "
+                "module itself would fail on the whole globe)"
+            )
+        return -(-input_height // 2)
+
+    def input_windows(self, input_height: int, n: int) -> tuple:
+        self.output_height(input_height)
+        return _merging_windows(input_height, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mgr = resolve_manager(self.manager, type(self.wrapped).__name__)
+        if mgr.domain_world_size == 1:
+            return self.wrapped(x)
+        height = mgr.global_length(self, x.shape[1])
+        windows = self.input_windows(height, mgr.domain_world_size)
+        held = exchange_rows(x, windows, height, 1, mgr)
+        return self.wrapped(held)  # an empty window gives an empty, graph-attached output
