@@ -16,9 +16,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet torch==2.13.0 numpy
     .venv/bin/python -m pip install --quiet -e ".[dev]"
-    # test dependency: miles-credit's own model classes (tests/test_domain_attention.py).
-    # --no-deps: its model files import torchvision & co. only at import time;
+    # test dependencies: miles-credit's and timm's own model classes
+    # (tests/test_domain_attention.py, tests/test_timm_swin.py).
+    # --no-deps: their model files import torchvision & co. only at import time;
     # tests/miles_credit.py puts inert placeholders in their place for the import.
-    .venv/bin/python -m pip install --quiet --no-deps miles-credit==2026.2.0
+    .venv/bin/python -m pip install --quiet --no-deps miles-credit==2026.2.0 timm==1.0.31
     echo "$want" > "$stamp"
 fi

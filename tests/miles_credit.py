@@ -1,12 +1,15 @@
-"""Importing miles-credit's model modules in tests (a test dependency, never a library one).
+"""Importing miles-credit's and timm's model modules in tests (test dependencies, never library
+ones).
 
-miles-credit 2026.2.0 is installed with ``--no-deps`` by ``scripts/setup.sh``: its model files
-import, at import time only, packages its model classes never use in the code paths we build
-(cftime, torchvision, torch_harmonics, segmentation_models_pytorch, scipy; no torchvision wheel
-imports beside this torch build).  :func:`import_credit` puts an inert placeholder module in the
-place of each of those that is NOT importable, for the duration of that import only, imports
-the requested ``credit`` module and returns it.  A real installation of any of them always
-wins; a placeholder's attributes are classes that raise as soon as they are used, so a code
+miles-credit 2026.2.0 and timm 1.0.31 are installed with ``--no-deps`` by ``scripts/setup.sh``:
+their model files import, at import time only, packages their model classes never use in the
+code paths we build (cftime, torchvision, torch_harmonics, segmentation_models_pytorch, scipy;
+no torchvision wheel imports beside this torch build).  :func:`import_credit` /
+:func:`import_timm` put an inert placeholder module in the place of each of those that is NOT
+importable, for the duration of that import only, import the requested module and return it.
+A real installation of any of them always wins; a placeholder's attributes are classes that
+raise as soon as they are instantiated, and their own attributes are such classes again
+(timm's data module builds a table keyed by ``InterpolationMode.NEAREST`` at import), so a code
 path that does need one fails loudly.
 """
 
@@ -19,9 +22,10 @@ import importlib.util
 import sys
 import types
 
-__all__ = ["PLACEHOLDER_ROOTS", "import_credit"]
+__all__ = ["PLACEHOLDER_ROOTS", "import_credit", "import_timm"]
 
-# what credit.models.{crossformer, wxformer.crossformer, unet_diffusion} import but never call
+# what credit.models.{crossformer, wxformer.crossformer, unet_diffusion, swin} and
+# timm.models.swin_transformer_v2 import but never call
 PLACEHOLDER_ROOTS = (
     "cftime",
     "scipy",
@@ -31,7 +35,22 @@ PLACEHOLDER_ROOTS = (
 )
 
 
-class _Inert:
+def _inert_class(name: str, qualname: str) -> type:
+    return _InertMeta(name, (_Inert,), {"__qualname__": qualname})
+
+
+class _InertMeta(type):
+    """Attributes of a placeholder class are placeholder classes too (``Enum.MEMBER``)."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        inner = _inert_class(name, f"{cls.__qualname__}.{name}")
+        setattr(cls, name, inner)
+        return inner
+
+
+class _Inert(metaclass=_InertMeta):
     """Stands in for any attribute of a placeholder module; unusable beyond being named."""
 
     def __init__(self, *args, **kwargs):
@@ -42,7 +61,7 @@ class _PlaceholderModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        cls = type(name, (_Inert,), {"__qualname__": f"{self.__name__}.{name}"})
+        cls = _inert_class(name, f"{self.__name__}.{name}")
         setattr(self, name, cls)
         return cls
 
@@ -63,16 +82,10 @@ class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__path__ = []
 
 
-def import_credit(module: str):
-    """``importlib.import_module(module)`` for a ``credit.*`` module, with placeholders for the
-    missing import-only dependencies present DURING that import only: afterwards the finder and
-    the placeholder modules are removed again, so no other code (xarray probing for scipy, say)
-    ever sees them.  A missing miles-credit is an error: scripts/setup.sh installs it."""
-    if importlib.util.find_spec("credit") is None or importlib.util.find_spec("einops") is None:
-        raise ImportError(
-            "miles-credit / einops are test dependencies: run `bash scripts/setup.sh` "
-            "(pip install --no-deps miles-credit==2026.2.0 einops)"
-        )
+def _import_with_placeholders(module: str):
+    """``importlib.import_module(module)`` with placeholders for the missing import-only
+    dependencies present DURING that import only: afterwards the finder and the placeholder
+    modules are removed again, so no other code (xarray probing for scipy, say) ever sees them."""
     if module in sys.modules:
         return sys.modules[module]
     missing = [r for r in PLACEHOLDER_ROOTS if importlib.util.find_spec(r) is None]
@@ -84,3 +97,24 @@ def import_credit(module: str):
         sys.meta_path.remove(finder)
         for name in [n for n, m in sys.modules.items() if isinstance(m, _PlaceholderModule)]:
             del sys.modules[name]
+
+
+def import_credit(module: str):
+    """A ``credit.*`` module (its swin and fuxi files import timm too).  A missing miles-credit
+    is an error: scripts/setup.sh installs it."""
+    if any(importlib.util.find_spec(p) is None for p in ("credit", "einops")):
+        raise ImportError(
+            "miles-credit / einops / timm are test dependencies: run `bash scripts/setup.sh` "
+            "(pip install --no-deps miles-credit==2026.2.0 timm==1.0.31 einops)"
+        )
+    return _import_with_placeholders(module)
+
+
+def import_timm(module: str):
+    """A ``timm.*`` module.  A missing timm is an error: scripts/setup.sh installs it."""
+    if importlib.util.find_spec("timm") is None:
+        raise ImportError(
+            "timm is a test dependency: run `bash scripts/setup.sh` "
+            "(pip install --no-deps timm==1.0.31)"
+        )
+    return _import_with_placeholders(module)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .attention import convert_known_attention, recognised_attention_form
+from .attention.swin_blocks import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
 from .conv import (
     DomainParallelConv2d,
     DomainParallelConv3d,
@@ -27,7 +28,12 @@ from .conv import (
     conv_needs_domain_wrapper,
 )
 from .fusion import fuse_exchanges as fuse_layer_exchanges
-from .gather import NONLOCAL_POLICIES, gather_cost_note, gather_nonlocal_modules
+from .gather import (
+    NONLOCAL_POLICIES,
+    DomainGatherModule,
+    gather_cost_note,
+    gather_nonlocal_modules,
+)
 from .norm import DomainParallelGroupNorm
 from .padding import DomainParallelPad
 from .pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
@@ -181,6 +187,9 @@ def _unsafe_reason(module: nn.Module, shard_dim: int = -2) -> str | None:
     if declared is False:
         return "declares _domain_local = False"
     name = type(module).__name__
+    swin_reason = swin_unshardable_reason(module)
+    if swin_reason is not None:
+        return f"{name}: {swin_reason}"  # reported whole: its roll and mask span the block
     if recognised_attention_form(module) is not None:
         return None  # made exact by domain/attention, not refused
     if isinstance(module, _UNSAFE_TYPES):
@@ -261,6 +270,8 @@ def walk_domain_modules(
                 continue
             if getattr(child, "_domain_local", None) is True:
                 continue
+            if recognised_attention_form(child) is not None:
+                continue  # made exact whole (the converter's attention pre-pass replaces it)
             if not on_candidate(module, name, _display(path), child):
                 walk(child, path)
 
@@ -338,6 +349,9 @@ def convert_to_domain_parallel(
     )
     if unsafe and nonlocal_policy == "gather":
         model = gather_nonlocal_modules(model, [p for p, _ in unsafe], manager, shard_dim)
+        for m in model.modules():
+            if isinstance(m, DomainGatherModule) and swin_family(m.wrapped) is not None:
+                m.shard_dim = SWIN_SHARD_DIM  # (B, H, W, C) whatever the model's shard_dim
         warnings.warn(
             "nonlocal_policy='gather': "
             + ", ".join(p for p, _ in unsafe)

@@ -394,8 +394,10 @@ def layer_call_plan(
     fused pad), or ``(windows, exchanged_shape)`` when it exchanges another tensor (a conv
     fused with its pad, a shared sibling exchange).  ``itemsize``: activation element bytes,
     for the communication and memory that attention and gathered modules report."""
-    in_h = in_shape[SHARD_DIM % len(in_shape)]
-    out_h = out_shape[SHARD_DIM % len(out_shape)]
+    # a layer that shards another dim says so (Swin blocks on (B, H, W, C): dim -3)
+    dim = getattr(layer, "shard_dim", SHARD_DIM)
+    in_h = in_shape[dim % len(in_shape)]
+    out_h = out_shape[dim % len(out_shape)]
     row_elements = math.prod(in_shape) // max(in_h, 1)
     kind = domain_kind_of(layer)
     zeros = (0,) * n
@@ -418,7 +420,7 @@ def layer_call_plan(
         ex_h = in_h
         if exchange is not None:
             windows, ex_shape = exchange
-            ex_h = ex_shape[SHARD_DIM % len(ex_shape)]
+            ex_h = ex_shape[dim % len(ex_shape)]
             row_elements = math.prod(ex_shape) // max(ex_h, 1)
         else:
             windows = input_windows_of(layer, in_h, n, double=double)

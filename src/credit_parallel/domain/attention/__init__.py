@@ -8,6 +8,9 @@
 * :mod:`.tokens` — :class:`DomainTokenAttention`: ``nn.MultiheadAttention`` /
   ``F.scaled_dot_product_attention`` over flattened H*W tokens, run unmodified under a
   ``TorchFunctionMode`` that makes the attention sequence parallel (form "sequence");
+* :mod:`.swin_blocks` — :class:`DomainSwinBlock`: timm's and miles-credit's Swin-V2 blocks on
+  (B, H, W, C) shards, the cyclic shift over H as a row exchange (form "relayout"), and
+  :class:`DomainSwinPatchMerging` for their patch merging;
 * :mod:`.recognise` — which modules get which form (qualified class names, ``_domain_attention``);
 * :mod:`.cost` — form, extra communication and memory per rank, for the planner.
 """
@@ -23,13 +26,24 @@ from .recognise import (
 from .relayout import DomainRowGroupAttention, return_rows
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention, all_to_all_parts
 from .tokens import DomainTokenAttention, SequenceParallelAttention, sequence_parallel_attention
+from .swin_blocks import (
+    SWIN_BLOCKS,
+    SWIN_PATCH_MERGING,
+    DomainSwinBlock,
+    DomainSwinPatchMerging,
+    swin_unshardable_reason,
+)
 
 __all__ = [
     "SEQUENCE_CORES",
+    "SWIN_BLOCKS",
+    "SWIN_PATCH_MERGING",
     "DomainRowGroupAttention",
     "DomainSequenceAttention",
     "DomainTokenAttention",
     "SequenceParallelAttention",
+    "DomainSwinBlock",
+    "DomainSwinPatchMerging",
     "all_to_all_parts",
     "attention_replacement",
     "convert_known_attention",
@@ -41,5 +55,6 @@ __all__ = [
     "sequence_parallel_attention",
     "shifted_window_layout",
     "strided_group_layout",
+    "swin_unshardable_reason",
     "window_layout",
 ]

@@ -1,5 +1,5 @@
 """Which attention modules the converter makes exact, and how: recognised by qualified class
-name (miles-credit's, without importing it) or declared by the user's module.
+name (miles-credit's and timm's, without importing them) or declared by the user's module.
 
 Declaring the structure on your own module (class attribute or property)::
 
@@ -32,6 +32,13 @@ from torch import nn
 from .relayout import DomainRowGroupAttention
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention
 from .tokens import DomainTokenAttention
+from .swin_blocks import (
+    DomainSwinBlock,
+    DomainSwinPatchMerging,
+    is_swin_patch_merging,
+    swin_family,
+    swin_unshardable_reason,
+)
 
 __all__ = [
     "attention_replacement",
@@ -94,6 +101,11 @@ def attention_replacement(module: nn.Module, manager, shard_dim: int = -2):
             )
     if name in SEQUENCE_CORES:
         return DomainSequenceAttention(module, shard_dim=shard_dim, manager=manager)
+    if swin_family(module) is not None and swin_unshardable_reason(module) is None:
+        # (B, H, W, C) blocks: H is their dim 1 whatever the model's shard_dim
+        return DomainSwinBlock(module, manager=manager)
+    if is_swin_patch_merging(module):
+        return DomainSwinPatchMerging(module, manager=manager)
     return None
 
 
@@ -124,7 +136,8 @@ def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip
 
 
 def recognised_attention_form(module: nn.Module) -> str | None:
-    """The form the converter gives ``module`` ("relayout", "regroup", "sequence"), or None."""
+    """The form the converter gives ``module`` ("relayout", "regroup", "sequence"; "halo" for a
+    Swin patch merging), or None."""
     declared = _declared(module)
     if (declared is not None and declared[0] == "tokens") or isinstance(
         module, nn.MultiheadAttention
@@ -137,4 +150,8 @@ def recognised_attention_form(module: nn.Module) -> str | None:
         return {"short": "relayout", "long": "regroup"}.get(getattr(module, "attn_type", None))
     if name in SEQUENCE_CORES:
         return "sequence"
+    if swin_family(module) is not None and swin_unshardable_reason(module) is None:
+        return "relayout"
+    if is_swin_patch_merging(module):
+        return "halo"
     return None
