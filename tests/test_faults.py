@@ -468,3 +468,50 @@ def test_report_prefers_the_real_error_over_the_later_connection_errors(tmp_path
 def test_report_without_any_rank_report_still_lists_the_exit_codes(tmp_path):
     report = describe_failures(str(tmp_path), 2, {1: -9})
     assert report.startswith("rank 1 of 2 died without a Python error (rank 1: exit code -9")
+
+
+# --------------------------------------------------------------------------- point-to-point bound
+def _p2p_wait_worker(rank, world, what):
+    """The default group created with a long timeout (the rendezvous bound), its collectives
+    lowered to 1 s afterwards (as launch.init_distributed_from_env does): a peer that does not
+    answer must end a point-to-point wait after 1 s too, not after the creation timeout."""
+    import datetime
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from credit_parallel.domain.exchange import HaloExchange
+    from credit_parallel.domain.manager import DomainParallelManager
+    from credit_parallel.launch import set_subgroup_timeout
+    from credit_parallel.mesh import build_device_mesh
+    from credit_parallel.small_collectives import sum_small_
+
+    bound = datetime.timedelta(seconds=1)
+    c10d._set_pg_timeout(bound)
+    set_subgroup_timeout(bound)
+    # the mesh of a domain-2 run on 2 ranks: its domain axis IS the default group
+    mesh, _ = build_device_mesh({"data": "none", "domain": world}, device="cpu")
+    manager = DomainParallelManager.from_device_mesh(mesh)
+    assert manager.domain_group == dist.group.WORLD
+    halo = HaloExchange(1, manager=manager)  # on both ranks
+    x = torch.ones(1, 1, 4, 3)
+    halo(x)  # learns the global height (a collective) on both ranks: then only the exchange
+    if rank == 1:
+        time.sleep(8.0)
+        return None
+    t0 = time.monotonic()
+    try:
+        if what == "small sum":
+            sum_small_(torch.ones(4), None)
+        else:
+            halo(x)
+    except RuntimeError as err:
+        return time.monotonic() - t0, str(err)
+    return time.monotonic() - t0, "no error"
+
+
+@pytest.mark.parametrize("what", ["small sum", "halo exchange"])
+def test_point_to_point_wait_ends_at_the_group_timeout_not_the_creation_timeout(what):
+    elapsed, message = run_on_ranks(_p2p_wait_worker, 2, what, pg_timeout=30.0, timeout=60)[0]
+    assert "Timed out" in message, message
+    assert elapsed < 5.0, elapsed  # 1 s bound (+ slack), not the 30 s the group was created with

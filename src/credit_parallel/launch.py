@@ -23,6 +23,7 @@ __all__ = [
     "group_timeout",
     "init_distributed_from_env",
     "set_subgroup_timeout",
+    "wait_all",
     "under_launcher",
 ]
 
@@ -95,3 +96,26 @@ def group_timeout(group=None) -> datetime.timedelta | None:
         return pg._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+def _point_to_point_timeout(group) -> datetime.timedelta | None:
+    """The bound to give a point-to-point wait on ``group`` explicitly: gloo waits for a receive
+    up to the timeout its transport was CREATED with, which for the default group is the longer
+    rendezvous timeout (:func:`init_distributed_from_env` lowers only the collectives' bound
+    afterwards), so a peer that stops responding in a halo exchange would hold the others for
+    minutes.  None for other backends (an NCCL wait with a timeout would block the CPU)."""
+    group = dist.group.WORLD if group is None else group
+    if str(dist.get_backend(group)) != "gloo":
+        return None
+    return group_timeout(group)
+
+
+def wait_all(works, group) -> None:
+    """Wait for the point-to-point ``works`` posted on ``group``, each within the group's own
+    timeout (``trainer.dist_timeout_s``), as its collectives are."""
+    timeout = _point_to_point_timeout(group) if works else None
+    for work in works:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)

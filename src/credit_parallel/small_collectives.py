@@ -23,6 +23,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from .launch import wait_all
+
 __all__ = [
     "P2P_MAX_BYTES",
     "P2P_MAX_RANKS",
@@ -81,8 +83,7 @@ def _exchange_all(x: torch.Tensor, group, kind: str) -> list[torch.Tensor]:
         parts.append(buf)
         ops.append(dist.P2POp(dist.isend, x, peer, group))
         ops.append(dist.P2POp(dist.irecv, buf, peer, group))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    wait_all(dist.batch_isend_irecv(ops), group)
     for counts in _recording:
         counts[kind] += 1
     return parts

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..launch import wait_all
 from .manager import resolve_manager
 from .rows import compose_windows, edge_source_row, plan_exchange, shard_range
 from .streams import comm_stream_for
@@ -67,9 +68,18 @@ class PendingExchange:
     """A posted batched exchange; :meth:`wait` completes it (once) and returns its result."""
 
     def __init__(
-        self, works: list, direction: str, result, finish=None, keep=(), posted_s=0.0, stream=None
+        self,
+        works: list,
+        direction: str,
+        result,
+        finish=None,
+        keep=(),
+        posted_s=0.0,
+        stream=None,
+        group=None,
     ):
         self._works = works
+        self._group = group  # the waits are bounded by its timeout (launch.wait_all)
         self._stream = stream  # a CommStream the exchange was posted on, or None
         self._keep = keep  # send buffers stay alive until the exchange completes
         self._direction = direction
@@ -87,8 +97,7 @@ class PendingExchange:
         if not self._done:
             stats = active_recorder()
             t0 = time.perf_counter() if stats is not None else 0.0
-            for work in self._works:
-                work.wait()
+            wait_all(self._works, self._group)
             if self._stream is not None:
                 self._stream.join()
                 self._stream.handoff(_flat_tensors(self._result))
@@ -193,7 +202,7 @@ def _post_forward(xs, specs, peers, group, overlapped: bool, stream=None) -> Pen
     works, posted = _post(sends, recvs, group, "forward", overlapped)
     per_spec = [[views[peers[q]].pop(0) for q, _ in plan.recvs] for plan, _, _ in specs]
     keep = (*sends, *recvs)
-    return PendingExchange(works, "forward", per_spec, keep=keep, posted_s=posted)
+    return PendingExchange(works, "forward", per_spec, keep=keep, posted_s=posted, group=group)
 
 
 def _split_window_grad(grad: torch.Tensor, plan, dim: int, x_shape):
@@ -249,7 +258,9 @@ def _post_backward(
         return grad_xs
 
     keep = (*sends, *recvs)
-    return PendingExchange(works, "backward", grad_xs, finish, keep=keep, posted_s=posted)
+    return PendingExchange(
+        works, "backward", grad_xs, finish, keep=keep, posted_s=posted, group=group
+    )
 
 
 def post_rows(x: torch.Tensor, plan, dim: int, peers, group, *, overlapped: bool = True):
@@ -353,7 +364,9 @@ def post_halo_gradients(grad_recv, plan, dim: int, peers, group, like, *, overla
                 off += c
         return grad_x
 
-    return PendingExchange(works, "backward", add_returned, keep=(*sends, *recvs), posted_s=posted)
+    return PendingExchange(
+        works, "backward", add_returned, keep=(*sends, *recvs), posted_s=posted, group=group
+    )
 
 
 def assemble_window(

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from ...launch import wait_all
 from ..manager import resolve_manager
 from ..rows import shard_range
 from ..wrap import DomainWrapper
@@ -42,8 +43,7 @@ def _exchange_parts(parts: list, recv_shapes: list, peers: list, rank: int, grou
         if buf.numel():
             ops.append(dist.P2POp(dist.irecv, buf, peers[q], group))
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        wait_all(dist.batch_isend_irecv(ops), group)
     return recvs
 
 
