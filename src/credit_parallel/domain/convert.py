@@ -28,6 +28,7 @@ from .conv import (
     conv_needs_domain_wrapper,
 )
 from .fusion import fuse_exchanges as fuse_layer_exchanges
+from .fuxi import convert_credit_models
 from .gather import (
     NONLOCAL_POLICIES,
     DomainGatherModule,
@@ -327,6 +328,9 @@ def convert_to_domain_parallel(
         raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
 
     unsafe: list[tuple[str, str]] = []
+    # whole CREDIT models whose forwards read the global grid (FuXi) first: their layers are
+    # then converted inside them like anywhere else
+    model = convert_credit_models(model, manager, shard_dim, skip_types=tuple(custom))
     model = convert_known_attention(model, manager, shard_dim, skip_types=tuple(custom))
 
     def replace(parent: nn.Module, name: str, path: str, child: nn.Module) -> bool:
