@@ -307,8 +307,9 @@ def convert_to_domain_parallel(
     checked before the built-in rules and the children of a replaced module are not visited.
     Modules that would be silently wrong under H-sharding raise ``ValueError`` listing their
     paths, unless ``allow_unsafe=True`` (then a warning lists them).  Attention of a known
-    structure is made exact first (``domain/attention``); ``nonlocal_policy="gather"`` runs every
-    module that would be reported on the whole globe instead (``domain/gather.py``).
+    structure is made exact first (``domain/attention``; before it, whole CREDIT models whose
+    forwards read the global grid, FuXi: ``domain/fuxi.py``); ``nonlocal_policy="gather"``
+    runs every module that would be reported on the whole globe instead (``domain/gather.py``).
     ``fuse_exchanges``: let a padding layer and the conv after it, and sibling convs on one
     input, share exchanges (``fusion.py``; the results are the same).
     """
