@@ -239,3 +239,36 @@ def test_converted_fuxi_functional_calls_pass_the_guard():
     for findings, shape in run_on_ranks(_guarded_forward, 2, timeout=60):
         assert findings == []
         assert shape == (1, 2, 1, 22, WIDTH)
+
+
+# ---------------------------------------------------------------------------- restoring
+def _grid_state(net) -> tuple:
+    ut = net.u_transformer
+    return (
+        list(net.cube_embedding.patches_resolution),
+        tuple(net.input_resolution),
+        tuple(ut.padding),
+        net.use_interp,
+        len(ut._forward_hooks) + len(ut.layer._forward_hooks),
+    )
+
+
+def _forward_then_failing_forward(rank, world):
+    manager = DomainParallelManager(world, world)
+    net = convert_to_domain_parallel(fuxi(40, 4, interp=True), manager)
+    before = _grid_state(net.wrapped)
+    a, b = shard_range(40, world, rank)
+    net(torch.randn(1, 2, 2, b - a, WIDTH, dtype=torch.float64))
+    after_forward = _grid_state(net.wrapped)
+    # 3 input channels for a model of 2: fails inside FuXi's forward (its Conv3d), every rank
+    with pytest.raises(RuntimeError, match="channels"):
+        net(torch.randn(1, 3, 2, b - a, WIDTH, dtype=torch.float64))
+    return before, after_forward, _grid_state(net.wrapped)
+
+
+def test_fuxi_global_grid_attributes_and_hooks_restored_after_forward_and_error():
+    for before, after_forward, after_error in run_on_ranks(
+        _forward_then_failing_forward, 2, timeout=60
+    ):
+        assert before == ([1, 10, 8], (5, 4), (0, 0, 1, 2), True, 0)
+        assert after_forward == before and after_error == before
