@@ -67,24 +67,23 @@ def fuxi(height: int, window: int = 2, *, spectral: bool = False, interp: bool =
     return net
 
 
-def _parity(rank, world, height, window, spectral, interp):
+def _parity(rank, world, height, window, spectral, interp, padding_conf):
     torch.manual_seed(1)  # the same global input on every rank
     x = torch.randn(1, 2, 2, height, WIDTH, dtype=torch.float64)
     manager = DomainParallelManager(world, world)
-    errors = domain_parity_errors(
-        lambda: fuxi(height, window, spectral=spectral, interp=interp), x, manager
-    )
-    keys = sorted(fuxi(height, window, spectral=spectral).state_dict())
-    converted = convert_to_domain_parallel(fuxi(height, window, spectral=spectral), manager)
+    extra = {"spectral": spectral, "padding_conf": padding_conf}
+    errors = domain_parity_errors(lambda: fuxi(height, window, interp=interp, **extra), x, manager)
+    keys = sorted(fuxi(height, window, **extra).state_dict())
+    converted = convert_to_domain_parallel(fuxi(height, window, **extra), manager)
     kinds = {type(converted).__name__} | {
         type(m).__name__ for m in converted.modules() if isinstance(m, DomainSwinBlock)
     }
     return errors, keys == sorted(converted.state_dict()), kinds
 
 
-def assert_fuxi_exact(world, height, window=2, *, spectral=False, interp=False):
+def assert_fuxi_exact(world, height, window=2, *, spectral=False, interp=False, padding=None):
     for errors, same_keys, kinds in run_on_ranks(
-        _parity, world, height, window, spectral, interp, timeout=60
+        _parity, world, height, window, spectral, interp, padding, timeout=60
     ):
         bad = {k: e for k, (e, _) in errors.items() if e > TOL}
         assert not bad, bad
@@ -130,6 +129,20 @@ def test_fuxi_interp_same_size_h32_domain2_exact():
     assert_fuxi_exact(2, 32, interp=True)
 
 
+# padding_conf: CREDIT's TensorPadding pads the input (32 -> 40 rows, 32 -> 40 columns) in
+# FuXi's forward and crops the output back; "earth" fills the rows beyond each pole with the
+# rows next to it flipped and rolled by half the width, "mirror" reflects
+@pytest.mark.parametrize("domain,mode", [(3, "earth"), (2, "mirror")])
+def test_fuxi_padding_conf_h32_padded_to_40_exact(domain, mode):
+    conf = {"activate": True, "mode": mode, "pad_lat": [4, 4], "pad_lon": [4, 4]}
+    assert_fuxi_exact(domain, 32, padding=conf)
+
+
+def test_fuxi_earth_padding_3_above_5_below_window4_spectral_interp_domain3_exact():
+    conf = {"activate": True, "mode": "earth", "pad_lat": [3, 5], "pad_lon": [0, 0]}
+    assert_fuxi_exact(3, 32, 4, spectral=True, interp=True, padding=conf)
+
+
 # ---------------------------------------------------------------------------- pure geometry
 def test_fuxi_geometry_h40_window4_rows_after_each_stage():
     net = fuxi(40, 4)
@@ -166,14 +179,14 @@ def _refusal(build, shard_dim=-2) -> str:
     return messages[0]
 
 
-def _padded_fuxi():
-    conf = {"activate": True, "mode": "earth", "pad_lat": [2, 2], "pad_lon": [4, 4]}
+def _unknown_padding_mode_fuxi():
+    conf = {"activate": True, "mode": "zeros", "pad_lat": [4, 4], "pad_lon": [4, 4]}
     return fuxi(32, padding_conf=conf)
 
 
-def test_fuxi_padding_conf_refused_at_conversion_naming_the_model():
-    message = _refusal(_padded_fuxi)
-    assert "<root> (Fuxi)" in message and "padding_conf.activate" in message
+def test_fuxi_padding_conf_unknown_mode_refused_at_conversion_naming_the_model():
+    message = _refusal(_unknown_padding_mode_fuxi)
+    assert "<root> (Fuxi)" in message and "padding_conf.mode 'zeros'" in message
 
 
 def _post_block_fuxi():

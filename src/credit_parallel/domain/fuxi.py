@@ -34,13 +34,14 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention.relayout import return_rows
 from .exchange import exchange_rows
 from .manager import resolve_manager
 from .resample import DomainParallelInterpolate
-from .rows import conv_output_length, conv_transpose_output_length, shard_range
+from .rows import conv_output_length, conv_transpose_output_length, edge_source_row, shard_range
 from .wrap import DomainWrapper
 
 __all__ = [
@@ -52,9 +53,12 @@ __all__ = [
     "fuxi_unshardable_reason",
     "is_fuxi",
     "pair_layout",
+    "tensor_padding_rows",
+    "tensor_unpadding_rows",
 ]
 
 FUXI_MODELS = ("credit.models.fuxi.Fuxi",)
+TENSOR_PADDING_MODES = ("earth", "mirror")  # credit.boundary_padding.TensorPadding
 SHARD_DIM = -2  # H of FuXi's (B, C, T, H, W) input and output
 
 
@@ -72,10 +76,11 @@ def _hint() -> str:
 
 def fuxi_unshardable_reason(model: nn.Module) -> str | None:
     """Why a FuXi model cannot be made exact under latitude sharding (None when it can)."""
-    if getattr(model, "use_padding", False):
+    padding = getattr(model, "padding_opt", None) if getattr(model, "use_padding", False) else None
+    if padding is not None and getattr(padding, "mode", None) not in TENSOR_PADDING_MODES:
         return (
-            "padding_conf.activate: its TensorPadding pads latitude by tensor operations on the "
-            "input inside forward (no module the converter could replace); " + _hint()
+            f"padding_conf.mode {getattr(padding, 'mode', None)!r}: its TensorPadding pads "
+            f"nothing the converter knows (known: {', '.join(TENSOR_PADDING_MODES)}); " + _hint()
         )
     if getattr(model, "use_post_block", False):
         return "post_conf.activate: its PostBlock is not known to be row-local; " + _hint()
@@ -110,6 +115,75 @@ def pair_layout(rows: int, n: int, scale: int = 1) -> tuple:
 
 def _balanced(length: int, n: int) -> tuple:
     return tuple(tuple(range(*shard_range(length, n, r))) for r in range(n))
+
+
+def tensor_padding_rows(mode: str, height: int, top: int, bottom: int) -> tuple:
+    """``(sources, rolled)``: the global input row of every latitude row ``TensorPadding.pad``
+    gives an input of ``height`` rows, and whether that row is also rolled by half the width
+    ("earth": the rows beyond each pole are the first / last rows flipped and shifted by 180
+    degrees; "mirror": reflect).  Python's slicing rules as in the class (a bottom of 0
+    with a top > 0 flips the whole globe in "earth" mode: ``x[..., -0:, :]``)."""
+    rows = list(range(height))
+    if not (top > 0 or bottom > 0):
+        return tuple(rows), (False,) * height
+    if mode == "earth":
+        above, below = rows[:top][::-1], rows[-bottom:][::-1]
+        flags = (True,) * len(above) + (False,) * height + (True,) * len(below)
+        return tuple(above + rows + below), flags
+    sources = tuple(
+        edge_source_row(p - top, height, "reflect") for p in range(height + top + bottom)
+    )
+    return sources, (False,) * len(sources)
+
+
+def tensor_unpadding_rows(mode: str, height: int, top: int, bottom: int) -> range:
+    """The global rows ``TensorPadding.unpad`` keeps of an output of ``height`` rows."""
+    if not (top > 0 or bottom > 0):
+        return range(height)
+    if mode == "earth":
+        return range(height)[top : (-bottom if bottom > 0 else None)]
+    return range(height)[top:-bottom]
+
+
+def _share(rows, n: int) -> tuple:
+    """Each rank's balanced share of the global row list ``rows``."""
+    return tuple(tuple(rows[slice(*shard_range(len(rows), n, r))]) for r in range(n))
+
+
+class _ShardedTensorPadding:
+    """Stands in for FuXi's ``padding_opt`` (``TensorPadding``) during a forward: ``pad`` gives
+    each rank its balanced share of the padded globe's rows (one exchange; the pole rows of
+    "earth" mode rolled over the unsharded width), ``unpad`` takes the output rows from their
+    whole-pair layout to the balanced share of the rows the global crop keeps (two exchanges);
+    the longitude padding and cropping stay local."""
+
+    def __init__(self, original, exchange, n: int, rank: int, height: int, outputs, out_height):
+        self.original, self.exchange, self.n, self.rank = original, exchange, n, rank
+        self.height, self.outputs, self.out_height = height, outputs, out_height
+        self.top, self.bottom = (int(v) for v in original.pad_NS)
+        self.left, self.right = (int(v) for v in original.pad_WE)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        sources, rolled = tensor_padding_rows(
+            self.original.mode, self.height, self.top, self.bottom
+        )
+        held = self.exchange(x, _share(sources, self.n), self.height, SHARD_DIM)
+        flags = _share(rolled, self.n)[self.rank]
+        if any(flags):
+            pole = torch.tensor(flags, device=held.device).view(-1, 1)
+            held = torch.where(pole, torch.roll(held, x.shape[-1] // 2, dims=-1), held)
+        if self.left > 0 or self.right > 0:
+            held = F.pad(held, (self.left, self.right, 0, 0, 0, 0), mode="circular")
+        return held
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.exchange(x, self.outputs, self.out_height, SHARD_DIM, back=True)
+        kept = tensor_unpadding_rows(self.original.mode, self.out_height, self.top, self.bottom)
+        y = self.exchange(y, _share(kept, self.n), self.out_height, SHARD_DIM)
+        if self.left > 0 or self.right > 0:
+            end = -self.right if self.right > 0 or self.original.mode == "mirror" else None
+            y = y[..., :, self.left : end]
+        return y
 
 
 class FuxiGeometry:
@@ -219,17 +293,33 @@ class DomainFuxi(DomainWrapper):
                 f"{self._name()}: expects a (B, C, T, H, W) shard, got {tuple(x.shape)}"
             )
         self._exchange.manager = mgr
+        n, rank = mgr.domain_world_size, mgr.domain_rank
+        input_height = height = mgr.global_length(self, x.shape[SHARD_DIM])
+        padding = model.padding_opt if model.use_padding else None
+        if padding is not None:
+            top, bottom = (int(v) for v in padding.pad_NS)
+            height = len(tensor_padding_rows(padding.mode, height, top, bottom)[0])
         try:
-            geometry = fuxi_geometry(model, mgr.global_length(self, x.shape[SHARD_DIM]))
+            geometry = fuxi_geometry(model, height)
         except ValueError as err:
             raise ValueError(f"{self._name()}: {err}") from None
-        n, rank = mgr.domain_world_size, mgr.domain_rank
-        with self._local_grid(geometry, n, rank):
-            y = model(x, noise=noise, forecast_step=forecast_step)
         outputs = pair_layout(geometry.up, n, geometry.patch)
-        y = self._exchange(y, outputs, geometry.out, SHARD_DIM, back=True)
+        with self._local_grid(geometry, n, rank):
+            if padding is None:
+                y = model(x, noise=noise, forecast_step=forecast_step)
+                y = self._exchange(y, outputs, geometry.out, SHARD_DIM, back=True)
+                out_height = geometry.out
+            else:
+                stand_in = _ShardedTensorPadding(
+                    padding, self._exchange, n, rank, input_height, outputs, geometry.out
+                )
+                with _swapped(model, "padding_opt", stand_in):
+                    y = model(x, noise=noise, forecast_step=forecast_step)
+                out_height = len(
+                    tensor_unpadding_rows(padding.mode, geometry.out, stand_in.top, stand_in.bottom)
+                )
         if model.use_interp:
-            y = self._interpolate(y, geometry.out, mgr)
+            y = self._interpolate(y, out_height, mgr)
         return y
 
     @contextmanager
