@@ -14,7 +14,13 @@ from torch import nn
 
 from credit_parallel import convert_to_domain_parallel
 from credit_parallel.domain.attention import DomainSwinBlock
-from credit_parallel.domain.fuxi import DomainFuxi, fuxi_geometry, pair_layout
+from credit_parallel.domain.fuxi import (
+    DomainFuxi,
+    fuxi_geometry,
+    pair_layout,
+    tensor_padding_rows,
+    tensor_unpadding_rows,
+)
 from credit_parallel.domain.guard import FunctionalCallGuard
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import shard_range
@@ -156,6 +162,27 @@ def test_fuxi_geometry_h40_window4_rows_after_each_stage():
 def test_pair_layout_10_rows_3_ranks_whole_pairs_and_output_rows():
     assert pair_layout(10, 3) == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9))
     assert pair_layout(4, 3, 4) == (tuple(range(8)), tuple(range(8, 16)), ())
+
+
+@pytest.mark.parametrize(
+    "mode,top,bottom", [("earth", 3, 5), ("earth", 2, 0), ("mirror", 4, 4), ("earth", 0, 0)]
+)
+def test_tensor_padding_rows_match_credit_tensor_padding(mode, top, bottom):
+    """The row maps against the real class on a grid whose values name their row and column:
+    pad, then unpad of the padded grid (its rows renumbered)."""
+    padder = import_credit("credit.boundary_padding").TensorPadding(
+        mode=mode, pad_lat=[top, bottom], pad_lon=[0, 0]
+    )
+    height, width = 7, 6
+    grid = (100 * torch.arange(height)[:, None] + torch.arange(width)).double()
+    padded = padder.pad(grid.expand(1, 1, 1, height, width))[0, 0, 0]
+    sources, rolled = tensor_padding_rows(mode, height, top, bottom)
+    expected = grid[list(sources)]
+    flags = torch.tensor(rolled)[:, None]
+    assert torch.equal(padded, torch.where(flags, expected.roll(width // 2, -1), expected))
+    numbered = torch.arange(len(sources)).double()[:, None].expand(-1, width)
+    kept = padder.unpad(numbered.expand(1, 1, 1, -1, -1))[0, 0, 0][:, 0]
+    assert kept.tolist() == list(tensor_unpadding_rows(mode, len(sources), top, bottom))
 
 
 def test_fuxi_geometry_other_height_than_built_for_raises():

@@ -11,7 +11,10 @@ is left is what FuXi's own forwards do between them with the GLOBAL grid in mind
 * the un-patchify reshape turns each latent row into ``patch`` output rows, so balanced latent
   shards give unbalanced output shards (and an odd latent share cannot be written as
   ``2 * input_resolution``);
-* ``interp=True`` calls ``F.interpolate`` on the sharded output.
+* ``interp=True`` calls ``F.interpolate`` on the sharded output;
+* ``padding_conf.activate``: CREDIT's ``TensorPadding`` pads the input's latitude by tensor
+  operations (rows beyond each pole: flipped and rolled by half the width, "earth", or
+  reflected, "mirror") and crops the output with a slice.
 
 :class:`DomainFuxi` replaces the model (recognised by qualified class name; the library never
 imports miles-credit) and runs FuXi's own forward unmodified, with, for the duration of the
@@ -21,12 +24,15 @@ the balanced layout of the unpadded rows (the padding itself is the converted Ze
 at the global poles only); the u-transformer's output re-laid out so that every rank holds whole
 row pairs (its ``input_resolution`` share is then an integer); the model's output rows sent back
 to the balanced layout; ``F.interpolate`` replaced by :class:`DomainParallelInterpolate` (none
-when the output already has the image size: bilinear to the same size is the identity).
+when the output already has the image size: bilinear to the same size is the identity); the
+``TensorPadding`` replaced by a stand-in whose pad is one row exchange from the global row map
+(:func:`tensor_padding_rows`) and whose unpad returns the output rows and crops globally
+(:func:`tensor_unpadding_rows`).
 Parameters, buffers and ``state_dict`` keys are the model's (``DomainWrapper``).
 
-Refused at conversion (``ValueError`` naming the module): ``padding_conf.activate``
-(``TensorPadding`` pads latitude functionally), ``post_conf.activate`` (the post block), and
-``use_noise`` (per-pixel noise drawn on each shard's rows).
+Refused at conversion (``ValueError`` naming the module): a ``padding_conf.mode`` other than
+"earth" / "mirror", ``post_conf.activate`` (the post block), and ``use_noise`` (per-pixel
+noise drawn on each shard's rows).
 """
 
 from __future__ import annotations
