@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from credit_parallel import convert_to_domain_parallel
+from credit_parallel import (
+    convert_to_domain_parallel,
+    get_domain_manager,
+    get_raw_model,
+    parallelize,
+    shard_batch,
+    sync_domain_gradients,
+)
 from credit_parallel.domain.attention import DomainSwinBlock
 from credit_parallel.domain.fuxi import (
     DomainFuxi,
@@ -312,3 +320,58 @@ def test_fuxi_global_grid_attributes_and_hooks_restored_after_forward_and_error(
     ):
         assert before == ([1, 10, 8], (5, 4), (0, 0, 1, 2), True, 0)
         assert after_forward == before and after_error == before
+
+
+# ---------------------------------------------------------------------------- with FSDP2
+STEPS = 2
+
+
+def _fuxi_batch(height: int):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 2, 2, height, WIDTH, generator=g, dtype=torch.float64)
+    return x, torch.randn(2, 2, 1, height, WIDTH, generator=g, dtype=torch.float64)
+
+
+def _fuxi_reference(height: int, window: int):
+    model = fuxi(height, window)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _fuxi_batch(height)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _fuxi_fsdp2_worker(rank, world, height, window):
+    torch.set_default_dtype(torch.float64)
+    conf = {"trainer": {"parallelism": {"data": "fsdp2", "tensor": 1, "domain": world}}}
+    model = parallelize(fuxi(height, window), conf)
+    manager = get_domain_manager(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _fuxi_batch(height)
+    local = shard_batch({"x": x, "y": y}, manager=manager)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = ((model(local["x"]) - local["y"]) ** 2).sum() / y.numel()
+        loss.backward()
+        sync_domain_gradients(model, manager, op="sum")
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=manager.domain_group)
+        losses.append(float(total))
+    raw = get_raw_model(model)
+    assert isinstance(raw, DomainFuxi)
+    return losses, {n: p.detach().full_tensor() for n, p in raw.named_parameters()}
+
+
+def test_fuxi_parallelize_fsdp2_domain3_h40_window4_trains_like_single_process():
+    ref_losses, ref_params = _fuxi_reference(40, 4)
+    for losses, params in run_on_ranks(_fuxi_fsdp2_worker, 3, 40, 4, timeout=120):
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+        assert params.keys() == ref_params.keys()
+        assert max(float((params[n] - p).abs().max()) for n, p in ref_params.items()) <= TOL
