@@ -235,6 +235,40 @@ def test_fuxi_post_block_refused_at_conversion_naming_the_model():
     assert "<root> (Fuxi)" in message and "post_conf.activate" in message
 
 
+class GlobalMeanRemoval(nn.Module):
+    """A post block standing in for CREDIT's (whose fixers sum over the globe): takes FuXi's
+    {"y_pred", "x"} and removes the global mean of every output field."""
+
+    def forward(self, d):
+        return d["y_pred"] - d["y_pred"].mean(dim=(-2, -1), keepdim=True)
+
+
+def _post_block_fuxi_runnable():
+    net = _post_block_fuxi()
+    net.postblock = GlobalMeanRemoval()
+    return net
+
+
+def _gather_parity(rank, world):
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 2, 32, WIDTH, dtype=torch.float64)
+    manager = DomainParallelManager(world, world)
+
+    def convert(model, mgr):
+        with pytest.warns(UserWarning, match=r"<root> \(Fuxi: post_conf.activate"):
+            return convert_to_domain_parallel(model, mgr, nonlocal_policy="gather")
+
+    errors = domain_parity_errors(_post_block_fuxi_runnable, x, manager, convert=convert)
+    converted = convert(_post_block_fuxi_runnable(), manager)
+    return errors, type(converted).__name__
+
+
+def test_fuxi_post_block_with_gather_policy_runs_on_the_globe_exact():
+    for errors, kind in run_on_ranks(_gather_parity, 3, timeout=60):
+        assert kind == "DomainGatherModule"
+        assert max(e for e, _ in errors.values()) <= TOL and "input_grad" in errors
+
+
 class Holder(nn.Module):
     def __init__(self):
         super().__init__()

@@ -331,7 +331,9 @@ def convert_to_domain_parallel(
     unsafe: list[tuple[str, str]] = []
     # whole CREDIT models whose forwards read the global grid (FuXi) first: their layers are
     # then converted inside them like anywhere else
-    model = convert_credit_models(model, manager, shard_dim, skip_types=tuple(custom))
+    model = convert_credit_models(
+        model, manager, shard_dim, skip_types=tuple(custom), nonlocal_policy=nonlocal_policy
+    )
     model = convert_known_attention(model, manager, shard_dim, skip_types=tuple(custom))
 
     def replace(parent: nn.Module, name: str, path: str, child: nn.Module) -> bool:

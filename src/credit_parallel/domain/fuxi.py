@@ -37,6 +37,7 @@ noise drawn on each shard's rows).
 
 from __future__ import annotations
 
+import warnings
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -45,6 +46,7 @@ from torch import nn
 
 from .attention.relayout import return_rows
 from .exchange import exchange_rows
+from .gather import DomainGatherModule, gather_cost_note
 from .manager import resolve_manager
 from .resample import DomainParallelInterpolate
 from .rows import conv_output_length, conv_transpose_output_length, edge_source_row, shard_range
@@ -75,8 +77,9 @@ def is_fuxi(module: nn.Module) -> bool:
 
 def _hint() -> str:
     return (
-        "build the model without it, or train FuXi without domain parallelism "
-        "(trainer.parallelism.domain: 1)"
+        "build the model without it, run the whole model on the globe on every rank with "
+        "nonlocal_policy='gather' (trainer.domain_nonlocal_policy), or train FuXi without "
+        "domain parallelism (trainer.parallelism.domain: 1)"
     )
 
 
@@ -387,14 +390,19 @@ def _swapped(obj, name: str, value):
         obj.__dict__[name] = old
 
 
-def convert_credit_models(model: nn.Module, manager, shard_dim: int = -2, skip_types=()):
+def convert_credit_models(
+    model: nn.Module, manager, shard_dim: int = -2, skip_types=(), nonlocal_policy="raise"
+):
     """Replace, in place, every recognised CREDIT model (FuXi; outermost first) by its exact
-    domain-parallel form, or raise ``ValueError`` naming its path and why it cannot be exact.
-    Modules of ``skip_types`` (the caller's custom converters) are left to the caller.  Returns
-    the model (the root itself may be replaced)."""
+    domain-parallel form, or raise ``ValueError`` naming its path and why it cannot be exact
+    (``nonlocal_policy="gather"``: run such a model on the whole globe instead, with a
+    warning).  Modules of ``skip_types`` (the caller's custom converters) are left to the
+    caller.  Returns the model (the root itself may be replaced)."""
 
     def visit(module: nn.Module, path: str):
-        if isinstance(module, (DomainFuxi, *skip_types)):
+        if isinstance(module, (DomainFuxi, *skip_types)) or getattr(
+            module, "_domain_parallel", False
+        ):
             return module
         if is_fuxi(module):
             where = path or "<root>"
@@ -404,11 +412,19 @@ def convert_credit_models(model: nn.Module, manager, shard_dim: int = -2, skip_t
                     f"input is (B, C, T, H, W), latitude is shard_dim -2, got {shard_dim}"
                 )
             reason = fuxi_unshardable_reason(module)
-            if reason is not None:
+            if reason is not None and nonlocal_policy != "gather":
                 raise ValueError(
                     f"convert_to_domain_parallel: {where} ({type(module).__name__}): {reason}"
                 )
-            replacement = DomainFuxi(module, manager=manager)
+            if reason is not None:
+                warnings.warn(
+                    f"nonlocal_policy='gather': {where} ({type(module).__name__}: {reason}): "
+                    + gather_cost_note(manager.domain_world_size),
+                    stacklevel=3,
+                )
+                replacement = DomainGatherModule(module, SHARD_DIM, manager=manager)
+            else:
+                replacement = DomainFuxi(module, manager=manager)
             replacement.module_path = where
             return replacement
         for name, child in list(module.named_children()):
