@@ -31,8 +31,10 @@ when the output already has the image size: bilinear to the same size is the ide
 Parameters, buffers and ``state_dict`` keys are the model's (``DomainWrapper``).
 
 Refused at conversion (``ValueError`` naming the module): a ``padding_conf.mode`` other than
-"earth" / "mirror", ``post_conf.activate`` (the post block), and ``use_noise`` (per-pixel
-noise drawn on each shard's rows).
+"earth" / "mirror", ``post_conf.activate`` (the post block), ``use_noise`` (per-pixel noise
+drawn on each shard's rows) and a ``shard_dim`` other than -2; under
+``nonlocal_policy="gather"`` the first three run whole on the globe instead
+(:class:`~credit_parallel.domain.gather.DomainGatherModule`, with a warning).
 """
 
 from __future__ import annotations
