@@ -25,7 +25,6 @@ from .recognise import (
 )
 from .relayout import DomainRowGroupAttention, return_rows
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention, all_to_all_parts
-from .tokens import DomainTokenAttention, SequenceParallelAttention, sequence_parallel_attention
 from .swin_blocks import (
     SWIN_BLOCKS,
     SWIN_PATCH_MERGING,
@@ -33,6 +32,7 @@ from .swin_blocks import (
     DomainSwinPatchMerging,
     swin_unshardable_reason,
 )
+from .tokens import DomainTokenAttention, SequenceParallelAttention, sequence_parallel_attention
 
 __all__ = [
     "SEQUENCE_CORES",

@@ -31,7 +31,6 @@ from torch import nn
 
 from .relayout import DomainRowGroupAttention
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention
-from .tokens import DomainTokenAttention
 from .swin_blocks import (
     DomainSwinBlock,
     DomainSwinPatchMerging,
@@ -39,6 +38,7 @@ from .swin_blocks import (
     swin_family,
     swin_unshardable_reason,
 )
+from .tokens import DomainTokenAttention
 
 __all__ = [
     "attention_replacement",
