@@ -28,6 +28,7 @@ from .conv import (
     conv_needs_domain_wrapper,
 )
 from .fusion import fuse_exchanges as fuse_layer_exchanges
+from .fuxi import convert_credit_models
 from .gather import (
     NONLOCAL_POLICIES,
     DomainGatherModule,
@@ -306,8 +307,9 @@ def convert_to_domain_parallel(
     checked before the built-in rules and the children of a replaced module are not visited.
     Modules that would be silently wrong under H-sharding raise ``ValueError`` listing their
     paths, unless ``allow_unsafe=True`` (then a warning lists them).  Attention of a known
-    structure is made exact first (``domain/attention``); ``nonlocal_policy="gather"`` runs every
-    module that would be reported on the whole globe instead (``domain/gather.py``).
+    structure is made exact first (``domain/attention``; before it, whole CREDIT models whose
+    forwards read the global grid, FuXi: ``domain/fuxi.py``); ``nonlocal_policy="gather"``
+    runs every module that would be reported on the whole globe instead (``domain/gather.py``).
     ``fuse_exchanges``: let a padding layer and the conv after it, and sibling convs on one
     input, share exchanges (``fusion.py``; the results are the same).
     """
@@ -327,6 +329,11 @@ def convert_to_domain_parallel(
         raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
 
     unsafe: list[tuple[str, str]] = []
+    # whole CREDIT models whose forwards read the global grid (FuXi) first: their layers are
+    # then converted inside them like anywhere else
+    model = convert_credit_models(
+        model, manager, shard_dim, skip_types=tuple(custom), nonlocal_policy=nonlocal_policy
+    )
     model = convert_known_attention(model, manager, shard_dim, skip_types=tuple(custom))
 
     def replace(parent: nn.Module, name: str, path: str, child: nn.Module) -> bool:
