@@ -52,7 +52,7 @@ from .gather import DomainGatherModule, gather_cost_note
 from .manager import resolve_manager
 from .resample import DomainParallelInterpolate
 from .rows import conv_output_length, conv_transpose_output_length, edge_source_row, shard_range
-from .wrap import DomainWrapper
+from .wrap import DomainWrapper, replace_outermost
 
 __all__ = [
     "FUXI_MODELS",
@@ -401,7 +401,7 @@ def convert_credit_models(
     warning).  Modules of ``skip_types`` (the caller's custom converters) are left to the
     caller.  Returns the model (the root itself may be replaced)."""
 
-    def visit(module: nn.Module, path: str):
+    def replacement_for(module: nn.Module, path: str):
         if isinstance(module, (DomainFuxi, *skip_types)) or getattr(
             module, "_domain_parallel", False
         ):
@@ -429,10 +429,6 @@ def convert_credit_models(
                 replacement = DomainFuxi(module, manager=manager)
             replacement.module_path = where
             return replacement
-        for name, child in list(module.named_children()):
-            new = visit(child, f"{path}.{name}" if path else name)
-            if new is not child:
-                module._modules[name] = new
-        return module
+        return None
 
-    return visit(model, "")
+    return replace_outermost(model, replacement_for)

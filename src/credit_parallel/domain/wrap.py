@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["DomainWrapper", "run_forward_pre_hooks"]
+__all__ = ["DomainWrapper", "replace_outermost", "run_forward_pre_hooks"]
 
 
 class DomainWrapper(nn.Module):
@@ -36,3 +36,22 @@ class DomainWrapper(nn.Module):
 def run_forward_pre_hooks(module: nn.Module, args: tuple) -> None:
     for hook in list(module._forward_pre_hooks.values()):
         hook(module, args)
+
+
+def replace_outermost(model: nn.Module, replacement_for) -> nn.Module:
+    """Replace modules of ``model`` in place, outermost first: ``replacement_for(module, path)``
+    (path "" for the root) returns None to visit the module's children, or a module that takes
+    its place, children not visited (the module itself: keep it, children not visited).
+    Returns the model (the root itself may be replaced)."""
+
+    def visit(module: nn.Module, path: str) -> nn.Module:
+        new = replacement_for(module, path)
+        if new is not None:
+            return new
+        for name, child in list(module.named_children()):
+            replaced = visit(child, f"{path}.{name}" if path else name)
+            if replaced is not child:
+                module._modules[name] = replaced
+        return module
+
+    return visit(model, "")

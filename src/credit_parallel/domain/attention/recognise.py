@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..wrap import replace_outermost
 from .relayout import DomainRowGroupAttention
 from .sequence import SEQUENCE_CORES, DomainSequenceAttention
 from .swin_blocks import (
@@ -115,7 +116,7 @@ def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip
     custom converters, which take precedence) are left to the caller.  Returns the model (the
     root itself may be replaced)."""
 
-    def visit(module: nn.Module, path: str):
+    def replacement_for(module: nn.Module, path: str):
         if getattr(module, "_domain_parallel", False) or isinstance(module, tuple(skip_types)):
             return module
         if getattr(module, "_domain_local", None) is True:
@@ -125,14 +126,9 @@ def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip
         replacement = attention_replacement(module, manager, shard_dim)
         if replacement is not None:
             replacement.module_path = path or "<root>"
-            return replacement
-        for name, child in list(module.named_children()):
-            new = visit(child, f"{path}.{name}" if path else name)
-            if new is not child:
-                module._modules[name] = new
-        return module
+        return replacement
 
-    return visit(model, "")
+    return replace_outermost(model, replacement_for)
 
 
 def recognised_attention_form(module: nn.Module) -> str | None:
