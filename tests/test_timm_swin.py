@@ -268,35 +268,26 @@ def test_timm_block_height_not_multiple_of_window_exact_with_gather_policy_along
         assert not bad, bad
 
 
-def _forward_height_on_ranks(rank, world_size):
-    """A dynamic-mask block converted for 14 rows, then fed a globe of 13 rows."""
+def _refused_at_forward_on_ranks(rank, world_size, height, dynamic_mask):
+    """A shifted block converted for 14 rows, then fed a globe of ``height`` rows: with a
+    dynamic mask 13 rows are not whole windows; with its static mask (the windows of 14 rows)
+    16 rows would make the block itself fail or mix windows on the globe."""
     manager = DomainParallelManager(world_size, world_size)
-    block = convert_to_domain_parallel(timm_block(2, True, dynamic_mask=True), manager)
-    x = shard_tensor(torch.randn(1, 13, 6, 8, dtype=torch.float64), -3, manager)
+    block = convert_to_domain_parallel(timm_block(2, True, dynamic_mask=dynamic_mask), manager)
+    x = shard_tensor(torch.randn(1, height, 6, 8, dtype=torch.float64), -3, manager)
     with pytest.raises(ValueError) as refused:
         block(x)
     return str(refused.value)
 
 
 def test_timm_block_global_height_not_multiple_of_window_at_forward_raises():
-    for message in run_on_ranks(_forward_height_on_ranks, 2):
+    for message in run_on_ranks(_refused_at_forward_on_ranks, 2, 13, True):
         assert "SwinTransformerV2Block" in message and "13 rows" in message
         assert "nonlocal_policy='gather'" in message
 
 
-def _mask_grid_on_ranks(rank, world_size):
-    """A static-mask shifted block built for 14 rows, fed a globe of 16 (its mask has the
-    windows of 14 rows: the block itself would fail or mix windows on the globe)."""
-    manager = DomainParallelManager(world_size, world_size)
-    block = convert_to_domain_parallel(timm_block(2, True), manager)
-    x = shard_tensor(torch.randn(1, 16, 6, 8, dtype=torch.float64), -3, manager)
-    with pytest.raises(ValueError) as refused:
-        block(x)
-    return str(refused.value)
-
-
 def test_timm_block_global_height_other_than_its_static_mask_raises():
-    for message in run_on_ranks(_mask_grid_on_ranks, 2):
+    for message in run_on_ranks(_refused_at_forward_on_ranks, 2, 16, False):
         assert "SwinTransformerV2Block" in message and "16 x 6" in message
 
 
