@@ -111,6 +111,17 @@ class PendingExchange:
         return self._result
 
 
+def _add_returned_rows(grad_x: torch.Tensor, plan, dim: int, views: dict, peers) -> torch.Tensor:
+    """Add to ``grad_x`` (in place) the gradients other ranks computed for the rows this rank
+    sent them (``plan.sends``), read in order from the received ``views`` per peer."""
+    for q, runs in plan.sends:
+        back, off = views[peers[q]].pop(0), 0
+        for s, c in runs:
+            grad_x.narrow(dim, s, c).add_(back.narrow(dim, off, c))
+            off += c
+    return grad_x
+
+
 def _post(sends: list, recvs: list, group, direction: str, overlapped: bool):
     """Post one batched call: ``sends``/``recvs`` are lists of (global peer rank, tensor).
     Returns (works, seconds spent posting)."""
@@ -250,11 +261,7 @@ def _post_backward(
 
     def finish(grad_xs):
         for (plan, dim, _), grad_x in zip(specs, grad_xs):
-            for q, runs in plan.sends:
-                back, off = views[peers[q]].pop(0), 0
-                for s, c in runs:
-                    grad_x.narrow(dim, s, c).add_(back.narrow(dim, off, c))
-                    off += c
+            _add_returned_rows(grad_x, plan, dim, views, peers)
         return grad_xs
 
     keep = (*sends, *recvs)
@@ -357,12 +364,7 @@ def post_halo_gradients(grad_recv, plan, dim: int, peers, group, like, *, overla
     works, posted = _post(sends, recvs, group, "backward", overlapped)
 
     def add_returned(grad_x):
-        for q, runs in plan.sends:
-            back, off = views[peers[q]].pop(0), 0
-            for s, c in runs:
-                grad_x.narrow(dim, s, c).add_(back.narrow(dim, off, c))
-                off += c
-        return grad_x
+        return _add_returned_rows(grad_x, plan, dim, views, peers)
 
     return PendingExchange(
         works, "backward", add_returned, keep=(*sends, *recvs), posted_s=posted, group=group
