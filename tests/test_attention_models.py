@@ -13,8 +13,9 @@ from torch import nn
 
 from credit_parallel import parallelize
 from credit_parallel.cli import resolve_config
+from credit_parallel.composition import RecipeOptions
 from credit_parallel.config import load_config
-from credit_parallel.domain.gather import DomainGatherModule, nonlocal_policy_from_conf
+from credit_parallel.domain.gather import DomainGatherModule
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.models import CrossFormer, SwinNet
 from credit_parallel.models.swin import ShiftedWindowAttention, row_segments
@@ -111,6 +112,6 @@ def test_trainer_domain_nonlocal_policy_reaches_the_converter():
 
 
 def test_nonlocal_policy_key_validated():
-    assert nonlocal_policy_from_conf({"trainer": {}}) == "raise"
+    assert RecipeOptions.from_conf({"trainer": {}}).nonlocal_policy == "raise"
     with pytest.raises(ValueError, match="trainer.domain_nonlocal_policy"):
-        nonlocal_policy_from_conf({"trainer": {"domain_nonlocal_policy": "ignore"}})
+        RecipeOptions.from_conf({"trainer": {"domain_nonlocal_policy": "ignore"}})

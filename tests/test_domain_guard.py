@@ -4,6 +4,7 @@ opt-in training debug mode — while row-local calls and the library's own layer
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +13,7 @@ from credit_parallel import convert_to_domain_parallel, shard_tensor
 from credit_parallel.domain.guard import FunctionalCallGuard, debug_guard, guard_requested
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.models import MODEL_TYPES
+from credit_parallel.run_config import TrainerConfig
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.verify import judge, verify_layout
 
@@ -169,10 +171,14 @@ def test_verify_flags_interpolate_on_sharded_activation_with_module_path():
 
 def test_debug_mode_off_by_default_on_by_config_or_env(monkeypatch):
     monkeypatch.delenv("CREDIT_PARALLEL_DOMAIN_GUARD", raising=False)
-    assert not guard_requested({"trainer": {}})
-    assert guard_requested({"trainer": {"domain_guard": True}})
+    assert not guard_requested(TrainerConfig.from_conf({"trainer": {}}).domain_guard)
+    assert guard_requested(
+        TrainerConfig.from_conf({"trainer": {"domain_guard": True}}).domain_guard
+    )
+    with pytest.raises(TypeError, match="trainer.domain_guard"):
+        guard_requested({"trainer": {"domain_guard": True}})  # the raw config stops above
     monkeypatch.setenv("CREDIT_PARALLEL_DOMAIN_GUARD", "1")
-    assert guard_requested(None)
+    assert guard_requested()
 
 
 def test_debug_mode_raises_at_the_first_finding(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from credit_parallel import get_domain_manager, get_raw_model, parallelize
+from credit_parallel import ParallelDims, get_domain_manager, get_raw_model, parallelize
 from credit_parallel.mesh import data_parallel_coords
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.step import TrainStep, replica_mean_loss
@@ -108,10 +108,8 @@ def _worker(rank, world, block, steps, dtype):
         x, y = (t[dp_rank * per : (dp_rank + 1) * per] for t in batch)
         step = TrainStep(model, share, manager=mgr, max_norm=0.5)
         result = step([{"x": x, "y": y}])
-        domain = mgr.domain_world_size if mgr is not None else 1
-        loss = replica_mean_loss(
-            result.loss_share, world_size=world, dp_size=dp_size, domain_size=domain
-        )
+        tp_size = ParallelDims.from_conf(conf, world).tp
+        loss = replica_mean_loss(result.loss_share, tp_size=tp_size, dp_size=dp_size)
         return float(loss), float(result.grad_norm)
 
     par_losses, par_norms = _train(par, par.parameters(), batches, par_step, steps)

@@ -1,6 +1,10 @@
 """The composed recipe: build the layout, then domain conversion -> tensor parallel -> FSDP2 / DDP.
 
-``parallelize(model, conf)`` is the counterpart of CREDIT's ``distributed_model_wrapper_gen2``:
+``parallelize(model, conf)`` is the counterpart of CREDIT's ``distributed_model_wrapper_gen2``.
+The config dict stops here: it is parsed once into a :class:`ParallelDims` and the recipe's
+:class:`RecipeOptions`, and :func:`parallelize_dims` runs the recipe on those typed objects (the
+trainer, which has parsed the run config already, calls it directly).  Nothing below this module
+reads the config:
 
 1. :class:`~credit_parallel.config.ParallelDims` from ``trainer.parallelism`` and the world size
    builds every mesh (CUDA/NCCL when the process group is NCCL, else CPU/gloo — nothing in the
@@ -9,7 +13,7 @@
    ``convert_to_domain_parallel``.  The manager is attached to the model, never made the
    process-wide one (that stays solely ``initialize_domain_parallel``'s);
 3. tensor > 1: ``apply_tensor_parallel`` on the "tp" axis;
-4. data "fsdp2": ``apply_fsdp2`` over the flattened dp x domain axis when domain > 1 (gradients
+4. data "fsdp2": ``fully_shard_model`` over the flattened dp x domain axis when domain > 1 (gradients
    summed over domain, averaged over dp), else over "dp"; "ddp": ``apply_ddp`` over "dp".
 
 The mesh and the manager stay reachable from the returned model (``get_device_mesh``,
@@ -18,27 +22,56 @@ The mesh and the manager stay reachable from the returned model (``get_device_me
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from dataclasses import dataclass
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import DataMode, MeshAxis, ParallelDims, ParallelMesh
+from .config import DataMode, MeshAxis, ParallelDims, ParallelMesh, require_process_group
 from .device import device_for_process_group
 from .domain.convert import convert_to_domain_parallel
-from .domain.gather import nonlocal_policy_from_conf
 from .domain.manager import DomainParallelManager
-from .fsdp import apply_ddp, apply_fsdp2
+from .fsdp import apply_ddp, fsdp2_precision, fully_shard_model
+from .run_config import TrainerConfig, trainer_option
 from .tensor_parallel import apply_tensor_parallel
 
 __all__ = [
+    "RecipeOptions",
     "apply_data_parallel",
     "apply_model_parallel",
     "get_device_mesh",
     "get_domain_manager",
     "get_raw_model",
+    "layout_meshes",
     "parallel_layout",
     "parallelize",
+    "parallelize_dims",
 ]
+
+
+@dataclass(frozen=True)
+class RecipeOptions:
+    """The ``trainer.*`` settings the recipe reads besides the layout, parsed as the run config
+    parses them: ``trainer.amp``, ``trainer.activation_checkpoint`` (FSDP2) and
+    ``trainer.domain_nonlocal_policy`` (the domain conversion)."""
+
+    amp: bool = False
+    activation_checkpoint: bool = False
+    nonlocal_policy: str = "raise"
+
+    @classmethod
+    def from_conf(cls, conf: dict) -> RecipeOptions:
+        """Only these keys of a FULL config (the rest of ``trainer`` is not the recipe's)."""
+        return cls(
+            amp=trainer_option(conf, "amp"),
+            activation_checkpoint=trainer_option(conf, "activation_checkpoint"),
+            nonlocal_policy=trainer_option(conf, "domain_nonlocal_policy"),
+        )
+
+    @classmethod
+    def from_trainer(cls, trainer: TrainerConfig) -> RecipeOptions:
+        """From an already-parsed ``trainer`` section."""
+        return cls(trainer.amp, trainer.activation_checkpoint, trainer.domain_nonlocal_policy)
 
 
 def get_raw_model(model: nn.Module) -> nn.Module:
@@ -62,15 +95,20 @@ def parallel_layout(conf: dict) -> tuple[ParallelDims, ParallelMesh | None]:
     """The layout of ``conf`` on the current process group and its meshes; the meshes are None
     when the layout leaves the model alone (``data: none``, tensor = domain = 1)."""
     dims = ParallelDims.from_conf(conf)
+    return dims, layout_meshes(dims)
+
+
+def layout_meshes(dims: ParallelDims) -> ParallelMesh | None:
+    """The meshes of ``dims`` on the current process group; None when the layout leaves the
+    model alone (``data: none``, tensor = domain = 1)."""
     if not dims.parallelizes_model:
-        return dims, None
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"parallelize with trainer.parallelism {dims} needs an initialised process group "
-            "(launch with `credit-parallel train --nproc N` or torchrun)"
-        )
+        return None
+    require_process_group(
+        f"parallelize with trainer.parallelism {dims} (launch with `credit-parallel train "
+        "--nproc N` or torchrun)"
+    )
     dims.check_supported()
-    return dims, dims.build_mesh(device_for_process_group().type)
+    return dims.build_mesh(device_for_process_group().type)
 
 
 def apply_model_parallel(
@@ -96,14 +134,26 @@ def apply_model_parallel(
 
 
 def apply_data_parallel(
-    model: nn.Module, conf: dict, dims: ParallelDims, meshes: ParallelMesh
+    model: nn.Module,
+    dims: ParallelDims,
+    meshes: ParallelMesh,
+    *,
+    amp: bool = False,
+    activation_checkpoint: bool = False,
 ) -> nn.Module:
-    """Step 4 of the recipe: FSDP2 (over dp x domain when domain > 1) or DDP over dp."""
+    """Step 4 of the recipe: FSDP2 (over dp x domain when domain > 1) or DDP over dp.
+    ``amp`` / ``activation_checkpoint``: FSDP2's bf16 policy and block recomputation."""
     if dims.data == DataMode.FSDP2:
         # over dp x domain FSDP's reduce-scatter must sum over the domain ranks (each holds its
         # rows' share of the gradient) and average over dp only
         divide = dims.dp if dims.fsdp_over_domain else None
-        return apply_fsdp2(model, meshes.fsdp_mesh, conf, gradient_divide_factor=divide)
+        return fully_shard_model(
+            model,
+            meshes.fsdp_mesh,
+            **fsdp2_precision(amp),
+            activation_checkpoint=activation_checkpoint,
+            gradient_divide_factor=divide,
+        )
     if dims.data == DataMode.DDP:
         return apply_ddp(model, meshes.axis(MeshAxis.DP))
     return model
@@ -113,12 +163,25 @@ def parallelize(model: nn.Module, conf: dict) -> nn.Module:
     """Apply the configured parallelisms to ``model`` (in place where possible) and return it.
 
     A layout that does not change the model (``data: none``, tensor = domain = 1, on any number
-    of ranks) returns it untouched.
+    of ranks) returns it untouched.  ``conf`` is parsed here, once; :func:`parallelize_dims`
+    runs the recipe.
     """
-    dims, meshes = parallel_layout(conf)
+    return parallelize_dims(model, ParallelDims.from_conf(conf), RecipeOptions.from_conf(conf))
+
+
+def parallelize_dims(
+    model: nn.Module, dims: ParallelDims, options: RecipeOptions = RecipeOptions()
+) -> nn.Module:
+    """The recipe on an already-parsed layout: meshes, domain conversion -> tensor parallel ->
+    FSDP2 / DDP (see the module docstring)."""
+    meshes = layout_meshes(dims)
     if meshes is None:
         return model
-    model = apply_model_parallel(
-        model, dims, meshes, nonlocal_policy=nonlocal_policy_from_conf(conf)
+    model = apply_model_parallel(model, dims, meshes, nonlocal_policy=options.nonlocal_policy)
+    return apply_data_parallel(
+        model,
+        dims,
+        meshes,
+        amp=options.amp,
+        activation_checkpoint=options.activation_checkpoint,
     )
-    return apply_data_parallel(model, conf, dims, meshes)

@@ -31,9 +31,11 @@ __all__ = [
     "MeshAxis",
     "ParallelDims",
     "ParallelMesh",
+    "has_process_group",
     "load_config",
     "parse_parallelism_block",
     "parse_parallelism_conf",
+    "require_process_group",
 ]
 
 _ALLOWED_KEYS = ("data", "tensor", "domain")
@@ -139,12 +141,14 @@ def load_config(path: str | os.PathLike) -> dict:
     return conf
 
 
-def _has_process_group() -> bool:
+def has_process_group() -> bool:
+    """Whether the default torch.distributed process group is initialised (the one check of it)."""
     return dist.is_available() and dist.is_initialized()
 
 
-def _require_process_group(what: str) -> None:
-    if not _has_process_group():
+def require_process_group(what: str) -> None:
+    """``RuntimeError`` naming ``what`` and the fix unless a process group is initialised."""
+    if not has_process_group():
         raise RuntimeError(
             f"{what} needs an initialised torch.distributed process group; call "
             "torch.distributed.init_process_group(...) first (or launch with torchrun / "
@@ -162,11 +166,51 @@ def all_ranks_joined() -> None:
 def _current_world_size(parsed: dict) -> int:
     """The size of the default process group; without one, a single process (1), which only a
     layout with tensor = domain = 1 fits."""
-    if _has_process_group():
+    if has_process_group():
         return dist.get_world_size()
     if parsed["tensor"] * parsed["domain"] > 1:
-        _require_process_group(f"trainer.parallelism {parsed}")
+        require_process_group(f"trainer.parallelism {parsed}")
     return 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _layout_problems(data: Any, tp: Any, domain: Any, world_size: Any) -> list[str]:
+    """What makes the rank layout impossible, every problem at once."""
+    problems = []
+    if data not in {m.value for m in DataMode}:
+        problems.append(
+            f"trainer.parallelism.data must be one of 'fsdp2', 'ddp', 'none', got {data!r}"
+        )
+    degrees_ok = True
+    for key, value in (("tensor", tp), ("domain", domain)):
+        if not _is_int(value) or value < 1:
+            problems.append(f"trainer.parallelism.{key} must be an integer >= 1, got {value!r}")
+            degrees_ok = False
+    if not _is_int(world_size):
+        problems.append(f"world_size must be an int, got {world_size!r}")
+    elif world_size < 1:
+        problems.append(f"world_size must be >= 1, got {world_size}")
+    elif degrees_ok and world_size % (tp * domain):
+        inner = tp * domain
+        problems.append(
+            f"world size {world_size} is not divisible by trainer.parallelism.tensor*domain = "
+            f"{tp}*{domain} = {inner}: use a world size that is a multiple of {inner}, or change "
+            "tensor/domain"
+        )
+    return problems
+
+
+def _support_problems(data: Any, tp: Any) -> list[str]:
+    """Combinations with a valid rank layout but no exact implementation."""
+    if data == DataMode.DDP and _is_int(tp) and tp > 1:
+        return [
+            "trainer.parallelism: data 'ddp' cannot be combined with tensor > 1 (DDP does not "
+            "reduce tensor-parallel DTensor gradients); use data: fsdp2"
+        ]
+    return []
 
 
 @dataclass(frozen=True)
@@ -184,25 +228,21 @@ class ParallelDims:
     world_size: int
 
     def __post_init__(self):
-        if self.data not in {m.value for m in DataMode}:
-            raise ValueError(
-                f"trainer.parallelism.data must be one of 'fsdp2', 'ddp', 'none', got {self.data!r}"
-            )
-        for key, value in (("tensor", self.tp), ("domain", self.domain)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"trainer.parallelism.{key} must be an integer >= 1, got {value!r}"
-                )
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int):
-            raise ValueError(f"world_size must be an int, got {self.world_size!r}")
-        if self.world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        inner = self.tp * self.domain
-        if self.world_size % inner != 0:
-            raise ValueError(
-                f"world size {self.world_size} is not divisible by tensor*domain = "
-                f"{self.tp}*{self.domain} = {inner} (trainer.parallelism.tensor / .domain)"
-            )
+        problems = _layout_problems(self.data, self.tp, self.domain, self.world_size)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @staticmethod
+    def problems(data: Any, tp: Any, domain: Any, world_size: Any) -> list[str]:
+        """Every problem of the layout (``data``, tensor ``tp``, ``domain``) on ``world_size``
+        ranks, one message each naming the key and the fix; empty when it can run.
+
+        Both kinds at once: what makes the rank layout impossible (the constructor raises those)
+        and combinations with a valid layout but no exact implementation
+        (:meth:`check_supported` raises those).  The planner and preflight report this list.
+        """
+        problems = _layout_problems(data, tp, domain, world_size)
+        return problems + _support_problems(data, tp)
 
     @classmethod
     def from_block(cls, block: Any, world_size: int | None = None) -> ParallelDims:
@@ -267,11 +307,9 @@ class ParallelDims:
 
     def check_supported(self) -> None:
         """Refuse combinations that have a valid rank layout but no exact implementation."""
-        if self.data == DataMode.DDP and self.tp > 1:
-            raise ValueError(
-                "trainer.parallelism: data 'ddp' cannot be combined with tensor > 1 (DDP does not "
-                "reduce tensor-parallel DTensor gradients); use data: fsdp2"
-            )
+        problems = _support_problems(self.data, self.tp)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     # ---------------------------------------------------------------- meshes
     def build_mesh(self, device_type: str = "cuda") -> ParallelMesh:
@@ -279,7 +317,7 @@ class ParallelDims:
         every rank must call it).  A trivial layout builds nothing and needs no process group."""
         if self.is_trivial:
             return ParallelMesh(self, None, None, {}, None)
-        _require_process_group(f"the layout {self} (a DeviceMesh)")
+        require_process_group(f"the layout {self} (a DeviceMesh)")
         if dist.get_world_size() != self.world_size:
             raise ValueError(
                 f"ParallelDims was built for world size {self.world_size} but the process group "

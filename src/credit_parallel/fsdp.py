@@ -1,8 +1,9 @@
 """Data-parallel wrappers: FSDP2 (``fully_shard``) over "dp" or dp x domain, and DDP over "dp".
 
-Recipe of :func:`apply_fsdp2` (the order matters):
+Recipe of :func:`fully_shard_model` (the order matters; it takes typed arguments, and
+:func:`apply_fsdp2` is the SPEC's config-taking wrapper around it):
 
-1. validate ``trainer.amp`` / ``trainer.activation_checkpoint`` (bools);
+1. the mixed-precision policy from ``param_dtype`` / ``reduce_dtype``;
 2. activation checkpointing of the opted-in blocks (before sharding, so FSDP2's hooks wrap the
    checkpointed forward and re-gather parameters for the recomputation);
 3. ``fully_shard`` on every submodule that opts in with ``_fsdp2_shard = True``, children before
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from .config import require_process_group
 from .device import device_for_process_group
 from .run_config import trainer_option
 
@@ -37,6 +39,8 @@ __all__ = [
     "apply_ddp",
     "apply_fsdp2",
     "fsdp2_blocks",
+    "fsdp2_precision",
+    "fully_shard_model",
     "is_activation_checkpointed",
     "no_grad_sync",
 ]
@@ -68,11 +72,9 @@ def _require_1d(dp_mesh: DeviceMesh, what: str) -> None:
 
 def _world_dp_mesh(model: nn.Module) -> DeviceMesh:
     """A 1-D "dp" mesh over the whole default process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "apply_fsdp2 with dp_mesh=None shards over the whole world and needs an initialised "
-            "torch.distributed process group; call init_process_group first or pass mesh['dp']"
-        )
+    require_process_group(
+        "apply_fsdp2 with dp_mesh=None (shards over the whole world; or pass mesh['dp'])"
+    )
     device_type = device_for_process_group().type
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
@@ -128,6 +130,14 @@ def _apply_activation_checkpointing(blocks: list[tuple[str, nn.Module]]) -> None
             module.__class__ = _checkpointed_class(type(module))
 
 
+def fsdp2_precision(amp: bool) -> dict[str, torch.dtype | None]:
+    """``param_dtype`` / ``reduce_dtype`` of :func:`fully_shard_model` for ``trainer.amp``:
+    bf16 parameters and compute with fp32 gradient reduction, or fp32 throughout (None, None)."""
+    if amp:
+        return {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    return {"param_dtype": None, "reduce_dtype": None}
+
+
 def apply_fsdp2(
     model: nn.Module,
     dp_mesh: DeviceMesh | None,
@@ -137,25 +147,47 @@ def apply_fsdp2(
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
 
+    The SPEC's config-taking entry point: it reads ``conf["trainer"]["amp"]`` (true -> bf16
+    parameters/compute with fp32 gradient reduction; false/absent -> fp32) and
+    ``conf["trainer"]["activation_checkpoint"]`` (true -> the opted-in blocks recompute their
+    activations in backward; state_dict keys unchanged), parsed as the run config parses them,
+    and calls :func:`fully_shard_model`, which the library itself uses.
+    """
+    amp = _trainer_flag(conf, "amp")
+    activation_checkpoint = _trainer_flag(conf, "activation_checkpoint")
+    return fully_shard_model(
+        model,
+        dp_mesh,
+        **fsdp2_precision(amp),
+        activation_checkpoint=activation_checkpoint,
+        gradient_divide_factor=gradient_divide_factor,
+    )
+
+
+def fully_shard_model(
+    model: nn.Module,
+    dp_mesh: DeviceMesh | None,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    activation_checkpoint: bool = False,
+    gradient_divide_factor: float | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
+
     ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
     parents), then to the root; ``dp_mesh=None`` shards over a 1-D mesh of the whole world.
     ``dp_mesh`` may be the flattened dp x domain axis; pass ``gradient_divide_factor=dp`` then,
     so that the reduce-scatter sums over the domain ranks and averages over dp only (the default
-    divides by the whole shard group).
-    ``conf["trainer"]["amp"]`` true -> bf16 parameters/compute with fp32 gradient reduction;
-    false/absent -> fp32 (no mixed precision).  ``conf["trainer"]["activation_checkpoint"]`` true
-    -> the opted-in blocks recompute their activations in backward (state_dict keys unchanged).
-    Returns the model (its class becomes an ``FSDPModule`` subclass).
+    divides by the whole shard group).  ``param_dtype`` / ``reduce_dtype``: FSDP2's
+    mixed-precision policy (None: the parameters' own dtype; :func:`fsdp2_precision` maps
+    ``trainer.amp``).  ``activation_checkpoint``: the opted-in blocks recompute their
+    activations in backward.  Returns the model (its class becomes an ``FSDPModule`` subclass).
     """
-    amp = _trainer_flag(conf, "amp")
-    activation_checkpoint = _trainer_flag(conf, "activation_checkpoint")
     if dp_mesh is None:
         dp_mesh = _world_dp_mesh(model)
     _require_1d(dp_mesh, "apply_fsdp2")
-    if amp:
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    else:
-        mp_policy = MixedPrecisionPolicy()
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
     blocks = fsdp2_blocks(model)
     if activation_checkpoint:

@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config import ParallelDims, parse_parallelism_block, parse_parallelism_conf
+from .config import (
+    ParallelDims,
+    has_process_group,
+    parse_parallelism_block,
+    parse_parallelism_conf,
+)
 from .layout import RankLayout
 
 __all__ = [
@@ -20,10 +25,6 @@ __all__ = [
     "dp_world_size",
     "full_rank_layout",
 ]
-
-
-def _has_process_group() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def dp_world_size(parallelism_conf: dict, world_size: int) -> int:
@@ -65,7 +66,7 @@ def data_parallel_coords(conf: dict) -> tuple[int, int]:
     coordinate get the same batch.
     """
     block = parse_parallelism_conf(conf)
-    if not _has_process_group():
+    if not has_process_group():
         return 0, 1
     dims = ParallelDims.from_block(block, dist.get_world_size())
     return dims.coords(dist.get_rank())["dp"], dims.dp

@@ -34,9 +34,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .composition import apply_data_parallel, apply_model_parallel, parallel_layout
-from .config import DataMode
-from .domain.gather import nonlocal_policy_from_conf
+from .composition import RecipeOptions, apply_data_parallel, apply_model_parallel, layout_meshes
+from .config import DataMode, ParallelDims
 
 __all__ = ["InitRecord", "build_parallel_model", "materialize_", "record_meta_build"]
 
@@ -246,7 +245,13 @@ def materialize_(
 
 
 def build_parallel_model(
-    model_factory: Callable[[], nn.Module], conf: dict, *, device, seed: int | None = None
+    model_factory: Callable[[], nn.Module],
+    conf: dict | None = None,
+    *,
+    device,
+    seed: int | None = None,
+    dims: ParallelDims | None = None,
+    options: RecipeOptions | None = None,
 ) -> nn.Module:
     """Build ``model_factory()`` on the meta device, parallelise it, and materialise it sharded.
 
@@ -255,19 +260,26 @@ def build_parallel_model(
     trainer passes ``cuda:LOCAL_RANK`` or cpu), then filled; DDP wraps after filling.  With
     ``seed`` the global RNG is seeded first; initial weights equal ``torch.manual_seed(seed);
     model_factory()`` built in one process, and the RNG ends where that build leaves it.
+    ``dims`` / ``options``: the already-parsed layout and recipe settings (the trainer's);
+    otherwise they are parsed from ``conf``.
     """
+    if dims is None:
+        dims = ParallelDims.from_conf(conf)
+    if options is None:
+        options = RecipeOptions.from_conf(conf) if conf is not None else RecipeOptions()
     if seed is not None:
         torch.manual_seed(seed)
     model, record = record_meta_build(model_factory)
     refs = {name: _Ref.of(t) for name, t in _named_tensors(model)}
-    dims, meshes = parallel_layout(conf)
+    meshes = layout_meshes(dims)
+    data_options = {"amp": options.amp, "activation_checkpoint": options.activation_checkpoint}
     if meshes is not None:
         model = apply_model_parallel(
-            model, dims, meshes, src_data_rank=None, nonlocal_policy=nonlocal_policy_from_conf(conf)
+            model, dims, meshes, src_data_rank=None, nonlocal_policy=options.nonlocal_policy
         )
         if dims.data == DataMode.FSDP2:
-            model = apply_data_parallel(model, conf, dims, meshes)
+            model = apply_data_parallel(model, dims, meshes, **data_options)
     materialize_(model, record, refs, device=torch.device(device))
     if meshes is not None and dims.data == DataMode.DDP:
-        model = apply_data_parallel(model, conf, dims, meshes)
+        model = apply_data_parallel(model, dims, meshes, **data_options)
     return model

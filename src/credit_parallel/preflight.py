@@ -13,18 +13,21 @@ each naming the config key (or module path) and what would fix it.  :func:`valid
    constructor's own errors), the model's input and output shapes against one sample (channels,
    levels, grid height and width), and enough samples per data-parallel rank for one batch.
 
-:func:`check_run` raises ONE ``ValueError`` listing all of them.  Both are pure functions of the
-config, the world size and the dataset: every rank reaches the same verdict without a collective,
+:func:`check_run` raises ONE ``ValueError`` listing all of them, or returns the run config and the
+layout it parsed (each parsed once; the trainer uses them instead of parsing again).  Both are
+pure functions of the config, the world size and the dataset: every rank reaches the same verdict without a collective,
 so a rejected run stops on all ranks together instead of leaving some waiting in a collective.
 """
 
 from __future__ import annotations
 
 import copy
+from types import MappingProxyType
 
 import torch
 
-from .run_config import DEFAULT_DIST_TIMEOUT_S, TrainerConfig, config_problems, trainer_option
+from .config import ParallelDims, parse_parallelism_conf
+from .run_config import DEFAULT_DIST_TIMEOUT_S, RunConfig, parse_sections, trainer_option
 
 __all__ = ["DEFAULT_DIST_TIMEOUT_S", "check_run", "dist_timeout_s", "validate_run"]
 
@@ -171,30 +174,32 @@ def _data_vs_model(
 
 
 # --------------------------------------------------------------------------- the run
-def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> list[str]:
-    """Every violation of running ``conf`` on ``world_size`` ranks, empty when the run is fine.
+def _parse_layout(conf: dict, world_size: int, violations: list[str]):
+    """(the parsed ``trainer.parallelism`` block, its ParallelDims on ``world_size`` ranks); None
+    for what does not parse.  Layout problems are reported by the planner (or the caller)."""
+    try:
+        block = parse_parallelism_conf(conf)
+    except ValueError as err:
+        violations.append(str(err))
+        return None, None
+    try:
+        dims = ParallelDims(block["data"], block["tensor"], block["domain"], world_size)
+    except (ValueError, TypeError):
+        dims = None  # ParallelDims.problems names why
+    return block, dims
 
-    ``dataset``: the training dataset (anything with ERA5Dataset's sample keys and
-    ``forecast_len``); ``None`` builds it from ``conf["data"]`` reading only metadata, or skips
-    the data checks when the config has no ``data`` section.  ``model``: a model to check instead
-    of building ``conf["model"]`` (it is copied to the meta device, never modified); when its
-    input shapes cannot be read from its attributes, the data's are used.  No process group is
-    needed or used.
-    """
-    from .config import ParallelDims, parse_parallelism_conf
+
+def _validate(conf: dict, world_size: int, dataset, model):
+    """(violations, the RunConfig or None, the ParallelDims or None): every section and the
+    layout parsed once."""
     from .planner import build_meta_model, make_plan, model_input_shapes
 
     if not isinstance(conf, dict):
-        return [f"config must be a mapping, got {type(conf).__name__}"]
-    violations: list[str] = []
+        return [f"config must be a mapping, got {type(conf).__name__}"], None, None
 
-    # 1. the trainer, data and model sections, every bad key at once
-    problems = config_problems(conf)
-    violations.extend(problems)
-    try:
-        tc = TrainerConfig.from_conf(conf)
-    except ValueError:
-        tc = None
+    # 1. the trainer, data and model sections and the layout block, every bad key at once
+    tc, dc, mc, violations = parse_sections(conf)
+    block, dims = _parse_layout(conf, world_size, violations)
 
     # 2. the data (its own errors name the missing variables / levels)
     if dataset is None and conf.get("data") is not None:
@@ -219,7 +224,7 @@ def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> li
             meta_model, _ = build_meta_model(conf)
     except (ValueError, TypeError) as err:
         violations.append(str(err))
-    if meta_model is not None:
+    if meta_model is not None and block is not None:
         shapes = None
         if model is not None and sample is not None:
             try:
@@ -227,16 +232,22 @@ def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> li
             except ValueError:
                 shapes = sample[0]  # a model outside the registry: the data defines its inputs
         try:
-            plan = make_plan(conf, world_size, model=meta_model, input_shapes=shapes)
+            plan = make_plan(
+                conf,
+                world_size,
+                model=meta_model,
+                input_shapes=shapes,
+                parallelism=block,
+                dims=dims,
+                trainer=tc,
+            )
             violations.extend(plan.violations)
         except (ValueError, TypeError) as err:
             violations.append(str(err))
-    else:
-        try:
-            block = parse_parallelism_conf(conf)
-            ParallelDims(block["data"], block["tensor"], block["domain"], world_size)
-        except (ValueError, TypeError) as err:
-            violations.append(str(err))
+    elif block is not None:
+        violations.extend(
+            ParallelDims.problems(block["data"], block["tensor"], block["domain"], world_size)
+        )
 
     # 4. the data against the model and the layout
     if sample is not None and plan is not None:
@@ -249,15 +260,35 @@ def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> li
                     f"data-parallel ranks gets only {per_rank} of the {len(dataset)} "
                     "samples: lower trainer.batch_size or widen data.time_slice"
                 )
-    return violations
+    run_config = None
+    if not violations:
+        run_config = RunConfig(MappingProxyType(block), tc, dc, mc)
+    return violations, run_config, dims
 
 
-def check_run(conf: dict, world_size: int, dataset=None, *, model=None) -> None:
-    """Raise one ``ValueError`` listing every violation found by :func:`validate_run`."""
-    violations = validate_run(conf, world_size, dataset, model=model)
+def validate_run(conf: dict, world_size: int, dataset=None, *, model=None) -> list[str]:
+    """Every violation of running ``conf`` on ``world_size`` ranks, empty when the run is fine.
+
+    ``dataset``: the training dataset (anything with ERA5Dataset's sample keys and
+    ``forecast_len``); ``None`` builds it from ``conf["data"]`` reading only metadata, or skips
+    the data checks when the config has no ``data`` section.  ``model``: a model to check instead
+    of building ``conf["model"]`` (it is copied to the meta device, never modified); when its
+    input shapes cannot be read from its attributes, the data's are used.  No process group is
+    needed or used.
+    """
+    return _validate(conf, world_size, dataset, model)[0]
+
+
+def check_run(
+    conf: dict, world_size: int, dataset=None, *, model=None
+) -> tuple[RunConfig, ParallelDims]:
+    """Raise one ``ValueError`` listing every violation found by :func:`validate_run`; else
+    return the run config and the layout, parsed once, for the caller to use."""
+    violations, run_config, dims = _validate(conf, world_size, dataset, model)
     if violations:
         listing = "\n".join(f"  - {v}" for v in violations)
         raise ValueError(
             f"the run cannot start on {world_size} rank(s): {len(violations)} problem(s) "
             f"in the configuration:\n{listing}"
         )
+    return run_config, dims

@@ -24,6 +24,7 @@ __all__ = [
     "RunConfig",
     "TrainerConfig",
     "config_problems",
+    "parse_sections",
     "trainer_option",
 ]
 
@@ -242,18 +243,30 @@ class _Problems(ValueError):
         self.problems = problems
 
 
+def parse_sections(
+    conf: Mapping,
+) -> tuple[TrainerConfig | None, DataConfig | None, ModelConfig | None, list[str]]:
+    """The ``trainer``, ``data`` and ``model`` sections, each parsed once, and every problem of
+    them (one message per key); a section with a problem is None.  Preflight builds the
+    :class:`RunConfig` from these, so a run's config is parsed once."""
+    problems: list[str] = []
+    parsed = []
+    for parse in (TrainerConfig.from_conf, DataConfig.from_conf, ModelConfig.from_conf):
+        try:
+            parsed.append(parse(conf))
+        except _Problems as err:
+            problems.extend(err.problems)
+            parsed.append(None)
+        except ValueError as err:
+            problems.append(str(err))
+            parsed.append(None)
+    return parsed[0], parsed[1], parsed[2], problems
+
+
 def config_problems(conf: Mapping) -> list[str]:
     """Every problem of the ``trainer``, ``data`` and ``model`` sections (empty when fine),
     one message per key, for reports that list everything at once."""
-    problems = []
-    for parse in (TrainerConfig.from_conf, DataConfig.from_conf, ModelConfig.from_conf):
-        try:
-            parse(conf)
-        except _Problems as err:
-            problems.extend(err.problems)
-        except ValueError as err:
-            problems.append(str(err))
-    return problems
+    return parse_sections(conf)[3]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..run_config import trainer_option
 from .collective_ops import all_gather_rows
 from .manager import resolve_manager
 from .rows import shard_range
@@ -30,7 +29,6 @@ __all__ = [
     "DomainGatherModule",
     "gather_cost_note",
     "gather_nonlocal_modules",
-    "nonlocal_policy_from_conf",
 ]
 
 NONLOCAL_POLICIES = ("raise", "gather")
@@ -136,10 +134,3 @@ def gather_nonlocal_modules(model: nn.Module, paths: list[str], manager, shard_d
         wrapper.module_path = path
         parent._modules[name] = wrapper
     return model
-
-
-def nonlocal_policy_from_conf(conf: dict | None) -> str:
-    """``trainer.domain_nonlocal_policy`` of a FULL config: "raise" (default) or "gather".
-
-    Not a ``trainer.parallelism`` key: that block takes exactly data / tensor / domain."""
-    return trainer_option(conf or {}, "domain_nonlocal_policy")

@@ -33,8 +33,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..run_config import trainer_option
-
 __all__ = ["FunctionalCallGuard", "GuardFinding", "debug_guard", "guard_requested"]
 
 _MARK = "_cp_domain_dim"  # attribute on a tensor: its sharded dim counted from the end (-2)
@@ -432,16 +430,22 @@ class _NoGuard:
         return False
 
 
-def guard_requested(conf: dict | None) -> bool:
-    """The opt-in debug mode: ``trainer.domain_guard: true`` or CREDIT_PARALLEL_DOMAIN_GUARD=1."""
+def guard_requested(enabled: bool = False) -> bool:
+    """The opt-in debug mode: ``enabled`` (the run config's parsed ``trainer.domain_guard``)
+    or CREDIT_PARALLEL_DOMAIN_GUARD=1 in the environment."""
+    if not isinstance(enabled, bool):
+        raise TypeError(
+            "guard_requested takes the parsed trainer.domain_guard flag (a bool, e.g. "
+            f"RunConfig.trainer.domain_guard), got {type(enabled).__name__}"
+        )
     if os.environ.get("CREDIT_PARALLEL_DOMAIN_GUARD", "").strip() not in ("", "0"):
         return True
-    return trainer_option(conf or {}, "domain_guard")
+    return enabled
 
 
-def debug_guard(model: nn.Module, conf: dict | None = None):
+def debug_guard(model: nn.Module, enabled: bool = False):
     """A raising :class:`FunctionalCallGuard` when :func:`guard_requested`, else a no-op with
-    the same ``mark`` method: ``with debug_guard(model, conf) as g: g.mark(*inputs); model(...)``."""
-    if guard_requested(conf):
+    the same ``mark`` method: ``with debug_guard(model, enabled) as g: g.mark(*inputs); model(...)``."""
+    if guard_requested(enabled):
         return FunctionalCallGuard(model, raise_on_finding=True)
     return _NoGuard()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..config import all_ranks_joined
+from ..config import all_ranks_joined, require_process_group
 
 __all__ = [
     "DomainParallelManager",
@@ -28,14 +28,6 @@ __all__ = [
 ]
 
 _MANAGER = None
-
-
-def _require_pg(what):
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{what} needs an initialised torch.distributed process group "
-            "(torch.distributed.init_process_group or torchrun)"
-        )
 
 
 def _axis_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
@@ -86,7 +78,7 @@ class DomainParallelManager:
             raise ValueError(
                 f"world_size {world_size} is not divisible by domain_parallel_size {domain_parallel_size}"
             )
-        _require_pg("DomainParallelManager")
+        require_process_group("DomainParallelManager")
         if dist.get_world_size() != world_size:
             raise ValueError(
                 f"world_size {world_size} does not match the process group size {dist.get_world_size()}"
@@ -135,7 +127,7 @@ class DomainParallelManager:
         """Build from the mesh of ``build_device_mesh`` (its "domain" and "dp" axes; axes of size
         1 that the mesh leaves out are taken from its root), so the groups are the mesh's own
         and agree with it also when tensor > 1."""
-        _require_pg("DomainParallelManager.from_device_mesh")
+        require_process_group("DomainParallelManager.from_device_mesh")
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(
                 f"from_device_mesh needs a DeviceMesh (from build_device_mesh), got {mesh!r}"

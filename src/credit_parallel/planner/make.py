@@ -20,7 +20,7 @@ are GLOBAL row counts along the sharded dim (latitude: dim -2 of B,C,H,W and of 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -131,34 +131,29 @@ def _rank_entries(dims: ParallelDims) -> tuple[list[RankEntry], int]:
     return entries, world - len(chosen)
 
 
-def _layout(block: dict, world_size: int, violations: list, notes: list):
-    """(dims or None, dp) of the parallel degrees on ``world_size`` ranks."""
+def _layout(block: Mapping, world_size: int, dims, violations: list, notes: list):
+    """(dims or None, dp) of the parallel degrees on ``world_size`` ranks; every problem of the
+    layout, as :meth:`ParallelDims.problems` words it, is a violation."""
     data, tp, n = block["data"], block["tensor"], block["domain"]
-    inner = tp * n
-    dims, dp = None, 0
-    if world_size % inner:
-        violations.append(
-            f"world size {world_size} is not divisible by trainer.parallelism.tensor*domain = "
-            f"{tp}*{n} = {inner}: use a world size that is a multiple of {inner}, or change "
-            "tensor/domain"
-        )
-        notes.append("no rank layout: the world size does not fit the parallel degrees")
-    else:
-        dims = ParallelDims(data, tp, n, world_size)
-        dp = dims.dp
-    if data == DataMode.DDP and tp > 1:
-        violations.append(
-            "trainer.parallelism: data 'ddp' cannot be combined with tensor > 1 (DDP does not "
-            "reduce tensor-parallel DTensor gradients); use data: fsdp2"
-        )
-    return dims, dp
+    violations.extend(ParallelDims.problems(data, tp, n, world_size))
+    if dims is None:
+        try:
+            dims = ParallelDims(data, tp, n, world_size)
+        except ValueError:  # reported above
+            notes.append("no rank layout: the world size does not fit the parallel degrees")
+            return None, 0
+    return dims, dims.dp
 
 
-def _run_settings(conf: dict, violations: list) -> tuple[int, bool, str]:
+def _run_settings(conf: dict, trainer, violations: list) -> tuple[int, bool, str]:
     """(samples per data-parallel rank, amp, nonlocal policy), parsed exactly as the trainer
-    parses them (the typed run config): a value the trainer would reject is a violation here too."""
+    parses them (the typed run config): a value the trainer would reject is a violation here too.
+    ``trainer``: the already-parsed section, when the caller has it."""
+    keys = ("batch_size", "amp", "domain_nonlocal_policy")
+    if trainer is not None:
+        return tuple(getattr(trainer, key) for key in keys)
     settings = []
-    for key in ("batch_size", "amp", "domain_nonlocal_policy"):
+    for key in keys:
         try:
             settings.append(trainer_option(conf, key))
         except ValueError as err:
@@ -364,25 +359,28 @@ def make_plan(
     *,
     model: nn.Module | None = None,
     input_shapes: Sequence[Sequence[int]] | None = None,
+    parallelism: Mapping | None = None,
+    dims: ParallelDims | None = None,
+    trainer: TrainerConfig | None = None,
 ) -> Plan:
     """Plan a run of ``conf`` on ``world_size`` ranks, without starting any process.
 
     ``conf`` is the FULL config (``model:``, ``trainer: {parallelism: ..., batch_size, amp}``).
     ``model``/``input_shapes`` override building ``conf["model"]`` and the input-shape rules
-    (for models outside the registry; per-sample shapes without the batch dim).  Raises
-    ``ValueError`` only for an unusable config: a bad ``trainer.parallelism`` block, a world size
-    that is not an integer >= 1, a missing/unknown ``model.type`` or bad model arguments, or a
-    model that cannot be traced on the meta device.  Every other problem is collected in
-    ``plan.violations``.
+    (for models outside the registry; per-sample shapes without the batch dim).  A caller that
+    parsed the run config passes ``parallelism`` (the block), ``dims`` and ``trainer``.  Raises
+    ``ValueError`` only for an unusable config: a bad ``trainer.parallelism`` block, a world
+    size that is not an integer >= 1, a missing/unknown ``model.type`` or bad model arguments,
+    or a model that cannot be traced on the meta device; every other problem is a violation.
     """
-    block = parse_parallelism_conf(conf)
+    block = parallelism if parallelism is not None else parse_parallelism_conf(conf)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--world-size must be an integer >= 1, got {world_size!r}")
     violations: list[str] = []
     notes: list[str] = []
     data, tp, n = block["data"], block["tensor"], block["domain"]
-    dims, dp = _layout(block, world_size, violations, notes)
-    batch_size, amp, policy = _run_settings(conf, violations)
+    dims, dp = _layout(block, world_size, dims, violations, notes)
+    batch_size, amp, policy = _run_settings(conf, trainer, violations)
 
     # ---- the model, on meta, traced once
     if model is None:

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from ..collectives import clip_grad_norm_, sync_domain_gradients
+from ..config import has_process_group
 from ..domain.sharding import shard_batch
 from ..fsdp import no_grad_sync
 from ..small_collectives import sum_small_
@@ -104,15 +104,14 @@ def latitude_weighted_loss(lat_weights_local: torch.Tensor, global_height: int) 
     return loss_fn
 
 
-def replica_mean_loss(
-    loss_share: torch.Tensor, *, world_size: int, dp_size: int, domain_size: int
-) -> torch.Tensor:
+def replica_mean_loss(loss_share: torch.Tensor, *, tp_size: int, dp_size: int) -> torch.Tensor:
     """The step's loss from each rank's share: summed over the domain ranks, counted once over
-    the tp replicas (which hold identical shares) and averaged over dp.  A world collective."""
+    the ``tp_size`` replicas (which hold identical shares) and averaged over ``dp_size``
+    (the degrees of the run's :class:`~credit_parallel.config.ParallelDims`).  A world
+    collective."""
     total = loss_share.detach().clone()
-    if dist.is_available() and dist.is_initialized():
+    if has_process_group():
         sum_small_(total, None)
-    tp_size = world_size // dp_size // domain_size
     return total / (tp_size * dp_size)
 
 

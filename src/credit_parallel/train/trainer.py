@@ -37,15 +37,15 @@ from ..checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from ..composition import get_domain_manager, parallelize
-from ..config import ParallelDims
+from ..composition import RecipeOptions, get_domain_manager, parallelize_dims
+from ..config import has_process_group
 from ..data.loader import build_train_loader, register_row_batch
 from ..device import autocast_for, batch_to_device, device_for_process_group
 from ..domain.guard import FunctionalCallGuard, guard_requested
 from ..model_init import build_parallel_model
 from ..models import build_model
 from ..preflight import check_run
-from ..run_config import RunConfig, TrainerConfig
+from ..run_config import TrainerConfig
 from .step import TrainStep, batch_keys, latitude_weighted_loss, replica_mean_loss
 
 __all__ = ["NonFiniteError", "Trainer"]
@@ -80,21 +80,20 @@ class Trainer:
     """
 
     def __init__(self, conf: dict, *, dataset=None, val_dataset=None, model=None, device=None):
-        # every problem of the run (trainer keys, layout, model, data) at once, before anything
-        check_run(conf, dist.get_world_size() if dist.is_initialized() else 1, dataset, model=model)
+        self.world = dist.get_world_size() if has_process_group() else 1
+        self.rank = dist.get_rank() if has_process_group() else 0
+        # every problem of the run (trainer keys, layout, model, data) at once, before anything;
+        # the run config and the layout come back parsed, once, and are used from here on
+        self.run_config, self.dims = check_run(conf, self.world, dataset, model=model)
         self.conf = conf
-        self.run_config = RunConfig.from_conf(conf)
         self.block = dict(self.run_config.parallelism)
         self.tc = self.run_config.trainer
         self.dtype = torch.float64 if self.tc.dtype == "float64" else torch.float32
         self.device = torch.device(device) if device is not None else device_for_process_group()
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
         # the SPEC layout's coordinates, known before the model (and its manager) exists
-        dims = ParallelDims.from_conf(conf, self.world)
-        coords = dims.coords(self.rank)
-        self.dp_rank, self.dp_size = coords["dp"], dims.dp
-        self.domain_rank, self.domain_size = coords["domain"], dims.domain
+        coords = self.dims.coords(self.rank)
+        self.dp_rank, self.dp_size = coords["dp"], self.dims.dp
+        self.domain_rank, self.domain_size = coords["domain"], self.dims.domain
         self._train_source, self._val_source = dataset, val_dataset
         self.step = 0
         self._start_loader()
@@ -118,7 +117,7 @@ class Trainer:
             max_norm=self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf"),
             autocast=self._autocast,
             guard=partial(FunctionalCallGuard, raise_on_finding=True)
-            if guard_requested(conf)
+            if guard_requested(self.tc.domain_guard)
             else None,
             shard_inputs=False,  # the loader reads this rank's rows already
         )
@@ -131,16 +130,19 @@ class Trainer:
         values of ``torch.manual_seed(seed); build_model(...).to(dtype)`` in one process.  A
         model instance passed in is moved to the device and parallelised as it is.
         """
+        options = RecipeOptions.from_trainer(self.tc)
         if model is None:
             model_conf, dtype = self.conf["model"], self.dtype
             return build_parallel_model(
                 lambda: build_model(model_conf).to(dtype),
-                self.conf,
                 device=self.device,
                 seed=self.tc.seed,
+                dims=self.dims,
+                options=options,
             )
         torch.manual_seed(self.tc.seed)
-        return parallelize(model.to(device=self.device, dtype=self.dtype), self.conf)
+        model = model.to(device=self.device, dtype=self.dtype)
+        return parallelize_dims(model, self.dims, options)
 
     # ------------------------------------------------------------------ data
     def _loader_for(self, split: str, start_step: int = 0):
@@ -200,12 +202,7 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         result = self.step_fn(self._micro_batches(), grad_accum=self.tc.grad_accum)
-        loss = replica_mean_loss(
-            result.loss_share,
-            world_size=self.world,
-            dp_size=self.dp_size,
-            domain_size=self._domain_size(),
-        )
+        loss = replica_mean_loss(result.loss_share, tp_size=self.dims.tp, dp_size=self.dims.dp)
         grad_norm = result.grad_norm
         finite = bool(torch.isfinite(grad_norm).item()) and bool(torch.isfinite(loss).item())
         record = {
@@ -228,9 +225,6 @@ class Trainer:
         self.step += 1
         self.history.append(record)
         return record
-
-    def _domain_size(self) -> int:
-        return self.manager.domain_world_size if self.manager is not None else 1
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -258,9 +252,9 @@ class Trainer:
             sums = per_channel if sums is None else sums + per_channel
             count += outs[0].shape[0] * self.global_height * outs[0].shape[-1]
         self.model.train()
-        tp = self.world // self.dp_size // self._domain_size()
+        tp = self.dims.tp
         sums = _world_sum(sums) / tp
-        count = _world_sum(count.clone()) / (tp * self._domain_size())
+        count = _world_sum(count.clone()) / (tp * self.domain_size)
         rmse = torch.sqrt(sums / count)
         names = getattr(loader.dataset, "variable_names", None) or [
             f"ch{i}" for i in range(len(rmse))
