@@ -7,7 +7,11 @@ the DeviceMeshes (:class:`ParallelMesh`, with the flattened dp x domain axis FSD
 mesh, composition, the domain manager and the CLI ask it instead of recomputing.
 
 Naming convention used throughout the package: an *axis* is a dimension of the device mesh
-("dp", "tp", "domain", the flattened "dp_domain"); a *dim* is a dimension of a tensor.
+("dp", "tp", "domain", the flattened "dp_domain"); a *dim* is a dimension of a tensor.  The
+degree of an axis is ``ParallelDims.dp`` / ``.tp`` / ``.domain``; code holding it elsewhere
+calls it ``dp_size`` / ``tp_size`` / ``domain_size`` (beside ``dp_rank`` / ``domain_rank``).
+``domain_parallel_size`` and ``domain_world_size`` are only the SPEC's public names of
+``DomainParallelManager``.
 """
 
 from __future__ import annotations

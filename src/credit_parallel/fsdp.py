@@ -147,9 +147,9 @@ def apply_fsdp2(
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
 
-    The SPEC's config-taking entry point: it reads ``conf["trainer"]["amp"]`` (true -> bf16
-    parameters/compute with fp32 gradient reduction; false/absent -> fp32) and
-    ``conf["trainer"]["activation_checkpoint"]`` (true -> the opted-in blocks recompute their
+    The SPEC's config-taking entry point: it parses ``trainer.amp`` of the full config ``conf``
+    (true -> bf16 parameters/compute with fp32 gradient reduction; false/absent -> fp32) and
+    ``trainer.activation_checkpoint`` (true -> the opted-in blocks recompute their
     activations in backward; state_dict keys unchanged), parsed as the run config parses them,
     and calls :func:`fully_shard_model`, which the library itself uses.
     """

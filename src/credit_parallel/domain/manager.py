@@ -111,7 +111,6 @@ class DomainParallelManager:
             self._dp_group = dist.new_group([rank], use_local_synchronization=True)
         self._dp_ranks = dist.get_process_group_ranks(self._dp_group)
         self.world_size = world_size
-        self.domain_parallel_size = domain_parallel_size
         self.data_parallel_size = len(self._dp_ranks)
         self.shard_dim = shard_dim
         self._epoch = 0
