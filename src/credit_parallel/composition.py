@@ -13,8 +13,9 @@ reads the config:
    ``convert_to_domain_parallel``.  The manager is attached to the model, never made the
    process-wide one (that stays solely ``initialize_domain_parallel``'s);
 3. tensor > 1: ``apply_tensor_parallel`` on the "tp" axis;
-4. data "fsdp2": ``fully_shard_model`` over the flattened dp x domain axis when domain > 1 (gradients
-   summed over domain, averaged over dp), else over "dp"; "ddp": ``apply_ddp`` over "dp".
+4. data "fsdp2": ``fully_shard_model`` over the flattened dp x domain axis when domain > 1
+   (gradients summed over domain, averaged over dp), else over "dp"; "ddp": ``apply_ddp`` over
+   "dp".
 
 The mesh and the manager stay reachable from the returned model (``get_device_mesh``,
 ``get_domain_manager``); ``get_raw_model`` unwraps DDP.

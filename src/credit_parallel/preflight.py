@@ -13,10 +13,11 @@ each naming the config key (or module path) and what would fix it.  :func:`valid
    constructor's own errors), the model's input and output shapes against one sample (channels,
    levels, grid height and width), and enough samples per data-parallel rank for one batch.
 
-:func:`check_run` raises ONE ``ValueError`` listing all of them, or returns the run config and the
-layout it parsed (each parsed once; the trainer uses them instead of parsing again).  Both are
-pure functions of the config, the world size and the dataset: every rank reaches the same verdict without a collective,
-so a rejected run stops on all ranks together instead of leaving some waiting in a collective.
+:func:`check_run` raises ONE ``ValueError`` listing all of them, or returns the run config and
+the layout it parsed (each parsed once; the trainer uses them instead of parsing again).  Both
+are pure functions of the config, the world size and the dataset: every rank reaches the same
+verdict without a collective, so a rejected run stops on all ranks together instead of leaving
+some waiting in a collective.
 """
 
 from __future__ import annotations

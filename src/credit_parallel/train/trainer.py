@@ -38,7 +38,7 @@ from ..checkpoint import (
     save_checkpoint,
 )
 from ..composition import RecipeOptions, get_domain_manager, parallelize_dims
-from ..config import has_process_group
+from ..config import DataMode, has_process_group
 from ..data.loader import build_train_loader, register_row_batch
 from ..device import autocast_for, batch_to_device, device_for_process_group
 from ..domain.guard import FunctionalCallGuard, guard_requested
@@ -195,7 +195,7 @@ class Trainer:
 
     def _autocast(self):
         # FSDP2 applies its own bf16 policy; autocast only for the other layouts
-        return autocast_for(self.device, self.tc.amp and self.block["data"] != "fsdp2")
+        return autocast_for(self.device, self.tc.amp and self.dims.data != DataMode.FSDP2)
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
