@@ -149,9 +149,10 @@ def allreduce_time(nbytes: float, group: int, link: Link, buckets: int = 1) -> f
     ring choice for small messages); 0 for a group of 1 or no bytes."""
     if group <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * (group - 1) / group * nbytes * link.beta_s + max(
-        1, buckets
-    ) * 2 * _log_steps(group) * link.alpha_s
+    return (
+        2 * (group - 1) / group * nbytes * link.beta_s
+        + max(1, buckets) * 2 * _log_steps(group) * link.alpha_s
+    )
 
 
 def gather_time(total_bytes: float, group: int, link: Link) -> float:
