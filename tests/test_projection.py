@@ -178,3 +178,25 @@ def test_bad_arguments_name_the_parameter():
         project_step(layers, profile, domain=2, dp=1, cluster=CLUSTER, overlap=1.5)
     with pytest.raises(ValueError, match="backward_fraction"):
         project_step(layers, profile, domain=2, dp=1, cluster=CLUSTER, backward_fraction=-0.1)
+
+
+# --------------------------------------------------------------------------- sync points
+def _counts(**overrides):
+    from credit_parallel.planner.cost import predicted_collectives
+
+    base = predicted_collectives([], data="none", dp=1, tp=1, domain=1)
+    return {**base, **overrides}
+
+
+def test_sync_points_count_blocking_calls_and_overlap_waits_once():
+    from credit_parallel.planner.sync_points import sync_points_per_step
+
+    c = _counts(
+        domain_p2p=8, domain_all_gather=4, domain_all_reduce_norm=4, domain_grad_all_reduce=3
+    )
+    before = sync_points_per_step(c)
+    after = sync_points_per_step(c, overlapped_domain_grads=True)
+    assert before == {"halo": 8, "norm": 8, "domain_grad": 3, "tp": 0, "data": 0, "total": 19}
+    assert after["domain_grad"] == 1 and after["total"] == 17
+    assert sync_points_per_step(_counts(), overlapped_domain_grads=True)["total"] == 0
+    assert sync_points_per_step(_counts(ddp_all_reduce=5))["data"] == 1
