@@ -78,7 +78,7 @@ def _step_worker(rank, world, w, overlap: bool):
     x = torch.randn(
         w.batch, w.channels, w.height, w.width, generator=torch.Generator().manual_seed(1)
     )
-    x = x[:, :, a:b].contiguous()
+    x = x[:, :, a:b].contiguous().requires_grad_()  # as in efficiency.py
     token = ("sync", w.name)
 
     def forward_backward():
