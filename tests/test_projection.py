@@ -143,6 +143,14 @@ def test_dp_group_crosses_nodes_and_overlap_hides_it():
     expected = max(0.0, across.dp_grad_s - 2 / 3 * hidden.compute_s)
     assert hidden.exposed_grad_s == pytest.approx(expected)
     assert hidden.step_s <= across.step_s
+    # the domain group's reduction overlaps on its own switch
+    both = dict(cluster=CLUSTER, dp_grad_bytes=grads, domain_grad_bytes=grads)
+    blocking = project_step(
+        layers, profile, domain=8, dp=8, overlap=1.0, domain_overlap=0.0, **both
+    )
+    assert blocking.exposed_grad_s == pytest.approx(
+        blocking.domain_grad_s + max(0.0, blocking.dp_grad_s - 2 / 3 * blocking.compute_s)
+    )
     # the domain group leaves the node past 8 ranks: its halo messages pay InfiniBand
     l16, p16 = workload(16)
     l8, p8 = workload(8)
@@ -176,6 +184,8 @@ def test_bad_arguments_name_the_parameter():
         project_step(layers, profile, domain=0, dp=1, cluster=CLUSTER)
     with pytest.raises(ValueError, match="overlap must be in"):
         project_step(layers, profile, domain=2, dp=1, cluster=CLUSTER, overlap=1.5)
+    with pytest.raises(ValueError, match="domain_overlap must be in"):
+        project_step(layers, profile, domain=2, dp=1, cluster=CLUSTER, domain_overlap=-1.0)
     with pytest.raises(ValueError, match="backward_fraction"):
         project_step(layers, profile, domain=2, dp=1, cluster=CLUSTER, backward_fraction=-0.1)
 

@@ -185,6 +185,7 @@ def project_step(
     dp_grad_buckets: int = 1,
     norm_stat_bytes: int = 64,
     overlap: float = 0.0,
+    domain_overlap: float | None = None,
     backward_fraction: float = 2 / 3,
     rest_rows: Sequence[int] = (),
     rest_height: int = 0,
@@ -196,15 +197,17 @@ def project_step(
     compute at batch 1 (scaled here by ``batch_size``); ``dtype_bytes``: activation element size
     (2 under bf16 amp); ``*_grad_bytes``: gradient bytes each rank all-reduces over the domain /
     dp group per step, in ``*_grad_buckets`` calls; ``norm_stat_bytes``: one GroupNorm statistics
-    message; ``overlap`` in [0, 1]: fraction of the gradient all-reduces hidden behind the
-    backward; ``rest_rows`` / ``rest_height``: the rows per rank of the level the rest of the
+    message; ``overlap`` in [0, 1]: fraction of the dp gradient all-reduce (DDP) hidden behind
+    the backward, ``domain_overlap`` the same for the domain group's (None: ``overlap``); ``rest_rows`` / ``rest_height``: the rows per rank of the level the rest of the
     step runs on (default: a ``1/domain`` share); ``sync_points``: reported as given (the
     planner's collective count).
     """
     if domain < 1 or dp < 1:
         raise ValueError(f"project_step: domain and dp must be >= 1, got {domain=}, {dp=}")
-    if not 0.0 <= overlap <= 1.0:
-        raise ValueError(f"project_step: overlap must be in [0, 1], got {overlap!r}")
+    domain_overlap = overlap if domain_overlap is None else domain_overlap
+    for name, value in (("overlap", overlap), ("domain_overlap", domain_overlap)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"project_step: {name} must be in [0, 1], got {value!r}")
     if not 0.0 <= backward_fraction <= 1.0:
         raise ValueError(
             f"project_step: backward_fraction must be in [0, 1], got {backward_fraction!r}"
@@ -237,10 +240,10 @@ def project_step(
     parts["rest"] = rest
     domain_grad = allreduce_time(domain_grad_bytes, domain, link, domain_grad_buckets)
     dp_grad = allreduce_time(dp_grad_bytes, dp, cluster.link(domain * dp), dp_grad_buckets)
-    hidden = overlap * backward_fraction * compute
-    exposed = max(0.0, (domain_grad + dp_grad) * overlap - hidden) + (domain_grad + dp_grad) * (
-        1 - overlap
-    )
+    # the overlapped parts share the backward compute; the rest waits after it
+    overlapped = domain_grad * domain_overlap + dp_grad * overlap
+    blocking = domain_grad * (1 - domain_overlap) + dp_grad * (1 - overlap)
+    exposed = max(0.0, overlapped - backward_fraction * compute) + blocking
     return Projection(
         domain=domain,
         dp=dp,
