@@ -335,15 +335,16 @@ def _exchange_worker(rank, world, sizes, calls):
 
 
 def fit_gloo(sizes=(64, 16384, 262144, 1048576, 4194304), calls: int = 20) -> Link:
-    """alpha/beta of a 2-rank gloo exchange on this machine: least squares over ``sizes``."""
+    """alpha/beta of a 2-rank gloo exchange on this machine (smallest and largest of ``sizes``)."""
     from credit_parallel.testing import run_on_ranks
 
     per_rank = run_on_ranks(_exchange_worker, 2, list(sizes), calls, timeout=600)
     t = {s: max(r[s] for r in per_rank) for s in sizes}
-    xs, ys = list(sizes), [t[s] for s in sizes]
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    alpha = max(0.0, my - beta * mx)
+    # two points, robust to a noisy middle: alpha = the smallest message, beta = the slope to
+    # the largest (a least-squares line lets one slow large sample drive alpha to 0)
+    small, large = min(sizes), max(sizes)
+    beta = max(0.0, (t[large] - t[small]) / (large - small))
+    alpha = max(0.0, t[small] - beta * small)
     print("gloo exchange at 2 ranks (median of", calls, "calls, slowest rank):")
     for s in sizes:
         print(f"  {s:>9} B: {t[s] * 1e6:9.1f} us (fit {(alpha + beta * s) * 1e6:9.1f} us)")
