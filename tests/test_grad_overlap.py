@@ -61,6 +61,7 @@ def _worker(rank, world, overlap: bool, micro: int, use_no_sync: bool, cap_mb: f
     from credit_parallel.collectives import sync_domain_gradients
     from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
     from credit_parallel.domain.rows import shard_range
+    from credit_parallel.fsdp import no_grad_sync
     from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
 
     conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": world}}}
@@ -77,7 +78,8 @@ def _worker(rank, world, overlap: bool, micro: int, use_no_sync: bool, cap_mb: f
         for i, (x, w) in enumerate(_batches(micro)):
             manager.begin_forward(("t", step, i))
             last = i + 1 == micro
-            ctx = reducer.no_sync() if (reducer and use_no_sync and not last) else _null()
+            # the training step's gradient-accumulation context pauses the reducer
+            ctx = no_grad_sync(raw) if (use_no_sync and not last) else _null()
             with ctx:
                 out = model(x[:, :, a:b].contiguous())
                 ((out * w[:, :, a:b]).sum() / w.numel()).backward()
@@ -118,6 +120,8 @@ def test_overlapped_sums_match_after_backward_path_and_single_process(world):
 
 @pytest.mark.parametrize("use_no_sync", [False, True])
 def test_gradient_accumulation_reduces_the_accumulated_gradients(use_no_sync):
+    """Without the pause every backward starts reductions that the next one discards; with
+    ``fsdp.no_grad_sync`` (what ``TrainStep`` uses) only the last backward reduces."""
     over = run_on_ranks(_worker, 2, True, 2, use_no_sync, 1e-4, timeout=300)
     plain = run_on_ranks(_worker, 2, False, 2, False, 1e-4, timeout=300)
     ref = _reference(2)
