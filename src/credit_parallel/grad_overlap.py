@@ -23,6 +23,10 @@ Rules that keep it exact and deadlock-free:
   reduction: gradient accumulation) waits for that reduction, discards it and marks the bucket
   pending again: the gradients keep accumulating locally and the last backward's sums are the
   ones written back (:meth:`OverlappedDomainGradSync.no_sync` avoids the wasted reductions);
+* the gradients themselves are written only by :meth:`OverlappedDomainGradSync.finish`; until
+  then each bucket in flight holds a flat copy of its gradients (at most one copy of all the
+  gradients per rank, as DDP's bucket buffers; the after-backward path holds one bucket), which
+  is what makes a repeated backward (accumulation) safe;
 * only plain-tensor parameters are handled: DTensor parameters (FSDP2, tensor parallelism) and
   models wrapped in DDP are refused, since their own reductions own those gradients.
 """
