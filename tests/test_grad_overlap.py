@@ -149,3 +149,59 @@ def _refusal_worker(rank, world):
 def test_refuses_a_ddp_model():
     messages = run_on_ranks(_refusal_worker, 2, timeout=300)
     assert all("wrapped in DDP" in m for m in messages)
+
+
+def _count_worker(rank, world, overlap: bool):
+    from credit_parallel.collectives import sync_domain_gradients
+    from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
+    from credit_parallel.domain.rows import shard_range
+    from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
+    from credit_parallel.small_collectives import record_small_collectives
+    from credit_parallel.tools.bench.measure import _collective_counter
+
+    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": world}}}
+    model = parallelize(_model(), conf)
+    manager, raw = get_domain_manager(model), get_raw_model(model)
+    if overlap:
+        enable_overlapped_domain_grad_sync(raw, manager)
+    a, b = shard_range(H, world, rank)
+    (x, w), counts = _batches(1)[0], []
+    for step in range(2):
+        manager.begin_forward(("count", step))
+        model.zero_grad(set_to_none=True)
+        during, after = _collective_counter(), _collective_counter()
+        with during, record_small_collectives() as small:
+            ((model(x[:, :, a:b].contiguous()) * w[:, :, a:b]).sum()).backward()
+        with after, record_small_collectives() as small_after:
+            sync_domain_gradients(raw, manager, op="sum")
+        counts.append(
+            (
+                (during.counts + small).get("all_reduce", 0),
+                (after.counts + small_after).get("all_reduce", 0),
+            )
+        )
+    return counts[-1]
+
+
+def test_planner_sync_points_match_a_real_step():
+    """The planner's domain-gradient points (one bucket here): one blocking all-reduce after
+    the backward without overlap; with it the all-reduce leaves during the backward and the
+    step only waits for it."""
+    from credit_parallel.planner.make import make_plan
+    from credit_parallel.planner.sync_points import sync_points_per_step
+
+    conf = {
+        "model": {"type": "test"},
+        "trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": 2}},
+    }
+    plan = make_plan(conf, 2, model=_model(), input_shapes=[(C, H, W)])
+    norms = plan.collectives["domain_all_reduce_norm"]
+    buckets = plan.collectives["domain_grad_all_reduce"]
+    assert buckets == 1
+    assert sync_points_per_step(plan.collectives)["domain_grad"] == 1
+    assert sync_points_per_step(plan.collectives, overlapped_domain_grads=True)["domain_grad"] == 1
+    plain = run_on_ranks(_count_worker, 2, False, timeout=300)
+    over = run_on_ranks(_count_worker, 2, True, timeout=300)
+    for rank in range(2):
+        assert plain[rank] == (norms, buckets)  # the bucket after the backward: blocking
+        assert over[rank] == (norms + buckets, 0)  # launched in the backward, waited once

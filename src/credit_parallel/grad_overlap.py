@@ -14,7 +14,7 @@ Rules that keep it exact and deadlock-free:
 
 * the buckets of the first step follow the reverse parameter order; after it they are rebuilt
   in the order the gradients became ready (rank 0's order, broadcast), parameters without a
-  gradient last, as DDP rebuilds its buckets;
+  gradient in buckets of their own, last, as DDP rebuilds its buckets;
 * buckets are launched strictly in bucket order (a completed bucket waits for the ones before
   it), on a process group of their own (:func:`dedicated_groups`), so every rank issues the same
   collectives in the same order whatever order its hooks fire in, and the domain layers'
@@ -105,21 +105,26 @@ class OverlappedDomainGradSync:
         self._paused = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
-    def _build(self, order: list[int]) -> None:
+    def _build(self, order: list[int], idle: list[int] = ()) -> None:
+        """Buckets of the parameters in ``order``, then buckets of their own for ``idle`` ones
+        (no gradient in the first step: they would hold back a bucket they shared)."""
         self.buckets = _pack([self._params[i] for i in order], self._cap)
+        for bucket in _pack([self._params[i] for i in idle], self._cap):
+            bucket.index = len(self.buckets)
+            self.buckets.append(bucket)
         self._where = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0  # the first bucket not yet launched
 
     def _rebuild_from_first_step(self) -> None:
         """After the first step, as DDP does: buckets in the order the gradients became ready
         (rank 0's order, broadcast, so every rank builds the same buckets), the parameters that
-        got no gradient last (they would hold back the bucket they share)."""
+        got no gradient in buckets of their own, last."""
         seen = list(dict.fromkeys(self._fired))
-        order = seen + [i for i in reversed(range(len(self._params))) if i not in set(seen)]
-        box = [order]
+        idle = [i for i in reversed(range(len(self._params))) if i not in set(seen)]
+        box = [(seen, idle)]
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(box, src=src, group=self.group)
-        self._build(box[0])
+        self._build(*box[0])
         self._rebuilt = True
 
     # ------------------------------------------------------------------ hooks
