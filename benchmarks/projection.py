@@ -26,6 +26,7 @@ profile, predicts the domain-2 step and times the real one (``efficiency.py``'s 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -41,7 +42,14 @@ from credit_parallel.planner.projection import (
     project_step,
 )
 
-__all__ = ["main", "parse_args", "roofline_profile", "measured_profile", "fit_gloo"]
+__all__ = [
+    "fit_gloo",
+    "main",
+    "measured_profile",
+    "parse_args",
+    "roofline_profile",
+    "write_profile",
+]
 
 BUNDLED_UNET = "era5_025deg_unet.yaml"
 # CREDIT's 0.25-degree WXFormer layout (640 x 1280 grid, 4 levels), in this package's CrossFormer
@@ -81,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--check", default="", help="CPU check workloads (efficiency.py names)")
     parser.add_argument("--check-rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--measure-profile", default=None, help="write a per-layer profile here")
+    parser.add_argument("--device", default="cpu", help="--measure-profile: cpu or cuda")
+    parser.add_argument("--grid-divisor", type=int, default=4, help="--measure-profile: grid / k")
     return parser.parse_args(argv)
 
 
@@ -155,13 +166,34 @@ def roofline_profile(
     return ComputeProfile(layers, 0.0, source)
 
 
-def measured_profile(model: nn.Module, input_shape, paths: set[str], repeats: int = 3):
-    """Per-unit forward + backward seconds on this CPU (1 thread, float32), each unit timed
-    alone on the input shapes it gets in the model; ``rest_s``: the whole step minus them."""
-    torch.set_num_threads(1)
+def measured_profile(
+    model: nn.Module,
+    input_shape,
+    paths: set[str],
+    repeats: int = 3,
+    *,
+    device: str = "cpu",
+    autocast: bool = False,
+) -> ComputeProfile:
+    """Per-unit forward + backward seconds on ``device`` (CPU: 1 thread, float32; ``autocast``:
+    bf16 autocast), each unit timed alone on the inputs it gets in the model; ``rest_s``: the
+    whole step minus them."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    model = model.to(dev)
     units = _leaf_modules(model, paths)
     inputs: dict[str, list] = {}
     handles = []
+
+    def context():
+        if not autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(dev.type, dtype=torch.bfloat16)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
     def hook(name):
         def record(module, args):
@@ -173,23 +205,26 @@ def measured_profile(model: nn.Module, input_shape, paths: set[str], repeats: in
 
     for name, module in units.items():
         handles.append(module.register_forward_pre_hook(hook(name)))
-    x = torch.randn(1, *input_shape)
-    with torch.no_grad():
+    x = torch.randn(1, *input_shape, device=dev)
+    with torch.no_grad(), context():
         model(x)
     for h in handles:
         h.remove()
 
     def whole():
         model.zero_grad(set_to_none=True)
-        xx = x.clone().requires_grad_()
-        model(xx).square().mean().backward()
+        with context():
+            out = model(x.clone().requires_grad_())
+        out.float().square().mean().backward()
 
     def timed(fn) -> float:
         fn()
         samples = []
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
@@ -201,15 +236,54 @@ def measured_profile(model: nn.Module, input_shape, paths: set[str], repeats: in
             for args in calls:
                 args = [a.requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
                         for a in (t.clone() if torch.is_tensor(t) else t for t in args)]  # fmt: skip
-                out = module(*args)
+                with context():
+                    out = module(*args)
                 out = out[0] if isinstance(out, (tuple, list)) else out
                 out.backward(torch.ones_like(out))
 
         layers[name] = timed(unit) if calls else 0.0
+    inputs.clear()
     total = timed(whole)
     rest = max(0.0, total - sum(layers.values()))
-    return ComputeProfile(
-        layers, rest, f"measured on this CPU, 1 thread (step {total * 1e3:.1f} ms)"
+    where = "this CPU, 1 thread" if dev.type == "cpu" else torch.cuda.get_device_name(dev)
+    return ComputeProfile(layers, rest, f"measured on {where} (step {total * 1e3:.1f} ms)")
+
+
+def write_profile(args) -> None:
+    """``--measure-profile OUT``: the per-layer profile of ``--models`` (one model) on
+    ``--device``, on a grid ``--grid-divisor`` times smaller in each direction (memory), scaled
+    back by the area ratio; written as the JSON ``--profile-file`` reads."""
+    from credit_parallel.models import build_model
+    from credit_parallel.planner.trace import model_input_shapes
+
+    (name,) = [m.strip() for m in args.models.split(",") if m.strip()]
+    conf = _model_conf(name)
+    full = conf["model"]
+    small = dict(full)
+    k = args.grid_divisor
+    small["image_height"], small["image_width"] = (
+        -(-full["image_height"] // k),
+        -(-full["image_width"] // k),
+    )
+    scale = (
+        full["image_height"] * full["image_width"] / (small["image_height"] * small["image_width"])
+    )
+    small_conf = {**conf, "model": small}
+    paths = {layer.path for layer in _plan(small_conf, 1, 1).layers}
+    model = build_model(dict(small))
+    shape = model_input_shapes(model)[0]
+    profile = measured_profile(
+        model, shape, paths, device=args.device, autocast=args.device != "cpu"
+    )
+    data = {
+        "layers": {p: t * scale for p, t in profile.layers.items()},
+        "rest_s": profile.rest_s * scale,
+        "source": f"{profile.source}, {small['image_height']}x{small['image_width']} x {scale:.1f}",
+    }
+    with open(args.measure_profile, "w") as fh:
+        json.dump(data, fh, indent=1)
+    print(
+        f"wrote {args.measure_profile}: {data['source']}, total {sum(data['layers'].values()) + data['rest_s']:.4f} s"
     )
 
 
@@ -397,6 +471,9 @@ def check_cpu(names: list[str], rounds: int) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.measure_profile:
+        write_profile(args)
+        return []
     nvlink = Link("NVLink 4", args.nvlink_alpha_us * 1e-6, 1 / (args.nvlink_gbs * 1e9))
     ib = Link("NDR InfiniBand", args.ib_alpha_us * 1e-6, 1 / (args.ib_gbs * 1e9))
     cluster = Cluster(args.gpus_per_node, nvlink, ib)
