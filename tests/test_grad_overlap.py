@@ -205,3 +205,22 @@ def test_planner_sync_points_match_a_real_step():
     for rank in range(2):
         assert plain[rank] == (norms, buckets)  # the bucket after the backward: blocking
         assert over[rank] == (norms + buckets, 0)  # launched in the backward, waited once
+
+
+def _dp_refusal_worker(rank, world):
+    from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
+    from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
+
+    conf = {"trainer": {"parallelism": {"data": "ddp", "tensor": 1, "domain": 2}}}
+    model = parallelize(_model(), conf)
+    try:
+        enable_overlapped_domain_grad_sync(get_raw_model(model), get_domain_manager(model))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_refuses_a_layout_with_dp_replicas():
+    """The raw model under DDP: DDP's hooks own its gradients too, so dp x domain is refused."""
+    messages = run_on_ranks(_dp_refusal_worker, 4, timeout=300)
+    assert all("leave it off with dp or tp replicas" in m for m in messages)

@@ -27,8 +27,9 @@ Rules that keep it exact and deadlock-free:
   then each bucket in flight holds a flat copy of its gradients (at most one copy of all the
   gradients per rank, as DDP's bucket buffers; the after-backward path holds one bucket), which
   is what makes a repeated backward (accumulation) safe;
-* only plain-tensor parameters are handled: DTensor parameters (FSDP2, tensor parallelism) and
-  models wrapped in DDP are refused, since their own reductions own those gradients.
+* only layouts whose one axis is the domain (``data: none``, ``tensor: 1``) and plain-tensor
+  parameters: DDP (whose hooks rewrite the gradients of the raw model too), FSDP2 and tensor
+  parallelism are refused, since their own reductions own those gradients.
 """
 
 from __future__ import annotations
@@ -241,6 +242,15 @@ def enable_overlapped_domain_grad_sync(
     call it (it creates process groups).  Returns None (nothing attached) for a domain of 1."""
     if manager is None or int(manager.domain_world_size) <= 1:
         return None
+    domain = int(manager.domain_world_size)
+    if dist.get_world_size() != domain:
+        # the raw model under DDP looks like any other: DDP's hooks would write the dp-averaged
+        # gradients that finish() then overwrites with sums of the un-averaged ones
+        raise ValueError(
+            f"overlapped domain gradient sync: the world has {dist.get_world_size()} ranks but "
+            f"the domain group {domain}; it supports layouts whose only axis is the domain "
+            "(trainer.parallelism {data: none, tensor: 1}); leave it off with dp or tp replicas"
+        )
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError(
             "overlapped domain gradient sync: the model is wrapped in DDP, whose hooks own the "
