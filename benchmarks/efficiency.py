@@ -160,13 +160,16 @@ def _plain_worker(rank, world, w: Workload, threads: int, steps: int, warmup: in
     return _time_steps(step, steps, warmup, world)
 
 
-def _domain_worker(rank, world, w: Workload, steps: int, warmup: int):
+def _domain_worker(rank, world, w: Workload, steps: int, warmup: int, overlap: bool = False):
     from credit_parallel.collectives import sync_domain_gradients
     from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
+    from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
 
     torch.manual_seed(0)
     model = parallelize(w.build(w.height), Layout(domain=world).conf(w.batch))
     manager = get_domain_manager(model)
+    if overlap:
+        enable_overlapped_domain_grad_sync(get_raw_model(model), manager)
     x, weights, shape = _inputs(w, shard_range(w.height, world, rank))
     token = ("efficiency", w, shape)
 
@@ -179,7 +182,9 @@ def _domain_worker(rank, world, w: Workload, steps: int, warmup: int):
     return _time_steps(step, steps, warmup, world)
 
 
-def time_workload(w: Workload, domain: int, *, rounds: int, steps: int, warmup: int) -> dict:
+def time_workload(
+    w: Workload, domain: int, *, rounds: int, steps: int, warmup: int, overlap: bool = False
+) -> dict:
     """Seconds per step of each implementation: median over interleaved rounds of the slowest
     rank's median.  A failing implementation (e.g. a model the converter rejects) gives its
     error message instead of a time."""
@@ -191,6 +196,8 @@ def time_workload(w: Workload, domain: int, *, rounds: int, steps: int, warmup: 
         "floor": (_plain_worker, domain, (w, 1, steps, warmup)),
         "ours": (_domain_worker, domain, (w, steps, warmup)),
     }
+    if overlap:  # the domain gradient all-reduce overlapped with the backward (grad_overlap)
+        runs["ours ovl"] = (_domain_worker, domain, (w, steps, warmup, True))
     samples: dict = {name: [] for name in runs}
     errors: dict = {}
     for _ in range(rounds):
@@ -234,6 +241,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--overlap-grads",
+        action="store_true",
+        help="also time ours with the domain gradient all-reduce overlapped (grad_overlap)",
+    )
     return parser.parse_args(argv)
 
 
@@ -272,7 +284,10 @@ def main(argv=None) -> list[dict]:
     for name in chosen:
         w = known[name]
         for domain in (int(d) for d in args.domains.split(",")):
-            t = time_workload(w, domain, rounds=args.rounds, steps=args.steps, warmup=args.warmup)
+            t = time_workload(
+                w, domain, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
+                overlap=args.overlap_grads,
+            )  # fmt: skip
             e = efficiencies(t, domain, cores, loaded)
             rows.append({"workload": name, "domain": domain, "times": t, "efficiency": e})
             ms = [
@@ -285,6 +300,8 @@ def main(argv=None) -> list[dict]:
                 f"{w.describe():<46}| {domain} | {ms[0]:>8} | {ms[1]:>8} | {ms[2]:>8} | "
                 f"{ms[3]:>8} | {effs[0]:>6} | {effs[1]:>7} | {effs[2]:>10} | {effs[3]:>4}{note}"
             )
+            if isinstance(t.get("ours ovl"), float):
+                print(f"    ours with overlapped domain gradients: {t['ours ovl'] * 1e3:.1f} ms")
             for impl, message in t["errors"].items():
                 print(f"    {impl}: {message}")
     print(f"load average after: {os.getloadavg()}")

@@ -27,10 +27,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--domains", default="1,2", help="comma list of domain sizes")
     parser.add_argument("--steps", type=int, default=3, help="profiled steps")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--overlap-grads",
+        action="store_true",
+        help="the domain gradient all-reduce overlapped with the backward (grad_overlap)",
+    )
     return parser.parse_args(argv)
 
 
-def profile_worker(rank, world, spec, steps: int, warmup: int):
+def profile_worker(rank, world, spec, steps: int, warmup: int, overlap: bool = False):
     """One rank: the model through ``parallelize`` at domain ``world``, its step profiled."""
     from credit_parallel.collectives import sync_domain_gradients
     from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
@@ -41,6 +46,10 @@ def profile_worker(rank, world, spec, steps: int, warmup: int):
     if world > 1:
         model = parallelize(model, Layout(domain=world).conf(spec.batch))
     manager = get_domain_manager(model)
+    if overlap:
+        from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
+
+        enable_overlapped_domain_grad_sync(get_raw_model(model), manager)
     shape = (spec.batch, *spec.input_shape)
     gen = torch.Generator().manual_seed(1)
     x, weights = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
@@ -71,13 +80,20 @@ def main(argv=None) -> dict:
         spec = known[label]
         for domain in (int(d) for d in args.domains.split(",")):
             profiles = run_on_ranks(
-                profile_worker, domain, spec, args.steps, args.warmup, timeout=900
+                profile_worker,
+                domain,
+                spec,
+                args.steps,
+                args.warmup,
+                args.overlap_grads,
+                timeout=900,
             )
             merged = mean_profile(profiles)
             results[(label, domain)] = merged
             title = (
                 f"{spec.describe()}; domain {domain}, float32, 1 thread per rank, "
                 f"mean of {domain} rank(s), {args.steps} profiled steps"
+                + ("; domain gradients overlapped" if args.overlap_grads else "")
             )
             print(format_profile(merged, title))
             print()

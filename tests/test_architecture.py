@@ -45,6 +45,7 @@ LAYER_OF = {
     "fsdp": "library",
     "collectives": "library",
     "small_collectives": "library",
+    "grad_overlap": "library",
     "checkpoint": "library",
     "composition": "composition",
     "model_init": "composition",

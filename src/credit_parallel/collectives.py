@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate
 
 from .config import DP_DOMAIN
+from .grad_overlap import OVERLAP_ATTR
 from .small_collectives import sum_small_
 
 __all__ = [
@@ -157,10 +158,22 @@ def sync_domain_gradients(
     domain > 1) already had their gradients summed over the domain ranks by the reduce-scatter;
     they only get the op's scaling (avg: divided by the domain size; sum: nothing).  Call it
     once per optimizer step, after the last backward.
+
+    A model with an overlapped reducer attached (``grad_overlap.enable_overlapped_domain_grad_sync``)
+    has had its buckets summed during the backward: this only completes them (same sums).
     """
     if op not in _REDUCE_OPS:
         raise ValueError(f"sync_domain_gradients: op must be one of {_REDUCE_OPS}, got {op!r}")
     if manager is None or int(manager.domain_world_size) <= 1:
+        return
+    overlapped = getattr(model, OVERLAP_ATTR, None)
+    if overlapped is not None:
+        overlapped.finish()
+        if op == "avg":
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(int(manager.domain_world_size))
         return
     reduced, to_reduce = [], []
     for p in model.parameters():

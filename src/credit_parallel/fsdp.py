@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import require_process_group
 from .device import device_for_process_group
+from .grad_overlap import OVERLAP_ATTR
 from .run_config import trainer_option
 
 __all__ = [
@@ -246,9 +247,15 @@ def no_grad_sync(model: nn.Module) -> Iterator[None]:
 
     DDP: ``model.no_sync()``.  FSDP2: ``set_requires_gradient_sync(False)`` on every FSDP module
     of the tree, back to True on exit (the next backward outside the block reduce-scatters the
-    accumulated gradients).  Any other module: no-op.  Gradients accumulate locally either way;
-    the step after the block must run its backward outside it.
+    accumulated gradients).  A model with an overlapped domain gradient reducer
+    (``grad_overlap``): no reduction starts in the block.  Any other module: no-op.  Gradients
+    accumulate locally either way; the step after the block must run its backward outside it.
     """
+    overlapped = getattr(model, OVERLAP_ATTR, None)
+    if overlapped is not None:
+        with overlapped.no_sync():
+            yield
+        return
     if isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
