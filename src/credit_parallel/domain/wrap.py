@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from torch import nn
 
+from .options import OptionsMixin
+
 __all__ = ["DomainWrapper", "replace_outermost", "run_forward_pre_hooks"]
 
 
-class DomainWrapper(nn.Module):
-    """Base of domain-parallel layers that wrap an existing module (``self.wrapped``)."""
+class DomainWrapper(OptionsMixin, nn.Module):
+    """Base of domain-parallel layers that wrap an existing module (``self.wrapped``); its
+    options (``options.py``) are given at construction or replaced with ``configure``."""
 
     _domain_parallel = True  # converters skip modules that already are domain-parallel
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        object.__setattr__(self, "wrapped", module)  # not registered: no "wrapped." key prefix
+        self.__dict__["wrapped"] = module  # not registered: no "wrapped." key prefix
         self._parameters = module._parameters
         self._buffers = module._buffers
         self._modules = module._modules
