@@ -1,6 +1,16 @@
-"""Converting a model for domain parallelism: one rule per module type, one walker.
+"""Converting a model for domain parallelism: one rule per module type, one plan, then apply.
 
-The walker replaces every module whose result along latitude depends on rows it does not own
+:func:`convert_to_domain_parallel` first DECIDES (:func:`plan_conversion`, a
+:class:`~credit_parallel.domain.plan.ConversionPlan`, replacing nothing and needing no process
+group), then APPLIES (:func:`apply_conversion_plan`).  The plan is decided in stages, each on
+the tree the earlier ones decided: whole CREDIT models whose forwards read the global grid
+(FuXi: ``fuxi.credit_model_decision``), attention of a known structure
+(``attention.recognise.known_attention_decision``), the rule walk (:func:`walk_domain_modules`:
+the caller's ``custom_converters`` first, then the registered rule of each type), the refused
+modules wrapped to run on the whole globe under ``nonlocal_policy="gather"``, and the exchange
+fusions (``fusion.find_fusions``).  The layout planner reads the same plan (``planner/trace.py``).
+
+The rule walk replaces every module whose result along latitude depends on rows it does not own
 (convolutions that are not row-local, GroupNorm, Upsample, periodic convs, padding over H,
 PixelShuffle/Unshuffle) by its domain-parallel layer, leaves point-wise and channel-wise modules
 alone, and REFUSES modules that would compute something silently different on a shard
@@ -37,6 +47,7 @@ from .padding import DomainParallelPad
 from .pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
 from .plan import ConversionPlan, PadConvFusion, PlannedModule, SharedInputGroup
 from .resample import DomainParallelInterpolate
+from .wrap import converted_tree, visit_outermost
 
 __all__ = [
     "DOMAIN_RULES",
@@ -317,35 +328,6 @@ def _check_arguments(shard_dim: int, custom_converters, nonlocal_policy: str) ->
     return custom
 
 
-def _visit_outermost(model: nn.Module, decide, occupant) -> None:
-    """Visit ``model``'s modules outermost first (paths "" for the root, then "a.b"):
-    ``decide(module, path)`` returns None to visit the module's children, anything else stops
-    there.  Nothing is replaced: ``occupant`` says which module a path holds by now."""
-
-    def visit(module: nn.Module, path: str) -> None:
-        module = occupant(path or "<root>", module)
-        if decide(module, path) is not None:
-            return
-        for name, child in list(module.named_children()):
-            visit(child, f"{path}.{name}" if path else name)
-
-    visit(model, "")
-
-
-def _tree(model: nn.Module, occupant):
-    """``(path, module)`` of the converted tree, duplicates included (as
-    ``named_modules(remove_duplicate=False)`` of the converted model would give)."""
-
-    def visit(module: nn.Module, path: str):
-        module = occupant(path or "<root>", module)
-        yield path, module
-        for name, child in module._modules.items():
-            if child is not None:
-                yield from visit(child, f"{path}.{name}" if path else name)
-
-    return visit(model, "")
-
-
 def plan_conversion(
     model: nn.Module,
     manager,
@@ -394,7 +376,7 @@ def plan_conversion(
                 decide(path or "<root>", name, module, new)
             return new
 
-        _visit_outermost(model, visit, occupant)
+        visit_outermost(model, visit, occupant)
 
     stage(
         "adapter",
@@ -429,7 +411,7 @@ def plan_conversion(
     root = occupant("<root>", model)
     _walk(root, candidate, _append_to(plan.unsafe), custom, shard_dim, on_custom, occupant)
     if plan.unsafe and nonlocal_policy == "gather":
-        at = dict(_tree(model, occupant))
+        at = dict(converted_tree(model, occupant))
         for path, _ in plan.unsafe:
             module = at["" if path == "<root>" else path]
             # (B, H, W, C) Swin blocks shard their dim -3 whatever the model's shard_dim
@@ -438,7 +420,7 @@ def plan_conversion(
             decide(path, "gather", module, wrapper.configure(module_path=path))
         plan.unsafe = []
     if fuse_exchanges:
-        _plan_fusions(plan, list(_tree(model, occupant)))
+        _plan_fusions(plan, list(converted_tree(model, occupant)))
     return plan
 
 
