@@ -7,11 +7,15 @@ those outputs read (own rows, rows of other ranks, and rows beyond the poles map
 layer's padding rule), fetched with one exchange.  Non-transposed convolutions convolve straight
 from the shard and only the boundary rows from small halo strips (``overlap.SplitConv``, no copy
 of the shard); transposed, fused-pad and shared-input convolutions, shards too thin for an
-interior row and ``split_halo = False`` assemble the window and run the plain op with no padding
-along the sharded dim.  Nothing is padded inside the globe and nothing is trimmed
+interior row and the option ``split_halo=False`` assemble the window and run the plain op with
+no padding along the sharded dim.  Nothing is padded inside the globe and nothing is trimmed
 approximately.  The pure geometry lives in ``conv_geometry.py``, the split conv and halo
 overlap in ``overlap.py`` and the exchange shared by sibling convolutions in
 ``shared_input.py``.
+
+A layer's options (``options.py``: overlap, split halo, side stream, fused pad, shared input,
+module path) are given at construction (``options=``; ``overlap=`` alone as a keyword) and
+changed only through ``configure(...)``; ``_path`` picks the forward's path from them.
 """
 
 from __future__ import annotations

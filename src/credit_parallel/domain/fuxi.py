@@ -288,7 +288,7 @@ class DomainFuxi(DomainWrapper):
             raise ValueError(f"{type(model).__name__}: {reason}")
         super().__init__(model)
         # not registered in the dicts shared with the wrapped model: no new state_dict keys
-        self.__dict__.update(manager=manager, _exchange=_RowExchange(manager), _interpolations={})
+        self.__dict__.update(manager=manager, _interpolations={})
 
     def _name(self) -> str:
         return f"{getattr(self, 'module_path', None) or '<root>'} ({type(self.wrapped).__name__})"
@@ -303,7 +303,7 @@ class DomainFuxi(DomainWrapper):
             raise ValueError(
                 f"{self._name()}: expects a (B, C, T, H, W) shard, got {tuple(x.shape)}"
             )
-        self._exchange.manager = mgr
+        exchange = _RowExchange(mgr)  # this call's manager, resolved above
         n, rank = mgr.domain_world_size, mgr.domain_rank
         input_height = height = mgr.global_length(self, x.shape[SHARD_DIM])
         padding = model.padding_opt if model.use_padding else None
@@ -315,14 +315,14 @@ class DomainFuxi(DomainWrapper):
         except ValueError as err:
             raise ValueError(f"{self._name()}: {err}") from None
         outputs = pair_layout(geometry.up, n, geometry.patch)
-        with self._local_grid(geometry, n, rank):
+        with self._local_grid(geometry, n, rank, exchange):
             if padding is None:
                 y = model(x, noise=noise, forecast_step=forecast_step)
-                y = self._exchange(y, outputs, geometry.out, SHARD_DIM, back=True)
+                y = exchange(y, outputs, geometry.out, SHARD_DIM, back=True)
                 out_height = geometry.out
             else:
                 stand_in = _ShardedTensorPadding(
-                    padding, self._exchange, n, rank, input_height, outputs, geometry.out
+                    padding, exchange, n, rank, input_height, outputs, geometry.out
                 )
                 with _swapped(model, "padding_opt", stand_in):
                     y = model(x, noise=noise, forecast_step=forecast_step)
@@ -334,7 +334,7 @@ class DomainFuxi(DomainWrapper):
         return y
 
     @contextmanager
-    def _local_grid(self, geometry: FuxiGeometry, n: int, rank: int):
+    def _local_grid(self, geometry: FuxiGeometry, n: int, rank: int, exchange):
         """FuXi's global-grid attributes set to this rank's rows, the crop and the re-layout of
         the u-transformer's output hooked in; everything restored on exit (also on errors)."""
         model = self.wrapped
@@ -356,13 +356,13 @@ class DomainFuxi(DomainWrapper):
                 crop = geometry.crop_windows(top, n)
                 stack.callback(
                     ut.layer.register_forward_hook(
-                        lambda _m, _a, out: self._exchange(out, crop, geometry.padded, 1)
+                        lambda _m, _a, out: exchange(out, crop, geometry.padded, 1)
                     ).remove
                 )
             rows = pair_layout(geometry.up, n)
             stack.callback(
                 ut.register_forward_hook(
-                    lambda _m, _a, out: self._exchange(out, rows, geometry.up, SHARD_DIM)
+                    lambda _m, _a, out: exchange(out, rows, geometry.up, SHARD_DIM)
                 ).remove
             )
             yield
