@@ -51,7 +51,7 @@ def set_halo_path(model, split: bool | None, late: bool | None) -> int:
     count = 0
     for m in model.modules():
         if hasattr(m, "split_halo"):
-            m.split_halo, m.overlap = split, late
+            m.configure(split_halo=split, overlap=late)
             count += 1
     return count
 

@@ -85,6 +85,52 @@ def test_convert_replaces_exactly_the_modules_that_need_neighbouring_rows():
     assert model[0].manager is MANAGER
 
 
+def test_plan_conversion_decides_without_replacing_and_apply_gives_the_converted_model():
+    from credit_parallel.domain.convert import apply_conversion_plan, plan_conversion
+
+    model = nn.Sequential(
+        nn.ZeroPad2d((0, 0, 1, 1)),
+        nn.Conv2d(2, 2, 3),
+        nn.Conv2d(2, 2, 1),
+        nn.ModuleList([nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 2, 5, padding=2)]),
+    )
+    before = [type(m) for m in model.modules()]
+    plan = plan_conversion(model, None)  # no manager, no process group: decisions only
+    assert [type(m) for m in model.modules()] == before
+    assert [(m.path, m.stage, m.form) for m in plan.modules] == [
+        ("0", "rule", "halo"),
+        ("1", "rule", "halo"),
+        ("3.0", "rule", "halo"),
+        ("3.1", "rule", "halo"),
+    ]
+    assert [(f.pad_path, f.conv_path) for f in plan.pad_conv] == [("0", "1")]
+    assert [g.paths for g in plan.shared_inputs] == [("3.0", "3.1")]
+    text = str(plan)
+    assert "1: rule Conv2d -> DomainParallelConv2d [halo]" in text
+    assert "fuse pad 0 into conv 1" in text and "share one input exchange: 3.0, 3.1" in text
+    out = apply_conversion_plan(model, plan)
+    assert out is model and model[1].module_path == "1"
+    assert model[1].fused_pad is model[0] and model[0].fused_into is model[1]
+    assert model[3][0].shared_input is model[3][1].shared_input is not None
+    assert type(model[2]) is nn.Conv2d
+
+
+def test_layer_options_are_given_at_construction_and_replaced_only_by_configure():
+    from credit_parallel.domain.options import LayerOptions
+
+    layer = DomainParallelConv2d(nn.Conv2d(1, 1, 3), options=LayerOptions(split_halo=False))
+    assert layer.split_halo is False and layer.overlap is None
+    with pytest.raises(AttributeError):
+        layer.overlap = True  # read-only: options change through configure
+    first = layer.options
+    assert layer.configure(overlap=True) is layer
+    assert layer.overlap is True and layer.split_halo is False and first.overlap is None
+    with pytest.raises(TypeError, match="unknown option"):
+        layer.configure(overlapp=True)
+    with pytest.raises(TypeError, match="split_halo"):
+        layer.configure(split_halo=1)
+
+
 def test_convert_replaces_norm_resampling_and_padding_over_h():
     from credit_parallel.domain.norm import DomainParallelGroupNorm
     from credit_parallel.domain.padding import DomainParallelPad

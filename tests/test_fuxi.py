@@ -409,3 +409,18 @@ def test_fuxi_parallelize_fsdp2_domain3_h40_window4_trains_like_single_process()
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
         assert params.keys() == ref_params.keys()
         assert max(float((params[n] - p).abs().max()) for n, p in ref_params.items()) <= TOL
+
+
+# ---------------------------------------------------------------------------- the plan
+def test_planner_reads_the_converters_plan_fuxi_adapter_included():
+    from credit_parallel.planner.trace import conversion_plan, plan_targets
+
+    plan = conversion_plan(fuxi(32))  # the converter's own decisions, manager None
+    first = plan.modules[0]
+    assert (first.path, first.stage, type(first.replacement)) == ("<root>", "adapter", DomainFuxi)
+    swin = [m.path for m in plan.modules if isinstance(m.replacement, DomainSwinBlock)]
+    assert swin == ["u_transformer.layer.blocks.0", "u_transformer.layer.blocks.1"]
+    # the adapter is no layer of its own: its layers are traced one by one
+    assert [t[0] for t in plan_targets(plan)] == [m.path for m in plan.modules[1:]]
+    refused = conversion_plan(_post_block_fuxi()).errors
+    assert [m.path for m in refused] == ["<root>"] and "post_conf.activate" in str(refused[0])

@@ -173,7 +173,7 @@ def test_overlap_is_a_layer_option_default_off_and_set_per_model():
 def _set_overlap(model: nn.Module, enabled: bool) -> None:
     for m in model.modules():
         if isinstance(m, _DomainParallelConvNd):
-            m.overlap = enabled
+            m.configure(overlap=enabled)
 
 
 def _on_off(mgr, build, shape, dtype, seed):
@@ -307,7 +307,7 @@ def _path_results(mgr, build, shape, dtype, seed):
         m = convert_to_domain_parallel(copy.deepcopy(ref), mgr)
         for layer in m.modules():
             if isinstance(layer, _DomainParallelConvNd):
-                layer.split_halo, layer.overlap = split, late
+                layer.configure(split_halo=split, overlap=late)
         mgr.begin_forward(("path-test", seed, split, late))
         xl = x[..., a:b, :].clone().requires_grad_()
         y = m(xl)
@@ -408,7 +408,7 @@ def _memory_worker(rank, world):
     out = {}
     for split, enabled in ((True, True), (True, False), (False, False)):
         layer = DomainParallelConv2d(copy.deepcopy(conv), manager=mgr, overlap=enabled)
-        layer.split_halo = split
+        layer.configure(split_halo=split)
         xl = x[:, :, a:b].clone().requires_grad_()
         # the input is also kept by another consumer (a residual), as inside a network
         out[split, enabled] = _saved_bytes(lambda layer=layer, xl=xl: (layer(xl) * xl).sum())
@@ -706,11 +706,11 @@ def test_default_path_is_split_except_for_explicitly_padded_convs_and_the_side_s
     plain = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1))
     periodic = DomainParallelPeriodicConv2d(PeriodicConv2d(2, 2, 3, padding=1))
     assert plain._splits and not periodic._splits  # periodic: the window path by default
-    periodic.overlap = False  # an explicit overlap choice is a choice of the split form
+    periodic.configure(overlap=False)  # an explicit overlap choice is a choice of the split form
     assert periodic._splits
-    periodic.split_halo = False
+    periodic.configure(split_halo=False)
     assert not periodic._splits
-    plain.side_stream = True  # the side stream posts through the window path
+    plain.configure(side_stream=True)  # the side stream posts through the window path
     assert not plain._splits
 
 

@@ -7,16 +7,20 @@ those outputs read (own rows, rows of other ranks, and rows beyond the poles map
 layer's padding rule), fetched with one exchange.  Non-transposed convolutions convolve straight
 from the shard and only the boundary rows from small halo strips (``overlap.SplitConv``, no copy
 of the shard); transposed, fused-pad and shared-input convolutions, shards too thin for an
-interior row and ``split_halo = False`` assemble the window and run the plain op with no padding
-along the sharded dim.  Nothing is padded inside the globe and nothing is trimmed
+interior row and the option ``split_halo=False`` assemble the window and run the plain op with
+no padding along the sharded dim.  Nothing is padded inside the globe and nothing is trimmed
 approximately.  The pure geometry lives in ``conv_geometry.py``, the split conv and halo
 overlap in ``overlap.py`` and the exchange shared by sibling convolutions in
 ``shared_input.py``.
+
+A layer's options (``options.py``: overlap, split halo, side stream, fused pad, shared input,
+module path) are given at construction (``options=``; ``overlap=`` alone as a keyword) and
+changed only through ``configure(...)``; ``_path`` picks the forward's path from them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +37,8 @@ from .conv_geometry import (
 )
 from .exchange import exchange_planned
 from .manager import resolve_manager
-from .overlap import SplitConv, check_overlap, overlap_enabled
+from .options import LayerOptions, check_overlap
+from .overlap import SplitConv, overlap_enabled
 from .padding import DomainParallelPad
 from .rows import RankExchangePlan, compose_windows, plan_exchange, shard_range
 from .shared_input import SharedInputExchange
@@ -88,6 +93,7 @@ class _DomainParallelConvNd(DomainWrapper):
         manager=None,
         geometry: ConvGeometry | None = None,
         overlap: bool | None = None,
+        options: LayerOptions | None = None,
     ):
         if self._expected and not isinstance(conv, self._expected):
             raise TypeError(
@@ -102,25 +108,44 @@ class _DomainParallelConvNd(DomainWrapper):
         self.spatial_index = shard_dim % rank - 2
         self.geometry = geometry if geometry is not None else ConvGeometry.of(conv)
         self.manager = manager
-        self.overlap: bool | None = check_overlap(overlap)  # None: the default (off)
-        # pack and post the exchange on the device's exchange stream (streams.py; CUDA only;
-        # takes the window path)
-        self.side_stream: bool = False
-        # convolve around the halo without assembling the window (overlap.SplitConv); False:
-        # the reference path that assembles the whole window; None: the default rule (_splits)
-        self.split_halo: bool | None = None
+        # overlap, split_halo, side_stream, fused_pad, shared_input, module_path (options.py);
+        # ``overlap=`` is the seed's keyword for the one option most callers set
+        options = options if options is not None else LayerOptions()
+        if overlap is not None:
+            options = replace(options, overlap=check_overlap(overlap))
+        self._options = options
         # the local op along the other dims, fixed by the geometry
         self.op = ConvOp.of(self.geometry, self.spatial_index)
-        # set by share_input_exchange / the converter's fusion of sibling convolutions
-        self.shared_input: SharedInputExchange | None = None
-        # per (global input height, domain size, rank): this rank's geometry of one call
+        # per (global input height, domain size, rank, fused): this rank's geometry of one call
         self._calls: dict[tuple[int, int, int, bool], _ConvCall] = {}
-        # a padding layer whose exchange this conv does (fusion.py); x is then the PAD's input
-        self.fused_pad: DomainParallelPad | None = None
-        # the module path, set by convert_to_domain_parallel (named in errors)
-        self.module_path: str | None = None
         if self.geometry.transposed and self.geometry.edge_mode != "zeros":
             raise ValueError(f"{type(conv).__name__} only supports padding_mode='zeros'")
+
+    # ---- options (read-only views of ``self.options``; change them with ``configure``)
+    @property
+    def overlap(self) -> bool | None:
+        """Wait for the halo rows after the shard's own computation (None: the default rule)."""
+        return self._options.overlap
+
+    @property
+    def split_halo(self) -> bool | None:
+        """Convolve around the halo (``overlap.SplitConv``); False: assemble the window."""
+        return self._options.split_halo
+
+    @property
+    def side_stream(self) -> bool:
+        """Pack and post the exchange on the device's exchange stream (``streams.py``)."""
+        return self._options.side_stream
+
+    @property
+    def fused_pad(self) -> DomainParallelPad | None:
+        """The padding layer whose exchange this conv does (``fusion.py``), or None."""
+        return self._options.fused_pad
+
+    @property
+    def shared_input(self) -> SharedInputExchange | None:
+        """The exchange this conv shares with its siblings (``shared_input.py``), or None."""
+        return self._options.shared_input
 
     @property
     def conv(self):
@@ -134,11 +159,12 @@ class _DomainParallelConvNd(DomainWrapper):
         the window path, measured on the bundled U-Net) and ``overlap`` is left at None (an
         explicit overlap choice is a choice of the split form, whose wait it places).  Never
         with the side stream."""
-        if self.side_stream:
+        options = self._options
+        if options.side_stream:
             return False
-        if self.split_halo is not None:
-            return self.split_halo
-        return self.op.pad_flat is None or self.overlap is not None
+        if options.split_halo is not None:
+            return options.split_halo
+        return self.op.pad_flat is None or options.overlap is not None
 
     # ---- geometry (domain/geometry.py)
     def output_height(self, input_height: int) -> int:
@@ -152,6 +178,24 @@ class _DomainParallelConvNd(DomainWrapper):
         conv = self.wrapped_weights(x)
         return conv.weight, conv.bias
 
+    def _path(self, call: _ConvCall) -> str:
+        """The one place this conv's forward path is picked, from its options and this call's
+        geometry: "transposed", "fused_pad" (exchange the pad's input once for both), "shared"
+        (take the rows from the siblings' shared exchange), "split" (``overlap.SplitConv``: no
+        window assembled) or "window" (assemble the window, run the plain op)."""
+        options = self._options
+        if self.geometry.transposed:
+            return "transposed"
+        if options.fused_pad is not None:
+            return "fused_pad"
+        if options.shared_input is not None and options.shared_input.active:
+            return "shared"
+        plan = call.plan
+        if call.split is not None and self._splits and (plan.sends or plan.recvs):
+            return "split"
+        # every rank takes part in the exchange, also one that owns no output row
+        return "window"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != self.nd + 2:
             raise ValueError(
@@ -159,28 +203,27 @@ class _DomainParallelConvNd(DomainWrapper):
             )
         mgr = resolve_manager(self.manager, type(self).__name__)
         weight, bias = self._weight_and_bias(x)
-        i = self.spatial_index
-        dim = i + 2
+        dim = self.spatial_index + 2
         n = mgr.domain_world_size
         length = mgr.global_length(self, x.shape[dim])
-        if self.geometry.transposed:
-            return self._forward_transposed(x, weight, bias, mgr, length, n, dim)
-        if self.fused_pad is not None:
-            return self._forward_fused_pad(x, weight, bias, mgr, length, n, dim)
-        call = self._call_geometry(length, n, mgr.domain_rank)
-        if self.shared_input is not None and self.shared_input.active:
-            window = self.shared_input.window_for(self, x, length, n, dim, mgr)
+        fused = self._options.fused_pad is not None
+        call = self._call_geometry(length, n, mgr.domain_rank, fused=fused)
+        path = self._path(call)
+        if path == "transposed":
+            return self._forward_transposed(x, weight, bias, call, mgr, dim)
+        if path == "fused_pad":
+            return self._forward_fused_pad(x, weight, bias, call, mgr, dim)
+        if path == "split":
+            late = overlap_enabled(self._options.overlap, x.device)
+            peers, group = mgr.domain_ranks, mgr.domain_group
+            return SplitConv.apply(
+                x, weight, bias, self.op, call.plan, dim, call.split, peers, group, late, call.full
+            )
+        if path == "shared":
+            window = self._options.shared_input.window_for(self, x, length, n, dim, mgr)
         else:
-            plan, split = call.plan, call.split
-            if split is not None and self._splits:
-                if plan.sends or plan.recvs:
-                    late = overlap_enabled(self.overlap, x.device)
-                    peers, group = mgr.domain_ranks, mgr.domain_group
-                    return SplitConv.apply(
-                        x, weight, bias, self.op, plan, dim, split, peers, group, late, call.full
-                    )
-            # every rank takes part in the exchange, also one that owns no output row
-            (window,) = exchange_planned([x], [(plan, dim, 0.0)], mgr, side_stream=self.side_stream)
+            spec = (call.plan, dim, 0.0)
+            (window,) = exchange_planned([x], [spec], mgr, side_stream=self.side_stream)
         if call.owns_no_output:
             return self._bias_only(x, window, weight, bias, 0)
         return self.op(window, weight, bias)
@@ -227,11 +270,10 @@ class _DomainParallelConvNd(DomainWrapper):
             return None
         return self.op.with_row_padding(i, pb), (pb, pb + e - s)
 
-    def _forward_fused_pad(self, x, weight, bias, mgr, length, n, dim):
+    def _forward_fused_pad(self, x, weight, bias, call, mgr, dim):
         """The padding layer ``fused_pad`` then this conv, with ONE exchange of the pad's input
-        (``length`` rows): the two row maps composed (``exchange.compose_windows``)."""
+        (``call`` made over its rows): the two row maps composed (``rows.compose_windows``)."""
         pad = self.fused_pad
-        call = self._call_geometry(length, n, mgr.domain_rank, fused=True)
         spec = (call.plan, dim, pad.value)
         (window,) = exchange_planned([x], [spec], mgr, side_stream=self.side_stream)
         window = pad.pad_width(window)
@@ -253,9 +295,8 @@ class _DomainParallelConvNd(DomainWrapper):
             y = y + bias.view(1, -1, *([1] * self.nd))
         return y
 
-    def _forward_transposed(self, x, weight, bias, mgr, length, n, dim):
+    def _forward_transposed(self, x, weight, bias, call, mgr, dim):
         geo, i = self.geometry, self.spatial_index
-        call = self._call_geometry(length, n, mgr.domain_rank)
         # every rank takes part in the exchange, also one whose own window is empty
         (window,) = exchange_planned(
             [x], [(call.plan, dim, 0.0)], mgr, side_stream=self.side_stream
@@ -292,9 +333,15 @@ class DomainParallelConv2d(_DomainParallelConvNd):
     _expected = (nn.Conv2d,)
 
     def __init__(
-        self, conv: nn.Conv2d, shard_dim: int = -2, *, manager=None, overlap: bool | None = None
+        self,
+        conv: nn.Conv2d,
+        shard_dim: int = -2,
+        *,
+        manager=None,
+        overlap: bool | None = None,
+        options: LayerOptions | None = None,
     ):
-        super().__init__(conv, shard_dim, manager=manager, overlap=overlap)
+        super().__init__(conv, shard_dim, manager=manager, overlap=overlap, options=options)
 
 
 class DomainParallelConv3d(_DomainParallelConvNd):
@@ -303,9 +350,15 @@ class DomainParallelConv3d(_DomainParallelConvNd):
     _expected = (nn.Conv3d,)
 
     def __init__(
-        self, conv: nn.Conv3d, shard_dim: int = 3, *, manager=None, overlap: bool | None = None
+        self,
+        conv: nn.Conv3d,
+        shard_dim: int = 3,
+        *,
+        manager=None,
+        overlap: bool | None = None,
+        options: LayerOptions | None = None,
     ):
-        super().__init__(conv, shard_dim, manager=manager, overlap=overlap)
+        super().__init__(conv, shard_dim, manager=manager, overlap=overlap, options=options)
 
 
 class DomainParallelConvTranspose2d(_DomainParallelConvNd):
@@ -314,8 +367,15 @@ class DomainParallelConvTranspose2d(_DomainParallelConvNd):
     domain_kind = "conv_transpose"
     _expected = (nn.ConvTranspose2d,)
 
-    def __init__(self, conv: nn.ConvTranspose2d, shard_dim: int = -2, *, manager=None):
-        super().__init__(conv, shard_dim, manager=manager)
+    def __init__(
+        self,
+        conv: nn.ConvTranspose2d,
+        shard_dim: int = -2,
+        *,
+        manager=None,
+        options: LayerOptions | None = None,
+    ):
+        super().__init__(conv, shard_dim, manager=manager, options=options)
 
 
 class DomainParallelConvTranspose3d(_DomainParallelConvNd):
@@ -324,8 +384,15 @@ class DomainParallelConvTranspose3d(_DomainParallelConvNd):
     domain_kind = "conv_transpose"
     _expected = (nn.ConvTranspose3d,)
 
-    def __init__(self, conv: nn.ConvTranspose3d, shard_dim: int = 3, *, manager=None):
-        super().__init__(conv, shard_dim, manager=manager)
+    def __init__(
+        self,
+        conv: nn.ConvTranspose3d,
+        shard_dim: int = 3,
+        *,
+        manager=None,
+        options: LayerOptions | None = None,
+    ):
+        super().__init__(conv, shard_dim, manager=manager, options=options)
 
 
 class DomainParallelPeriodicConv2d(_DomainParallelConvNd):
@@ -345,6 +412,7 @@ class DomainParallelPeriodicConv2d(_DomainParallelConvNd):
         *,
         manager=None,
         overlap: bool | None = None,
+        options: LayerOptions | None = None,
     ):
         inner = getattr(periodic_conv, "conv", None)
         p = getattr(periodic_conv, "padding", None)
@@ -369,13 +437,15 @@ class DomainParallelPeriodicConv2d(_DomainParallelConvNd):
             "reflect",
             "circular",
         )
-        super().__init__(inner, shard_dim, manager=manager, geometry=geo, overlap=overlap)
+        super().__init__(
+            inner, shard_dim, manager=manager, geometry=geo, overlap=overlap, options=options
+        )
         # share the periodic module's own dicts (keys "conv.weight"), not the inner conv's
         self._parameters = periodic_conv._parameters
         self._buffers = periodic_conv._buffers
         self._modules = periodic_conv._modules
         self._non_persistent_buffers_set = periodic_conv._non_persistent_buffers_set
-        object.__setattr__(self, "periodic", periodic_conv)
+        self.__dict__["periodic"] = periodic_conv  # not a child: its dicts are shared above
         self.padding = p
 
     def _weight_and_bias(self, x):

@@ -1,6 +1,16 @@
-"""Converting a model for domain parallelism: one rule per module type, one walker.
+"""Converting a model for domain parallelism: one rule per module type, one plan, then apply.
 
-The walker replaces every module whose result along latitude depends on rows it does not own
+:func:`convert_to_domain_parallel` first DECIDES (:func:`plan_conversion`, a
+:class:`~credit_parallel.domain.plan.ConversionPlan`, replacing nothing and needing no process
+group), then APPLIES (:func:`apply_conversion_plan`).  The plan is decided in stages, each on
+the tree the earlier ones decided: whole CREDIT models whose forwards read the global grid
+(FuXi: ``fuxi.credit_model_decision``), attention of a known structure
+(``attention.recognise.known_attention_decision``), the rule walk (:func:`walk_domain_modules`:
+the caller's ``custom_converters`` first, then the registered rule of each type), the refused
+modules wrapped to run on the whole globe under ``nonlocal_policy="gather"``, and the exchange
+fusions (``fusion.find_fusions``).  The layout planner reads the same plan (``planner/trace.py``).
+
+The rule walk replaces every module whose result along latitude depends on rows it does not own
 (convolutions that are not row-local, GroupNorm, Upsample, periodic convs, padding over H,
 PixelShuffle/Unshuffle) by its domain-parallel layer, leaves point-wise and channel-wise modules
 alone, and REFUSES modules that would compute something silently different on a shard
@@ -17,7 +27,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .attention import convert_known_attention, recognised_attention_form
+from .attention import recognised_attention_form
+from .attention.recognise import known_attention_decision
 from .attention.swin_blocks import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
 from .conv import (
     DomainParallelConv2d,
@@ -27,26 +38,26 @@ from .conv import (
     DomainParallelPeriodicConv2d,
     conv_needs_domain_wrapper,
 )
-from .fusion import fuse_exchanges as fuse_layer_exchanges
-from .fuxi import convert_credit_models
-from .gather import (
-    NONLOCAL_POLICIES,
-    DomainGatherModule,
-    gather_cost_note,
-    gather_nonlocal_modules,
-)
+from .fusion import apply_fusions, find_fusions
+from .fuxi import credit_model_decision
+from .gather import NONLOCAL_POLICIES, DomainGatherModule, gather_cost_note
 from .norm import DomainParallelGroupNorm
+from .options import OptionsMixin
 from .padding import DomainParallelPad
 from .pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
+from .plan import ConversionPlan, PadConvFusion, PlannedModule, SharedInputGroup
 from .resample import DomainParallelInterpolate
+from .wrap import converted_tree, visit_outermost
 
 __all__ = [
     "DOMAIN_RULES",
     "DomainRule",
+    "apply_conversion_plan",
     "convert_to_domain_parallel",
     "domain_rule_for",
     "find_unsafe_modules",
     "apply_domain_rule",
+    "plan_conversion",
     "register_domain_rule",
     "validate_sharding_constraints",
     "walk_domain_modules",
@@ -240,20 +251,31 @@ def apply_domain_rule(module: nn.Module, manager, shard_dim: int):
 def walk_domain_modules(
     model: nn.Module, on_candidate, on_unsafe=None, custom=None, shard_dim: int = -2
 ) -> None:
-    """Walk ``model`` (the root included) exactly as the converter does.
+    """Walk ``model`` (the root included) exactly as the converter's rule stage does.
 
     Already domain-parallel modules and ``_domain_local = True`` modules are skipped (not
-    descended into); a module of a ``custom`` type goes to ``on_custom`` semantics: the custom
-    callable's result replaces it; an unsafe module is reported to ``on_unsafe(path, reason)``;
+    descended into); a module of a ``custom`` type is replaced, in place, by the custom
+    callable's result; an unsafe module is reported to ``on_unsafe(path, reason)``;
     every other module goes to ``on_candidate(parent, name, path, module)``, which returns True
     when it handled (replaced) the module — otherwise its children are visited.  Paths are as
     users see them ("<root>" for the model itself).
     """
-    custom = custom or {}
+
+    def on_custom(parent, name, path, child, replacement):
+        parent._modules[name] = replacement
+
+    return _walk(model, on_candidate, on_unsafe, custom or {}, shard_dim, on_custom)
+
+
+def _walk(model, on_candidate, on_unsafe, custom, shard_dim, on_custom, occupant=None):
+    """:func:`walk_domain_modules` over the tree in which ``occupant(path, module)`` gives the
+    module at each path (the converter's decisions so far; default: the module itself)."""
+    occupant = occupant or (lambda path, module: module)
 
     def walk(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
             path = f"{prefix}.{name}" if prefix else name
+            child = occupant(_display(path), child)
             if _is_domain_parallel(child):
                 if getattr(child, "_domain_convert_children", False):
                     walk(child, path)  # runs the module's own forward on the local rows
@@ -262,7 +284,7 @@ def walk_domain_modules(
             if typ is not None:
                 replacement = custom[typ](child)
                 if replacement is not None and replacement is not child:
-                    module._modules[name] = replacement
+                    on_custom(module, name, _display(path), child, replacement)
                 continue
             reason = _unsafe_reason(child, shard_dim)
             if reason is not None:
@@ -272,7 +294,7 @@ def walk_domain_modules(
             if getattr(child, "_domain_local", None) is True:
                 continue
             if recognised_attention_form(child) is not None:
-                continue  # made exact whole (the converter's attention pre-pass replaces it)
+                continue  # made exact whole (the converter's attention stage replaces it)
             if not on_candidate(module, name, _display(path), child):
                 walk(child, path)
 
@@ -288,6 +310,157 @@ def find_unsafe_modules(model: nn.Module) -> list[tuple[str, str]]:
     found = []
     walk_domain_modules(model, lambda *_: False, lambda path, reason: found.append((path, reason)))
     return found
+
+
+def _check_arguments(shard_dim: int, custom_converters, nonlocal_policy: str) -> dict:
+    if nonlocal_policy not in NONLOCAL_POLICIES:
+        raise ValueError(f"nonlocal_policy must be 'raise' or 'gather', got {nonlocal_policy!r}")
+    if shard_dim >= 0 or shard_dim < -3:
+        raise ValueError(
+            f"shard_dim must be given from the end (-2 is latitude in B,C,H,W and B,C,T,H,W), got {shard_dim}"
+        )
+    custom = dict(custom_converters or {})
+    for key, fn in custom.items():
+        if not isinstance(key, type) or not callable(fn):
+            raise TypeError(
+                f"custom_converters must map module types to callables, got {key!r}: {fn!r}"
+            )
+    return custom
+
+
+def plan_conversion(
+    model: nn.Module,
+    manager,
+    shard_dim: int = -2,
+    custom_converters: dict[type, Callable] | None = None,
+    nonlocal_policy: str = "raise",
+    *,
+    fuse_exchanges: bool = True,
+    errors: str = "raise",
+) -> ConversionPlan:
+    """DECIDE what :func:`convert_to_domain_parallel` does to ``model``, replacing nothing:
+    the :class:`~credit_parallel.domain.plan.ConversionPlan` (see ``plan.py``).  Its stages, in
+    order, each on the tree the earlier ones decided: whole CREDIT models whose forwards read
+    the global grid (FuXi, ``fuxi.py``), attention of a known structure (``attention/``), then
+    the rule walk (``custom_converters`` first, then the registered rule of each type;
+    refusing unsafe modules), under ``nonlocal_policy="gather"`` the refused modules wrapped to
+    run on the whole globe, and last the exchange fusions (``fusion.py``).
+
+    ``manager`` may be None (the layout planner: layers resolve their manager only when they
+    run).  ``errors="raise"``: a module a rule cannot convert raises ``ValueError``/``TypeError``
+    naming its path; ``"record"``: the plan lists it (:attr:`ConversionPlan.errors`)."""
+    custom = _check_arguments(shard_dim, custom_converters, nonlocal_policy)
+    if errors not in ("raise", "record"):
+        raise ValueError(f"errors must be 'raise' or 'record', got {errors!r}")
+    plan = ConversionPlan(shard_dim, nonlocal_policy)
+    decided: dict[str, nn.Module] = {}  # display path -> the module it holds once converted
+    skip = tuple(custom)
+
+    def occupant(path: str, module: nn.Module) -> nn.Module:
+        return decided.get(path, module)
+
+    def decide(path: str, stage: str, original, replacement) -> None:
+        decided[path] = replacement
+        plan.modules.append(PlannedModule(path, stage, original, replacement))
+
+    def stage(name: str, decision):
+        def visit(module: nn.Module, path: str):
+            try:
+                new = decision(module, path)
+            except ValueError as err:
+                if errors == "raise":
+                    raise
+                plan.modules.append(PlannedModule(path or "<root>", name, module, None, err))
+                return module
+            if new is not None and new is not module:
+                decide(path or "<root>", name, module, new)
+            return new
+
+        visit_outermost(model, visit, occupant)
+
+    stage(
+        "adapter",
+        lambda m, path: credit_model_decision(
+            m, path, manager, shard_dim, skip, nonlocal_policy, _append_to(plan.gathered)
+        ),
+    )
+    stage("attention", lambda m, path: known_attention_decision(m, path, manager, shard_dim, skip))
+
+    def on_custom(parent, name, path, child, replacement) -> None:
+        decide(path, "custom", child, replacement)
+
+    def candidate(parent, name, path, child) -> bool:
+        try:
+            replacement = apply_domain_rule(child, manager, shard_dim)
+        except (ValueError, TypeError) as err:
+            if errors == "raise":
+                # a layer that cannot be made exact: say WHICH module (SPEC §0), keep the reason
+                raise type(err)(
+                    f"convert_to_domain_parallel: cannot convert {path} ({type(child).__name__}): {err}"
+                ) from err
+            plan.modules.append(PlannedModule(path, "rule", child, None, err))
+            return True
+        if replacement is None:
+            return False
+        if isinstance(replacement, OptionsMixin):
+            # layers name their module path in errors (e.g. too few output rows)
+            replacement.configure(module_path=path)
+        decide(path, "rule", child, replacement)
+        return True
+
+    root = occupant("<root>", model)
+    _walk(root, candidate, _append_to(plan.unsafe), custom, shard_dim, on_custom, occupant)
+    if plan.unsafe and nonlocal_policy == "gather":
+        at = dict(converted_tree(model, occupant))
+        for path, _ in plan.unsafe:
+            module = at["" if path == "<root>" else path]
+            # (B, H, W, C) Swin blocks shard their dim -3 whatever the model's shard_dim
+            dim = SWIN_SHARD_DIM if swin_family(module) is not None else shard_dim
+            wrapper = DomainGatherModule(module, dim, manager=manager)
+            decide(path, "gather", module, wrapper.configure(module_path=path))
+        plan.unsafe = []
+    if fuse_exchanges:
+        _plan_fusions(plan, list(converted_tree(model, occupant)))
+    return plan
+
+
+def _append_to(found: list):
+    return lambda *item: found.append(tuple(item))
+
+
+def _plan_fusions(plan: ConversionPlan, tree: list) -> None:
+    path_of: dict[int, str] = {}
+    for path, module in tree:
+        path_of.setdefault(id(module), path or "<root>")
+    pairs, groups = find_fusions(None, tree=tree)
+    for pad, conv in pairs:
+        plan.pad_conv.append(PadConvFusion(path_of[id(pad)], path_of[id(conv)], pad, conv))
+    for group in groups:
+        plan.shared_inputs.append(
+            SharedInputGroup(tuple(path_of[id(c)] for c in group), tuple(group))
+        )
+
+
+def apply_conversion_plan(model: nn.Module, plan: ConversionPlan) -> nn.Module:
+    """APPLY ``plan`` (from :func:`plan_conversion` on this ``model``): put every replacement
+    in its place, in the order decided, then let the fused layers share their exchanges.
+    Returns the model (the root itself may be replaced)."""
+    if plan.errors:
+        raise ValueError(f"apply_conversion_plan: the plan has errors:\n{plan}")
+    root = model
+    for entry in plan.replacements():
+        if entry.path == "<root>":
+            root = entry.replacement
+            continue
+        parent_path, _, name = entry.path.rpartition(".")
+        parent = root
+        for part in parent_path.split(".") if parent_path else ():
+            parent = parent._modules[part]
+        parent._modules[name] = entry.replacement
+    apply_fusions(
+        [(f.pad, f.conv) for f in plan.pad_conv], [list(g.layers) for g in plan.shared_inputs]
+    )
+    return root
 
 
 def convert_to_domain_parallel(
@@ -312,63 +485,33 @@ def convert_to_domain_parallel(
     runs every module that would be reported on the whole globe instead (``domain/gather.py``).
     ``fuse_exchanges``: let a padding layer and the conv after it, and sibling convs on one
     input, share exchanges (``fusion.py``; the results are the same).
+
+    Two steps: :func:`plan_conversion` decides everything (the plan the layout planner reads
+    too), then, once no refused module is left, :func:`apply_conversion_plan` applies it.
     """
-    if nonlocal_policy not in NONLOCAL_POLICIES:
-        raise ValueError(f"nonlocal_policy must be 'raise' or 'gather', got {nonlocal_policy!r}")
-    if shard_dim >= 0 or shard_dim < -3:
-        raise ValueError(
-            f"shard_dim must be given from the end (-2 is latitude in B,C,H,W and B,C,T,H,W), got {shard_dim}"
-        )
-    custom = dict(custom_converters or {})
-    for key, fn in custom.items():
-        if not isinstance(key, type) or not callable(fn):
-            raise TypeError(
-                f"custom_converters must map module types to callables, got {key!r}: {fn!r}"
-            )
+    custom = _check_arguments(shard_dim, custom_converters, nonlocal_policy)
     if manager is None:
         raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
-
-    unsafe: list[tuple[str, str]] = []
-    # whole CREDIT models whose forwards read the global grid (FuXi) first: their layers are
-    # then converted inside them like anywhere else
-    model = convert_credit_models(
-        model, manager, shard_dim, skip_types=tuple(custom), nonlocal_policy=nonlocal_policy
+    plan = plan_conversion(
+        model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse_exchanges
     )
-    model = convert_known_attention(model, manager, shard_dim, skip_types=tuple(custom))
-
-    def replace(parent: nn.Module, name: str, path: str, child: nn.Module) -> bool:
-        try:
-            replacement = apply_domain_rule(child, manager, shard_dim)
-        except (ValueError, TypeError) as err:
-            # a layer that cannot be made exact: say WHICH module (SPEC §0), keep the reason
-            raise type(err)(
-                f"convert_to_domain_parallel: cannot convert {path} ({type(child).__name__}): {err}"
-            ) from err
-        if replacement is None:
-            return False
-        parent._modules[name] = replacement
-        # layers name their module path in errors (e.g. too few output rows)
-        replacement.module_path = path
-        return True
-
-    model = walk_domain_modules(
-        model, replace, lambda p, r: unsafe.append((p, r)), custom, shard_dim
-    )
-    if unsafe and nonlocal_policy == "gather":
-        model = gather_nonlocal_modules(model, [p for p, _ in unsafe], manager, shard_dim)
-        for m in model.modules():
-            if isinstance(m, DomainGatherModule) and swin_family(m.wrapped) is not None:
-                m.shard_dim = SWIN_SHARD_DIM  # (B, H, W, C) whatever the model's shard_dim
+    for where, why in plan.gathered:
+        warnings.warn(
+            f"nonlocal_policy='gather': {where} ({why}): "
+            + gather_cost_note(manager.domain_world_size),
+            stacklevel=2,
+        )
+    gathered = [m.path for m in plan.modules if m.stage == "gather"]
+    if gathered:
         warnings.warn(
             "nonlocal_policy='gather': "
-            + ", ".join(p for p, _ in unsafe)
+            + ", ".join(gathered)
             + ": "
             + gather_cost_note(manager.domain_world_size),
             stacklevel=2,
         )
-        unsafe = []
-    if unsafe:
-        listing = "\n  ".join(f"{p}: {r}" for p, r in unsafe)
+    if plan.unsafe:
+        listing = "\n  ".join(f"{p}: {r}" for p, r in plan.unsafe)
         message = (
             "modules that would be silently wrong under latitude (H) sharding:\n  "
             + listing
@@ -379,11 +522,10 @@ def convert_to_domain_parallel(
         if not allow_unsafe:
             raise ValueError(message)
         warnings.warn(message, stacklevel=2)
-    if fuse_exchanges:
-        fuse_layer_exchanges(model)
+    model = apply_conversion_plan(model, plan)
     try:
-        object.__setattr__(model, "_domain_manager", manager)
-    except AttributeError:
+        vars(model)["_domain_manager"] = manager  # read by composition.get_domain_manager
+    except TypeError:
         pass
     return model
 

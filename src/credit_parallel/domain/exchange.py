@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..launch import wait_all
-from .manager import resolve_manager
+from .manager import require_manager, resolve_manager
 from .rows import compose_windows, edge_source_row, plan_exchange, shard_range
 from .streams import comm_stream_for
 from .traffic import ExchangeStats, active_recorder, exchange_stats, record_exchange_stats
@@ -92,6 +92,22 @@ class PendingExchange:
 
     def _keep_tensors(self) -> list:
         return [t for _, t in self._keep]
+
+    def posted_on(self, stream) -> PendingExchange:
+        """Mark this exchange as posted on ``stream`` (a
+        :class:`~credit_parallel.domain.streams.CommStream`): :meth:`wait` joins it and hands the
+        result over to the compute stream.  Returns self."""
+        self._stream = stream
+        return self
+
+    def then(self, fn) -> PendingExchange:
+        """Apply ``fn`` to the result once it is complete (after any earlier ``finish``);
+        returns self.  Must be called before :meth:`wait`."""
+        if self._done:
+            raise RuntimeError("PendingExchange.then: the exchange is already complete")
+        first = self._finish
+        self._finish = fn if first is None else (lambda result: fn(first(result)))
+        return self
 
     def wait(self):
         if not self._done:
@@ -199,8 +215,7 @@ def _post_forward(xs, specs, peers, group, overlapped: bool, stream=None) -> Pen
         with stream.posting():
             pending = _post_forward(xs, specs, peers, group, overlapped)
         stream.keep([*xs, *pending._keep_tensors()])
-        pending._stream = stream
-        return pending
+        return pending.posted_on(stream)
     send_parts: dict = {}
     recv_shapes: dict = {}
     for (plan, dim, _), x in zip(specs, xs):
@@ -243,8 +258,7 @@ def _post_backward(
         with stream.posting():
             pending = _post_backward(grads, specs, peers, group, x_shapes, overlapped)
         stream.keep([*grads, *pending._keep_tensors(), *pending._result])
-        pending._stream = stream
-        return pending
+        return pending.posted_on(stream)
     grad_xs, send_parts, back_shapes = [], {}, {}
     for (plan, dim, _), grad, shape in zip(specs, grads, x_shapes):
         grad_x, grad_recv = _split_window_grad(grad, plan, dim, shape)
@@ -275,8 +289,7 @@ def post_rows(x: torch.Tensor, plan, dim: int, peers, group, *, overlapped: bool
     shard ``x``; returns a :class:`PendingExchange` whose ``wait()`` gives the received buffers
     (one per ``plan.recvs`` entry).  Not differentiable: for layers with their own backward."""
     pending = _post_forward([x], [(plan, dim, 0.0)], peers, group, overlapped)
-    pending._finish = lambda per_spec: per_spec[0]
-    return pending
+    return pending.then(lambda per_spec: per_spec[0])
 
 
 def post_gradient_return(
@@ -285,9 +298,7 @@ def post_gradient_return(
     """Backward of :func:`post_rows`: ``wait()`` gives the gradient of the local shard (shape
     ``x_shape``) from the gradient ``grad`` of this rank's window."""
     pending = _post_backward([grad], [(plan, dim, 0.0)], peers, group, [x_shape], overlapped)
-    finish = pending._finish
-    pending._finish = lambda grad_xs: finish(grad_xs)[0]
-    return pending
+    return pending.then(lambda grad_xs: grad_xs[0])
 
 
 def _range_segments(plan, start: int, stop: int, skip: tuple[int, int] = (0, 0)):
@@ -431,6 +442,7 @@ def exchange_rows_batched(requests, manager, *, side_stream: bool = False) -> li
     requests = list(requests)
     if not requests:
         return []
+    require_manager(manager, "exchange_rows_batched")
     n, rank = manager.domain_world_size, manager.domain_rank
     specs, xs = [], []
     for index, request in enumerate(requests):
@@ -458,6 +470,7 @@ def exchange_planned(xs, specs, manager, *, side_stream: bool = False) -> list[t
     dim, fill_value)`` for the shard ``xs[k]`` (``plan`` this rank's
     :class:`~credit_parallel.domain.rows.RankExchangePlan`, ``dim`` non-negative), for layers
     that cache their per-call geometry.  Differentiable."""
+    require_manager(manager, "exchange_planned")
     if all(not p.sends and not p.recvs for p, _, _ in specs):
         # nothing to move on any rank's side with us: own and fill rows only (a view if it can)
         return [assemble_window(x, [], p, d, f) for x, (p, d, f) in zip(xs, specs)]

@@ -21,7 +21,7 @@ from .conv import _DomainParallelConvNd
 from .padding import DomainParallelPad
 from .shared_input import share_input_exchange
 
-__all__ = ["find_fusions", "fuse_exchanges"]
+__all__ = ["apply_fusions", "find_fusions", "fuse_exchanges"]
 
 
 def _plain_conv(module) -> bool:
@@ -39,9 +39,8 @@ def _fill_agrees(pad: DomainParallelPad, conv: _DomainParallelConvNd) -> bool:
     return pad.mode != "constant" or pad.value == 0.0 or not conv_fills
 
 
-def _pad_conv_pairs(seq: nn.Sequential, uses: dict, layer_of) -> list:
+def _pad_conv_pairs(children: list, uses: dict, layer_of) -> list:
     pairs = []
-    children = list(seq.children())
     for first, second in zip(children, children[1:]):
         pad, conv = layer_of(first), layer_of(second)
         if (
@@ -60,7 +59,7 @@ def _pad_conv_pairs(seq: nn.Sequential, uses: dict, layer_of) -> list:
     return pairs
 
 
-def _sibling_groups(modules: nn.ModuleList, layer_of) -> list[list]:
+def _sibling_groups(modules: list, layer_of) -> list[list]:
     groups: dict = {}
     for child in modules:
         m = layer_of(child)
@@ -72,35 +71,56 @@ def _sibling_groups(modules: nn.ModuleList, layer_of) -> list[list]:
     return [g for g in groups.values() if len(g) >= 2]
 
 
-def find_fusions(model: nn.Module, layer_of=None) -> tuple[list, list]:
+def find_fusions(model: nn.Module | None, layer_of=None, *, tree=None) -> tuple[list, list]:
     """``(pad_conv_pairs, sibling_groups)`` of ``model``: pairs ``(pad module, conv module)`` and
     lists of sibling conv modules, as modules of ``model``.  ``layer_of(module)`` gives the
     domain layer that module is or will be replaced by (None: not a domain layer); by default the
-    module itself (a converted model).  The planner passes the converter's replacements."""
+    module itself (a converted model).  ``tree``: the ``(path, module)`` of every module,
+    duplicates included, to look at instead of ``model``'s (the converter's plan passes the
+    converted tree it decided, before anything is replaced: ``convert.plan_conversion``)."""
     layer_of = layer_of or (lambda m: m)
+    if tree is None:
+        tree = list(model.named_modules(remove_duplicate=False))
+    at = dict(tree)
     uses: dict[int, int] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
+    containers: dict[int, tuple] = {}  # first occurrences, in order (as model.modules())
+    for path, module in tree:
         uses[id(module)] = uses.get(id(module), 0) + 1
+        containers.setdefault(id(module), (path, module))
     pairs, groups = [], []
-    for module in model.modules():
+    for path, module in containers.values():
+        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
+            continue
+        children = {}  # as module.children(): each child once, in order
+        for name, child in module._modules.items():
+            if child is not None:
+                child = at[f"{path}.{name}" if path else name]
+                children.setdefault(id(child), child)
         if isinstance(module, nn.Sequential):
-            pairs += _pad_conv_pairs(module, uses, layer_of)
+            pairs += _pad_conv_pairs(list(children.values()), uses, layer_of)
         if isinstance(module, nn.ModuleList):
-            groups += _sibling_groups(module, layer_of)
+            groups += _sibling_groups(list(children.values()), layer_of)
     # a conv that exchanges for its pad does not also share its input
     paired = {id(conv) for _, conv in pairs}
     groups = [g for g in ([c for c in g if id(c) not in paired] for g in groups) if len(g) >= 2]
     return pairs, groups
 
 
+def apply_fusions(pairs, groups) -> None:
+    """Configure the layers of ``pairs`` ``(pad layer, conv layer)`` and sibling ``groups``
+    (domain layers, as :func:`find_fusions` finds them) to share their exchanges: each through
+    its ``configure`` method (``options.py``; plain references, not submodules: no new
+    state_dict keys, no second parent)."""
+    for pad, conv in pairs:
+        pad.configure(fused_into=conv)
+        conv.configure(fused_pad=pad)
+    for group in groups:
+        share_input_exchange(*group)
+
+
 def fuse_exchanges(model: nn.Module) -> dict[str, int]:
     """Fuse the exchanges of ``model``'s domain layers in place (see the module docstring);
     returns how many ``pad_conv`` pairs and ``sibling_convs`` groups were fused."""
     pairs, groups = find_fusions(model)
-    for pad, conv in pairs:
-        # plain attributes, not submodules: no new state_dict keys, no second parent
-        object.__setattr__(pad, "fused_into", conv)
-        object.__setattr__(conv, "fused_pad", pad)
-    for group in groups:
-        share_input_exchange(*group)
+    apply_fusions(pairs, groups)
     return {"pad_conv": len(pairs), "sibling_convs": len(groups)}

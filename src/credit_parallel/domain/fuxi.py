@@ -59,6 +59,7 @@ __all__ = [
     "DomainFuxi",
     "FuxiGeometry",
     "convert_credit_models",
+    "credit_model_decision",
     "fuxi_geometry",
     "fuxi_unshardable_reason",
     "is_fuxi",
@@ -286,9 +287,8 @@ class DomainFuxi(DomainWrapper):
         if reason is not None:
             raise ValueError(f"{type(model).__name__}: {reason}")
         super().__init__(model)
-        object.__setattr__(self, "manager", manager)
-        object.__setattr__(self, "_exchange", _RowExchange(manager))
-        object.__setattr__(self, "_interpolations", {})
+        # not registered in the dicts shared with the wrapped model: no new state_dict keys
+        self.__dict__.update(manager=manager, _interpolations={})
 
     def _name(self) -> str:
         return f"{getattr(self, 'module_path', None) or '<root>'} ({type(self.wrapped).__name__})"
@@ -303,7 +303,7 @@ class DomainFuxi(DomainWrapper):
             raise ValueError(
                 f"{self._name()}: expects a (B, C, T, H, W) shard, got {tuple(x.shape)}"
             )
-        self._exchange.manager = mgr
+        exchange = _RowExchange(mgr)  # this call's manager, resolved above
         n, rank = mgr.domain_world_size, mgr.domain_rank
         input_height = height = mgr.global_length(self, x.shape[SHARD_DIM])
         padding = model.padding_opt if model.use_padding else None
@@ -315,14 +315,14 @@ class DomainFuxi(DomainWrapper):
         except ValueError as err:
             raise ValueError(f"{self._name()}: {err}") from None
         outputs = pair_layout(geometry.up, n, geometry.patch)
-        with self._local_grid(geometry, n, rank):
+        with self._local_grid(geometry, n, rank, exchange):
             if padding is None:
                 y = model(x, noise=noise, forecast_step=forecast_step)
-                y = self._exchange(y, outputs, geometry.out, SHARD_DIM, back=True)
+                y = exchange(y, outputs, geometry.out, SHARD_DIM, back=True)
                 out_height = geometry.out
             else:
                 stand_in = _ShardedTensorPadding(
-                    padding, self._exchange, n, rank, input_height, outputs, geometry.out
+                    padding, exchange, n, rank, input_height, outputs, geometry.out
                 )
                 with _swapped(model, "padding_opt", stand_in):
                     y = model(x, noise=noise, forecast_step=forecast_step)
@@ -334,7 +334,7 @@ class DomainFuxi(DomainWrapper):
         return y
 
     @contextmanager
-    def _local_grid(self, geometry: FuxiGeometry, n: int, rank: int):
+    def _local_grid(self, geometry: FuxiGeometry, n: int, rank: int, exchange):
         """FuXi's global-grid attributes set to this rank's rows, the crop and the re-layout of
         the u-transformer's output hooked in; everything restored on exit (also on errors)."""
         model = self.wrapped
@@ -356,13 +356,13 @@ class DomainFuxi(DomainWrapper):
                 crop = geometry.crop_windows(top, n)
                 stack.callback(
                     ut.layer.register_forward_hook(
-                        lambda _m, _a, out: self._exchange(out, crop, geometry.padded, 1)
+                        lambda _m, _a, out: exchange(out, crop, geometry.padded, 1)
                     ).remove
                 )
             rows = pair_layout(geometry.up, n)
             stack.callback(
                 ut.register_forward_hook(
-                    lambda _m, _a, out: self._exchange(out, rows, geometry.up, SHARD_DIM)
+                    lambda _m, _a, out: exchange(out, rows, geometry.up, SHARD_DIM)
                 ).remove
             )
             yield
@@ -373,11 +373,11 @@ class DomainFuxi(DomainWrapper):
         size = tuple(int(v) for v in self.wrapped.img_size_original[1:])
         if (height, y.shape[-1]) == size:
             return y  # bilinear to the same size copies its input
-        layer = self._interpolations.get(size)
-        if layer is None:
-            layer = DomainParallelInterpolate(size=size, mode="bilinear", manager=mgr)
-            self._interpolations[size] = layer
-        layer.manager = mgr
+        built = self._interpolations.get(size)
+        if built is None or built[0] is not mgr:
+            built = (mgr, DomainParallelInterpolate(size=size, mode="bilinear", manager=mgr))
+            self._interpolations[size] = built
+        layer = built[1]
         return layer(y.squeeze(2)).unsqueeze(2)
 
 
@@ -392,6 +392,43 @@ def _swapped(obj, name: str, value):
         obj.__dict__[name] = old
 
 
+def credit_model_decision(
+    module: nn.Module,
+    path: str,
+    manager,
+    shard_dim: int = -2,
+    skip_types=(),
+    nonlocal_policy: str = "raise",
+    on_gather=None,
+):
+    """The CREDIT-model step of the converter for ``module`` at ``path`` ("" or "<root>" for the
+    model), outermost first: None (not a known CREDIT model: look at its children), ``module``
+    itself (keep it, children not visited) or its replacement, built with its module path:
+    :class:`DomainFuxi` (whose layers the converter then converts like anywhere else), or, when
+    it cannot be exact and ``nonlocal_policy="gather"``, a :class:`DomainGatherModule` (then
+    ``on_gather(path, why)`` is told).  Raises ``ValueError`` naming the path otherwise."""
+    if isinstance(module, (DomainFuxi, *skip_types)) or getattr(module, "_domain_parallel", False):
+        return module
+    if not is_fuxi(module):
+        return None
+    where = path or "<root>"
+    if shard_dim != SHARD_DIM:
+        raise ValueError(
+            f"convert_to_domain_parallel: {where} ({type(module).__name__}): FuXi's "
+            f"input is (B, C, T, H, W), latitude is shard_dim -2, got {shard_dim}"
+        )
+    reason = fuxi_unshardable_reason(module)
+    if reason is not None and nonlocal_policy != "gather":
+        raise ValueError(f"convert_to_domain_parallel: {where} ({type(module).__name__}): {reason}")
+    if reason is not None:
+        if on_gather is not None:
+            on_gather(where, f"{type(module).__name__}: {reason}")
+        replacement = DomainGatherModule(module, SHARD_DIM, manager=manager)
+    else:
+        replacement = DomainFuxi(module, manager=manager)
+    return replacement.configure(module_path=where)
+
+
 def convert_credit_models(
     model: nn.Module, manager, shard_dim: int = -2, skip_types=(), nonlocal_policy="raise"
 ):
@@ -401,34 +438,16 @@ def convert_credit_models(
     warning).  Modules of ``skip_types`` (the caller's custom converters) are left to the
     caller.  Returns the model (the root itself may be replaced)."""
 
+    def warn(where: str, why: str) -> None:
+        warnings.warn(
+            f"nonlocal_policy='gather': {where} ({why}): "
+            + gather_cost_note(manager.domain_world_size),
+            stacklevel=4,
+        )
+
     def replacement_for(module: nn.Module, path: str):
-        if isinstance(module, (DomainFuxi, *skip_types)) or getattr(
-            module, "_domain_parallel", False
-        ):
-            return module
-        if is_fuxi(module):
-            where = path or "<root>"
-            if shard_dim != SHARD_DIM:
-                raise ValueError(
-                    f"convert_to_domain_parallel: {where} ({type(module).__name__}): FuXi's "
-                    f"input is (B, C, T, H, W), latitude is shard_dim -2, got {shard_dim}"
-                )
-            reason = fuxi_unshardable_reason(module)
-            if reason is not None and nonlocal_policy != "gather":
-                raise ValueError(
-                    f"convert_to_domain_parallel: {where} ({type(module).__name__}): {reason}"
-                )
-            if reason is not None:
-                warnings.warn(
-                    f"nonlocal_policy='gather': {where} ({type(module).__name__}: {reason}): "
-                    + gather_cost_note(manager.domain_world_size),
-                    stacklevel=3,
-                )
-                replacement = DomainGatherModule(module, SHARD_DIM, manager=manager)
-            else:
-                replacement = DomainFuxi(module, manager=manager)
-            replacement.module_path = where
-            return replacement
-        return None
+        return credit_model_decision(
+            module, path, manager, shard_dim, skip_types, nonlocal_policy, warn
+        )
 
     return replace_outermost(model, replacement_for)

@@ -126,11 +126,11 @@ def gather_nonlocal_modules(model: nn.Module, paths: list[str], manager, shard_d
     for path in paths:
         if path == "<root>":
             model = DomainGatherModule(model, shard_dim, manager=manager)
-            model.module_path = path
+            model.configure(module_path=path)
             continue
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         wrapper = DomainGatherModule(parent._modules[name], shard_dim, manager=manager)
-        wrapper.module_path = path
+        wrapper.configure(module_path=path)
         parent._modules[name] = wrapper
     return model

@@ -23,6 +23,7 @@ from ..config import all_ranks_joined, require_process_group
 __all__ = [
     "DomainParallelManager",
     "get_domain_parallel_manager",
+    "require_manager",
     "initialize_domain_parallel",
     "set_domain_parallel_manager",
 ]
@@ -278,7 +279,11 @@ def get_domain_parallel_manager():
 
 
 def resolve_manager(manager, what: str):
-    """``manager`` or the process-wide one; a clear error when there is neither."""
+    """``manager`` or the process-wide one; a clear error when there is neither.
+
+    Only at the public boundary (SPEC §3: a layer built without ``manager=`` uses the
+    process-wide manager, resolved at its forward): the manager it returns is passed explicitly
+    below, where :func:`require_manager` refuses None."""
     mgr = manager if manager is not None else _MANAGER
     if mgr is None:
         raise RuntimeError(
@@ -286,3 +291,14 @@ def resolve_manager(manager, what: str):
             "initialize_domain_parallel(...)"
         )
     return mgr
+
+
+def require_manager(manager, what: str):
+    """``manager``, which an internal call must be given: no fall-back to the process-wide
+    manager below the public boundary (:func:`resolve_manager`); ``ValueError`` naming ``what``."""
+    if manager is None:
+        raise ValueError(
+            f"{what}: needs a DomainParallelManager (got None); internal calls take the manager "
+            "their layer resolved (resolve_manager), they never fall back to the process-wide one"
+        )
+    return manager

@@ -18,15 +18,16 @@ shard, then convolves the boundary rows from small strips of the window (a few r
 
 The backward first computes the strips' gradients, posts the halo-row gradients back to their
 owners, then runs the shard's call while they travel.  No copy of the whole shard is made in
-either direction (the window path, ``split_halo = False`` on a layer, is kept as the reference).
+either direction (the window path, the option ``split_halo=False``, is kept as the reference).
 
 Results equal the window path to rounding, not bitwise: the CPU kernels' bits depend on how rows
 are split over calls (``tests/test_overlap.py`` probes it).  ``overlap`` only moves the forward's
 wait for the halo rows after the shard's call (``late``); the arithmetic is the same either
 way, so overlap on and off give bitwise the same results.  Overlap is an option of each layer
-(``overlap=`` on the layer, :func:`set_model_overlap` for a whole model); ``None`` (the default)
+(``overlap=`` on the layer, :func:`set_model_overlap` for a whole model, ``configure`` on one
+built layer); ``None`` (the default)
 follows :func:`overlap_enabled`'s measured rule (docs/performance.md).  The split backward is
-once-differentiable: a double backward (gradient penalties) needs ``split_halo = False``.
+once-differentiable: a double backward (gradient penalties) needs the option ``split_halo=False``.
 """
 
 from __future__ import annotations
@@ -42,15 +43,9 @@ from .exchange import (
     post_rows,
     scatter_window_grad,
 )
+from .options import check_overlap
 
 __all__ = ["SplitConv", "check_overlap", "overlap_enabled", "set_model_overlap"]
-
-
-def check_overlap(enabled):
-    """``enabled`` if it is True, False or None (the default, off); else ``TypeError``."""
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(f"halo overlap must be True, False or None (default), got {enabled!r}")
-    return enabled
 
 
 def overlap_enabled(setting: bool | None, device: torch.device | None = None) -> bool:
@@ -64,13 +59,14 @@ def overlap_enabled(setting: bool | None, device: torch.device | None = None) ->
 
 
 def set_model_overlap(model: nn.Module, enabled: bool | None) -> int:
-    """Set ``overlap`` on every domain-parallel layer of ``model`` that has the option (through
-    any FSDP/DDP wrapper); returns how many layers were set.  Read at each forward."""
+    """Set the ``overlap`` option of every domain-parallel layer of ``model`` that has it
+    (through any FSDP/DDP wrapper), each through its ``configure`` method (``options.py``);
+    returns how many layers were set.  Read at each forward."""
     check_overlap(enabled)
     count = 0
     for module in model.modules():
         if getattr(module, "_domain_parallel", False) and hasattr(module, "overlap"):
-            module.overlap = enabled
+            module.configure(overlap=enabled)
             count += 1
     return count
 

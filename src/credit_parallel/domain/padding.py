@@ -24,6 +24,7 @@ from torch import nn
 
 from .exchange import exchange_rows
 from .manager import resolve_manager
+from .options import LayerOptions
 from .rows import FILL, edge_source_row, shard_range
 from .wrap import DomainWrapper
 
@@ -87,13 +88,18 @@ class DomainParallelPad(DomainWrapper):
     domain_form = "halo"
     domain_kind = "pad"
 
-    def __init__(self, pad_module: nn.Module, *, manager=None):
+    def __init__(self, pad_module: nn.Module, *, manager=None, options: LayerOptions | None = None):
         mode = pad_mode_of(pad_module)
         super().__init__(pad_module)
+        if options is not None:
+            self._options = options
         self.mode = mode
         self.manager = manager
-        # the conv that does this layer's exchange together with its own (fusion.py)
-        self.fused_into: nn.Module | None = None
+
+    @property
+    def fused_into(self) -> nn.Module | None:
+        """The conv that exchanges and pads for this layer (``fusion.py``), or None."""
+        return self._options.fused_into
 
     @property
     def padding(self) -> tuple:
@@ -119,7 +125,7 @@ class DomainParallelPad(DomainWrapper):
             raise ValueError(
                 f"{type(self.wrapped).__name__} expects a 3-D or 4-D input, got shape {tuple(x.shape)}"
             )
-        if self.fused_into is not None:
+        if self._options.fused_into is not None:
             return x  # the next conv pads and exchanges for both (fusion.py), any domain size
         mgr = resolve_manager(self.manager, type(self).__name__)
         n = mgr.domain_world_size

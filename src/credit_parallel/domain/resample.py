@@ -39,6 +39,7 @@ from .interp_rows import (  # noqa: F401 - re-exported names
     weight_matrix,
 )
 from .manager import resolve_manager
+from .options import OptionsMixin
 from .pixel_shuffle import (
     DomainParallelPixelShuffle,
     DomainParallelPixelUnshuffle,
@@ -89,7 +90,7 @@ def _interp_plans(mode: str, align_corners, key) -> tuple[InterpRowPlan, InterpR
 
 
 # --------------------------------------------------------------------------- interpolation
-class DomainParallelInterpolate(nn.Module):
+class DomainParallelInterpolate(OptionsMixin, nn.Module):
     """``F.interpolate`` of a latitude-sharded B,C,H,W tensor, exact and in the balanced layout.
 
     ``size`` is the GLOBAL output size ``(H, W)`` (or an int), as it would be passed to

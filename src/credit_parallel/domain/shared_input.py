@@ -19,7 +19,23 @@ from .conv_geometry import ConvGeometry
 from .exchange import exchange_rows
 from .rows import conv_window, edge_source_row, shard_range
 
-__all__ = ["SharedInputExchange", "share_input_exchange", "union_windows"]
+__all__ = ["SharedInputExchange", "share_input_exchange", "sharing_step", "union_windows"]
+
+
+def sharing_step(served, index: int, same_tensor: bool, unchanged: bool = True):
+    """The rule of a shared exchange for one call of sibling ``index``: ``(exchanges,
+    stays_active)``.  ``served``: the siblings already served from the last exchanged input
+    (None: nothing pending); ``same_tensor``: the call's input is that input; ``unchanged``: it
+    was not modified in place since (same version, same height).  A call exchanges unless a
+    sibling not yet served is called on the unchanged same input; a group whose previous input
+    served only the layer that exchanged it, called on another tensor, is a stack, not
+    siblings: it stops sharing.  Pure: the run time (:class:`SharedInputExchange`) and the
+    planner (``planner/make.py``) both follow it."""
+    if served is None:
+        return True, True
+    if same_tensor and unchanged and index not in served:
+        return False, True
+    return True, same_tensor or len(served) != 1
 
 
 @lru_cache(maxsize=1024)
@@ -85,16 +101,11 @@ class SharedInputExchange:
         )
         index = self.layers.index(layer)
         entry = self._entry
-        fresh = (
-            entry is None
-            or entry[0]() is not x
-            or entry[1] != x._version
-            or entry[2] != length
-            or index in entry[4]
+        same = entry is not None and entry[0]() is x
+        unchanged = entry is not None and entry[1] == x._version and entry[2] == length
+        fresh, self.active = sharing_step(
+            None if entry is None else entry[4], index, same, unchanged
         )
-        if fresh and entry is not None and entry[0]() is not x and len(entry[4]) == 1:
-            # the previous tensor served only the layer that exchanged it: not siblings
-            self.active = False
         if fresh:
             # every rank sees the same sequence of calls, so all ranks exchange together
             window = exchange_rows(x, windows, length, dim, mgr)
@@ -140,4 +151,4 @@ def share_input_exchange(*layers) -> None:
             )
     group = SharedInputExchange(layers)
     for layer in layers:
-        layer.shared_input = group
+        layer.configure(shared_input=group)

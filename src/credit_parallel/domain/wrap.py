@@ -11,17 +11,26 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["DomainWrapper", "replace_outermost", "run_forward_pre_hooks"]
+from .options import OptionsMixin
+
+__all__ = [
+    "DomainWrapper",
+    "converted_tree",
+    "replace_outermost",
+    "run_forward_pre_hooks",
+    "visit_outermost",
+]
 
 
-class DomainWrapper(nn.Module):
-    """Base of domain-parallel layers that wrap an existing module (``self.wrapped``)."""
+class DomainWrapper(OptionsMixin, nn.Module):
+    """Base of domain-parallel layers that wrap an existing module (``self.wrapped``); its
+    options (``options.py``) are given at construction or replaced with ``configure``."""
 
     _domain_parallel = True  # converters skip modules that already are domain-parallel
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        object.__setattr__(self, "wrapped", module)  # not registered: no "wrapped." key prefix
+        self.__dict__["wrapped"] = module  # not registered: no "wrapped." key prefix
         self._parameters = module._parameters
         self._buffers = module._buffers
         self._modules = module._modules
@@ -53,5 +62,34 @@ def replace_outermost(model: nn.Module, replacement_for) -> nn.Module:
             if replaced is not child:
                 module._modules[name] = replaced
         return module
+
+    return visit(model, "")
+
+
+def visit_outermost(model: nn.Module, decide, occupant) -> None:
+    """Visit ``model``'s modules outermost first (paths "" for the root, then "a.b"):
+    ``decide(module, path)`` returns None to visit the module's children, anything else stops
+    there.  Nothing is replaced: ``occupant`` says which module a path holds by now."""
+
+    def visit(module: nn.Module, path: str) -> None:
+        module = occupant(path or "<root>", module)
+        if decide(module, path) is not None:
+            return
+        for name, child in list(module.named_children()):
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+
+
+def converted_tree(model: nn.Module, occupant):
+    """``(path, module)`` of the converted tree, duplicates included (as
+    ``named_modules(remove_duplicate=False)`` of the converted model would give)."""
+
+    def visit(module: nn.Module, path: str):
+        module = occupant(path or "<root>", module)
+        yield path, module
+        for name, child in module._modules.items():
+            if child is not None:
+                yield from visit(child, f"{path}.{name}" if path else name)
 
     return visit(model, "")

@@ -27,12 +27,10 @@ import torch
 from torch import nn
 
 from ..config import DataMode, ParallelDims, parse_parallelism_conf
-from ..domain.conv import fused_pad_windows
 from ..domain.convert import validate_sharding_constraints
-from ..domain.fusion import find_fusions
 from ..domain.gather import gather_cost_note
+from ..domain.plan import sharing_step
 from ..domain.rows import shard_sizes
-from ..domain.shared_input import union_windows
 from ..mesh import full_rank_layout
 from ..run_config import TrainerConfig, trainer_option
 from .cost import (
@@ -46,7 +44,7 @@ from .cost import (
     predicted_halo_bytes,
     tp_split_dims,
 )
-from .trace import build_meta_model, domain_targets, model_input_shapes, trace_model
+from .trace import build_meta_model, conversion_plan, model_input_shapes, plan_targets, trace_model
 
 __all__ = ["MAX_RANKS_LISTED", "Plan", "RankEntry", "make_plan"]
 
@@ -169,7 +167,8 @@ def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: li
     param_dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     double = param_dtype == torch.float64 and not amp  # float64 interpolation indices
     itemsize = 2 if amp else param_dtype.itemsize
-    targets, unsafe = domain_targets(model, policy)
+    plan = conversion_plan(model, policy)
+    targets, unsafe = plan_targets(plan), plan.unsafe
     trace = trace_model(model, shapes, [t for t in targets if not isinstance(t[2], Exception)])
     for path, _, err in targets:
         if isinstance(err, Exception) and n > 1:
@@ -182,7 +181,7 @@ def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: li
                 "trainer.domain_nonlocal_policy: gather to run it on the whole globe, or use "
                 "trainer.parallelism.domain: 1)"
             )
-    exchanges = _fused_exchanges(model, targets, trace, n)
+    exchanges = _fused_exchanges(plan, trace, n)
     layers = []
     seen_calls: dict[str, int] = {}
     for index, (path, _, replacement, in_shape, out_shape, _) in enumerate(trace.calls):
@@ -201,45 +200,42 @@ def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: li
     return trace, layers
 
 
-def _fused_exchanges(model, targets, trace, n: int) -> dict:
+def _fused_exchanges(plan, trace, n: int) -> dict:
     """``{call index: exchange}`` (see ``cost.layer_call_plan``) for the calls whose exchange
-    the converter fuses (``domain/fusion.py``): a pad followed by a conv exchanges once, for the
-    conv; sibling convs on one input exchange the union of their windows once, at the first
-    call, as ``shared_input.SharedInputExchange`` does at run time."""
-    replacement = {id(m): r for _, m, r in targets if not isinstance(r, Exception)}
-    pairs, groups = find_fusions(model, lambda m: replacement.get(id(m)))
-    pad_of = {id(conv): pad for pad, conv in pairs}
-    fused_pads = {id(pad) for pad, _ in pairs}
-    group_of = {id(c): tuple(g) for g in groups for c in g}
-    out, entries, inactive = {}, {}, set()
-    for index, (_, module, layer, in_shape, _, x) in enumerate(trace.calls):
+    the converter's plan fuses (``domain/plan.py``): a pad followed by a conv exchanges once,
+    for the conv; sibling convs on one input exchange the union of their windows once, at the
+    calls where the run-time rule ``sharing_step`` exchanges."""
+    pad_of = {id(f.conv): f for f in plan.pad_conv}
+    fused_pads = {id(f.pad) for f in plan.pad_conv}
+    group_of = {id(layer): g for g in plan.shared_inputs for layer in g.layers}
+    out, served_by, inactive = {}, {}, set()
+    for index, (_, _, layer, in_shape, _, x) in enumerate(trace.calls):
         dim = SHARD_DIM % len(in_shape)
-        if id(module) in fused_pads:
+        group = group_of.get(id(layer))
+        if id(layer) in fused_pads:
             out[index] = False
-        elif id(module) in pad_of:
-            pad = replacement[id(pad_of[id(module)])]
-            _, _, top, bottom = pad.padding
+        elif id(layer) in pad_of:
+            fusion = pad_of[id(layer)]
+            left, right, top, bottom = fusion.pad.padding
             shape = list(in_shape)
             shape[dim] -= top + bottom
-            shape[-1] -= pad.padding[0] + pad.padding[1]
-            out[index] = (fused_pad_windows(pad, layer, shape[dim], n), tuple(shape))
-        elif id(module) in group_of and group_of[id(module)] not in inactive:
-            group = group_of[id(module)]
-            entry = entries.get(group)  # (input, layers served) of the last exchange
-            if entry is not None and entry[0] is x and module not in entry[1]:
-                entry[1].append(module)
+            shape[-1] -= left + right
+            out[index] = (fusion.windows(shape[dim], n), tuple(shape))
+        elif group is not None and id(group) not in inactive:
+            entry = served_by.get(id(group))  # (input, siblings served) of the last exchange
+            member = group.layers.index(layer)
+            same = entry is not None and entry[0] is x
+            exchanges, active = sharing_step(None if entry is None else entry[1], member, same)
+            if not exchanges:
+                entry[1].add(member)
                 out[index] = False
-                if len(entry[1]) == len(group):
-                    entries[group] = None  # all served: the next call exchanges afresh
+                if len(entry[1]) == len(group.layers):
+                    served_by[id(group)] = None  # all served: the next call exchanges afresh
                 continue
-            if entry is not None and entry[0] is not x and len(entry[1]) == 1:
-                inactive.add(group)  # a stack, not siblings: every later call alone
-            layers = tuple(replacement[id(c)] for c in group)
-            geos = tuple(m.geometry for m in layers)
-            i = layers[0].spatial_index
-            windows, _ = union_windows(geos, i, in_shape[dim], n, 0)
-            out[index] = (windows, in_shape)
-            entries[group] = (x, [module])
+            if not active:
+                inactive.add(id(group))  # a stack, not siblings: every later call alone
+            out[index] = (group.windows(in_shape[dim], n), in_shape)
+            served_by[id(group)] = (x, {member})
     return out
 
 

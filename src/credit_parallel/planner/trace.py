@@ -3,10 +3,11 @@ meta tensors (no memory, no arithmetic) that records every call of a module the 
 replace, with its input and output shapes, every leaf module's output shape, the tensors autograd
 saves for backward and the convolutions' column buffers (for the memory estimate).
 
-Which modules are replaced, and by what, comes from the converter's own steps: its attention
-recognition (``convert_known_attention``), its walker and rule registry (``domain/convert.py``) and
-its ``nonlocal_policy`` (``trainer.domain_nonlocal_policy``: "gather" wraps what "raise" refuses),
-so the planner sees exactly the layers a run would build.
+Which modules are replaced, and by what, is the converter's own plan
+(``domain.convert.plan_conversion``, ``domain/plan.py``: CREDIT-model adapters such as FuXi,
+attention, the rule walk, ``nonlocal_policy`` = ``trainer.domain_nonlocal_policy`` wrapping what
+"raise" refuses, and the exchange fusions), so the planner sees exactly the layers a run would
+build.
 Input shapes of the known model types (assumptions, read from the built model's attributes,
 which mirror the ``model:`` config keys):
 
@@ -26,12 +27,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..domain.attention import convert_known_attention
-from ..domain.convert import apply_domain_rule, walk_domain_modules
-from ..domain.gather import DomainGatherModule
+from ..domain.convert import plan_conversion
+from ..domain.plan import ConversionPlan
 from ..models import build_model
 
-__all__ = ["Trace", "build_meta_model", "domain_targets", "model_input_shapes", "trace_model"]
+__all__ = [
+    "Trace",
+    "build_meta_model",
+    "conversion_plan",
+    "domain_targets",
+    "model_input_shapes",
+    "plan_targets",
+    "trace_model",
+]
 
 SHARD_DIM = -2  # latitude, as convert_to_domain_parallel shards it by default
 
@@ -80,66 +88,36 @@ def build_meta_model(conf: dict) -> tuple[nn.Module, str]:
     return model, str(conf_model.get("type"))
 
 
-def _known_attention(model: nn.Module) -> list:
-    """``(path, original module, replacement)`` of every attention module the converter's own
-    ``convert_known_attention`` replaces.  It runs on ``model`` (manager None: the wrappers only
-    need one when they run) and the originals are put back, so the meta forward still runs the
-    plain modules while the rest of the walk skips them exactly as the converter does."""
-    found = []
-    before = {id(m) for m in model.modules()}  # layers already domain-parallel stay as they are
-    holder = nn.Module()
-    holder._modules["root"] = model
-    convert_known_attention(holder, None, SHARD_DIM)
-    for path, module in list(holder.named_modules()):
-        if id(module) not in before and getattr(module, "_domain_parallel", False):
-            found.append((path.removeprefix("root").lstrip(".") or "<root>", module))
-    return found
+def conversion_plan(model: nn.Module, nonlocal_policy: str = "raise") -> ConversionPlan:
+    """The converter's own plan for ``model`` (``domain.convert.plan_conversion``, no custom
+    converters, manager None: the layers need one only when they run), modules it cannot
+    convert listed rather than raised.  The root model itself cannot be replaced by an
+    attention layer here (the tracer hooks the modules of the plain model in place)."""
+    plan = plan_conversion(model, None, SHARD_DIM, nonlocal_policy=nonlocal_policy, errors="record")
+    if any(m.path == "<root>" and m.stage == "attention" for m in plan.modules):
+        raise ValueError("the planner cannot plan a model whose root is itself an attention module")
+    return plan
 
 
-def _restore(model: nn.Module, found: list) -> None:
-    for path, replacement in found:
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path) if parent_path else model
-        parent._modules[name] = replacement.wrapped
+def plan_targets(plan: ConversionPlan) -> list:
+    """``(path, module, replacement or error)`` of every module of ``plan`` whose calls the
+    tracer records, in the converter's order.  A CREDIT-model adapter that is not itself a
+    domain layer (``DomainFuxi``: its layers are planned one by one) is left out."""
+    return [
+        (m.path, m.original, m.replacement if m.error is None else m.error)
+        for m in plan.modules
+        if m.error is not None
+        or m.stage != "adapter"
+        or getattr(m.replacement, "_domain_parallel", False)
+    ]
 
 
 def domain_targets(model: nn.Module, nonlocal_policy: str = "raise"):
-    """Ask the converter (no custom converters) what it does with every module of ``model``:
-    returns ``(targets, unsafe)``; ``targets`` are ``(path, module, replacement or error)`` in
-    conversion order: recognised attention first (``convert_known_attention``), then the rule
-    walk (``walk_domain_modules``), then, under ``nonlocal_policy="gather"``, every module the
-    walk reports as unsafe wrapped in :class:`DomainGatherModule` (``unsafe`` is then empty).
-    The root model itself cannot be replaced here (the tracer hooks the modules in place)."""
-    targets, unsafe = [], []
-    found = _known_attention(model)
-    if any(path == "<root>" for path, _ in found):
-        raise ValueError("the planner cannot plan a model whose root is itself an attention module")
-    for path, replacement in found:
-        targets.append((path, replacement.wrapped, replacement))
-    # convert_known_attention left the replacements in place: the walk skips them (already
-    # domain-parallel), as in the converter; they are swapped back before the trace
-
-    def candidate(parent, name, path, child) -> bool:
-        try:
-            replacement = apply_domain_rule(child, None, SHARD_DIM)
-        except (ValueError, TypeError) as err:
-            targets.append((path, child, err))
-            return True
-        if replacement is None:
-            return False
-        targets.append((path, child, replacement))
-        return True
-
-    try:
-        walk_domain_modules(model, candidate, lambda path, reason: unsafe.append((path, reason)))
-    finally:
-        _restore(model, found)
-    if nonlocal_policy == "gather":
-        for path, _ in unsafe:
-            module = model if path == "<root>" else model.get_submodule(path)
-            targets.append((path, module, DomainGatherModule(module, SHARD_DIM, manager=None)))
-        unsafe = []
-    return targets, unsafe
+    """``(targets, unsafe)`` of :func:`conversion_plan`: :func:`plan_targets` and the modules
+    the converter refuses (empty under ``nonlocal_policy="gather"``: they are wrapped in
+    :class:`~credit_parallel.domain.gather.DomainGatherModule`)."""
+    plan = conversion_plan(model, nonlocal_policy)
+    return plan_targets(plan), list(plan.unsafe)
 
 
 def _tensors(obj):

@@ -44,6 +44,7 @@ from .tokens import DomainTokenAttention
 __all__ = [
     "attention_replacement",
     "convert_known_attention",
+    "known_attention_decision",
     "qualified_name",
     "recognised_attention_form",
 ]
@@ -110,6 +111,24 @@ def attention_replacement(module: nn.Module, manager, shard_dim: int = -2):
     return None
 
 
+def known_attention_decision(module: nn.Module, path: str, manager, shard_dim: int, skip_types=()):
+    """The attention step of the converter for ``module`` at ``path`` ("" or "<root>" for the
+    model), outermost first: None (not attention: look at its children), ``module`` itself
+    (keep it, children not visited: already domain-parallel, a caller's custom type, or
+    declared row-local) or its exact replacement (children not visited), built with its
+    module path."""
+    if getattr(module, "_domain_parallel", False) or isinstance(module, tuple(skip_types)):
+        return module
+    if getattr(module, "_domain_local", None) is True:
+        # declared row-local: an nn.MultiheadAttention inside attends within rows it holds
+        # (per row, per window), not over the sharded tokens; the walker skips it too
+        return module
+    replacement = attention_replacement(module, manager, shard_dim)
+    if replacement is not None:
+        replacement.configure(module_path=path or "<root>")
+    return replacement
+
+
 def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip_types=()):
     """Replace, in place, every recognised or declared attention module (outermost first, not
     descending into a replaced one) by its exact form; modules of ``skip_types`` (the caller's
@@ -117,16 +136,7 @@ def convert_known_attention(model: nn.Module, manager, shard_dim: int = -2, skip
     root itself may be replaced)."""
 
     def replacement_for(module: nn.Module, path: str):
-        if getattr(module, "_domain_parallel", False) or isinstance(module, tuple(skip_types)):
-            return module
-        if getattr(module, "_domain_local", None) is True:
-            # declared row-local: an nn.MultiheadAttention inside attends within rows it holds
-            # (per row, per window), not over the sharded tokens; the walker skips it too
-            return module
-        replacement = attention_replacement(module, manager, shard_dim)
-        if replacement is not None:
-            replacement.module_path = path or "<root>"
-        return replacement
+        return known_attention_decision(module, path, manager, shard_dim, skip_types)
 
     return replace_outermost(model, replacement_for)
 

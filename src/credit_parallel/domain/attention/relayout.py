@@ -37,7 +37,7 @@ def copy_tp_declarations(wrapper: nn.Module, module: nn.Module) -> None:
     the shared child dict to the same layers."""
     for attr in _TP_DECLARATIONS:
         if hasattr(module, attr):
-            object.__setattr__(wrapper, attr, getattr(module, attr))
+            wrapper.__dict__[attr] = getattr(module, attr)  # a declaration, never a child
 
 
 class _ReturnRows(torch.autograd.Function):
