@@ -47,17 +47,20 @@ class ByteCountingStore(WrapperStore):
     """A zarr store wrapper that counts the bytes returned by every read.
 
     ``chunk_bytes[name]``: bytes of the chunk objects of array ``name`` (the first component of
-    the key, e.g. ``"T/c/0/0/3/0"`` -> ``"T"``); ``metadata_bytes``: bytes of metadata documents.
-    ``reset()`` zeroes both.
+    the key, e.g. ``"T/c/0/0/3/0"`` -> ``"T"``); ``chunk_reads[name]``: how many chunk objects of
+    it were fetched (the requests a remote store would serve); ``metadata_bytes``: bytes of
+    metadata documents.  ``reset()`` zeroes them.
     """
 
     def __init__(self, store) -> None:
         super().__init__(store)
         self.chunk_bytes: dict[str, int] = {}
+        self.chunk_reads: dict[str, int] = {}
         self.metadata_bytes = 0
 
     def reset(self) -> None:
         self.chunk_bytes = {}
+        self.chunk_reads = {}
         self.metadata_bytes = 0
 
     def _count(self, key: str, buffer) -> None:
@@ -68,6 +71,7 @@ class ByteCountingStore(WrapperStore):
             self.metadata_bytes += len(buffer)
         else:
             self.chunk_bytes[parts[0]] = self.chunk_bytes.get(parts[0], 0) + len(buffer)
+            self.chunk_reads[parts[0]] = self.chunk_reads.get(parts[0], 0) + 1
 
     async def get(self, key, prototype, byte_range=None):
         buffer = await self._store.get(key, prototype, byte_range)
