@@ -24,8 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from credit_parallel.data import write_sample_dataset
-from credit_parallel.data.loader import build_train_loader
-from credit_parallel.domain.rows import shard_range
+from credit_parallel.tools.bench.loader import loader_conf, measure_loader
 
 LEVELS = (500, 850)
 UPPER = ("Z", "T", "U", "V")
@@ -91,54 +90,8 @@ def ensure_store(args, rows: int, compress: bool) -> Path:
     return path
 
 
-def config(path: Path, workers: int, batch_size: int) -> dict:
-    return {
-        "trainer": {"batch_size": batch_size, "seed": 0},
-        "data": {
-            "path": str(path),
-            "upper_air_variables": list(UPPER),
-            "surface_variables": list(SURFACE),
-            "levels": list(LEVELS),
-            "num_workers": workers,
-            "cache_limit_bytes": 0,  # read every sample from the store
-        },
-    }
-
-
-def read_ratio(path: Path, args, domain: int, rank: int) -> float:
-    """Chunk bytes one sample reads over the bytes of exactly the rank's rows (in-process)."""
-    loader = build_train_loader(
-        config(path, 0, 1), dp_rank=0, dp_size=1, domain_rank=rank, domain_size=domain,
-        device="cpu", num_workers=0,
-    )  # fmt: skip
-    dataset = loader.dataset
-    dataset.reset_bytes_read()
-    sample = dataset[0]
-    ideal = sample["x"].numel() * 4 + sample["y"].numel() * 4
-    return dataset.bytes_read / ideal
-
-
-def measure(path: Path, args, domain: int, rank: int, workers: int) -> tuple[float, float]:
-    """(samples/s, MB/s) of the rank's loader over ``--batches`` batches after one warm-up."""
-    loader = build_train_loader(
-        config(path, workers, args.batch_size), dp_rank=0, dp_size=1, domain_rank=rank,
-        domain_size=domain, device="cpu", num_workers=workers,
-    )  # fmt: skip
-    batches = iter(loader)
-    first = next(batches)  # starts the workers
-    sample_bytes = (first["x"][0].numel() + first["y"][0].numel()) * 4
-    start = time.perf_counter()
-    for _ in range(args.batches):
-        next(batches)
-    elapsed = time.perf_counter() - start
-    del batches, loader
-    rate = args.batches * args.batch_size / elapsed
-    return rate, rate * sample_bytes / 1e6
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    height = args.grid[0]
     compress = {"off": [False], "on": [True], "both": [False, True]}[args.compress]
     print(
         f"# grid {args.grid[0]}x{args.grid[1]}, {args.times} times, 10 channels, "
@@ -151,15 +104,15 @@ def main(argv=None) -> int:
         for packed in compress:
             path = ensure_store(args, rows, packed)
             for domain in args.domain:
-                rank = domain // 2 if args.rank is None else min(args.rank, domain - 1)
-                start, stop = shard_range(height, domain, rank)
-                ratio = read_ratio(path, args, domain, rank)
+                rank = None if args.rank is None else min(args.rank, domain - 1)
                 for workers in args.workers:
-                    rate, mbs = measure(path, args, domain, rank, workers)
+                    conf = loader_conf(path, workers, args.batch_size, UPPER, SURFACE)
+                    conf["data"]["levels"] = list(LEVELS)
+                    r = measure_loader(conf, domain=domain, rank=rank, batches=args.batches)
                     print(
-                        f"| {rows} | {'zstd' if packed else 'none'} | {domain} | "
-                        f"{stop - start} | {workers} | {rate:.2f} | {mbs:.0f} | "
-                        f"{mbs / max(workers, 1):.0f} | {ratio:.3f} |",
+                        f"| {rows} | {'zstd' if packed else 'none'} | {domain} | {r['rows']} | "
+                        f"{workers} | {r['samples_per_s']:.2f} | {r['mb_per_s']:.0f} | "
+                        f"{r['mb_per_s'] / max(workers, 1):.0f} | {r['read_ratio']:.3f} |",
                         flush=True,
                     )
     return 0

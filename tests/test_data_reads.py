@@ -245,3 +245,21 @@ def test_prefetcher_without_streams_moves_each_batch_when_asked():
         assert [entry[1] for entry in log] == list(range(k + 1))  # nothing read ahead
     with pytest.raises(ValueError, match="data.device_prefetch"):
         DevicePrefetcher([], "cpu", depth=-1)
+
+
+# ---- the commands ---------------------------------------------------------------------------
+def test_rechunk_command_and_bench_loader_number(base, tmp_path, capsys):
+    from credit_parallel import cli
+
+    out = tmp_path / "cli.zarr"
+    assert cli.main(["rechunk", str(base), str(out), "--lat-chunk", "4", "--no-compress"]) == 0
+    assert zarr.open_group(out, mode="r")["T"].chunks == (1, LEVELS, 4, W)
+    assert cli.main(["rechunk", str(base), str(out)]) != 0  # exists: one-line refusal
+    assert "overwrite" in capsys.readouterr().err
+    code = cli.main(
+        ["bench", "--loader", str(out), "--loader-workers", "0", "--loader-domain", "3"]
+    )
+    text = capsys.readouterr().out
+    assert code == 0 and "domain 3 rank 1 (11 rows), 0 workers" in text
+    rate = float(text.split(" samples/s")[0].split()[-1])
+    assert rate > 0 and "read/ideal 1.455" in text  # rows 11..21 in chunks of 4: 8..23 read
