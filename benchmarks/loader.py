@@ -8,7 +8,8 @@ t2m = 10 channels; 41.5 MB per time step).  The stores are written once under ``
 from the store (``cache_limit_bytes=0``); the operating system's page cache is warm after the
 first pass, so this measures the reading and decoding, not the disk.
 
-MB/s counts the decoded float32 bytes of the rank's ``x`` and ``y``.  ``read/ideal``: the chunk
+MB/s counts the decoded float32 bytes of the rank's ``x`` and ``y``; MB/CPU-s (no workers only)
+the same bytes over the CPU time of the reading process, the rate one dedicated core reaches.  ``read/ideal``: the chunk
 bytes one sample read from the store (``num_workers=0``, counted by the store) over the bytes of
 exactly the rank's rows (uncompressed stores: 1.0 plus the chunk over-read at the shard edges).
 
@@ -98,8 +99,8 @@ def main(argv=None) -> int:
         f"batch {args.batch_size}, {args.batches} timed batches"
     )
     print("| rows/chunk | codec | domain | rank rows | workers | samples/s | MB/s | MB/s/worker "
-          "| read/ideal |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| read/ideal | MB/CPU-s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for rows in args.rows_per_chunk:
         for packed in compress:
             path = ensure_store(args, rows, packed)
@@ -112,7 +113,8 @@ def main(argv=None) -> int:
                     print(
                         f"| {rows} | {'zstd' if packed else 'none'} | {domain} | {r['rows']} | "
                         f"{workers} | {r['samples_per_s']:.2f} | {r['mb_per_s']:.0f} | "
-                        f"{r['mb_per_s'] / max(workers, 1):.0f} | {r['read_ratio']:.3f} |",
+                        f"{r['mb_per_s'] / max(workers, 1):.0f} | {r['read_ratio']:.3f} | "
+                        f"{'-' if r['mb_per_cpu_s'] is None else format(r['mb_per_cpu_s'], '.0f')} |",
                         flush=True,
                     )
     return 0

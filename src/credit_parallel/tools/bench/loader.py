@@ -5,7 +5,9 @@ this measures the loader alone, so it can be set against the step rate of ``benc
 training log, whose ``data_wait_ms`` says how long each step waited).  Every sample is read from
 the store (``cache_limit_bytes=0``).  MB/s counts the decoded float32 bytes of the rank's ``x``
 and ``y``; ``read_ratio`` is the chunk bytes one sample fetched from the store over exactly those
-bytes (1.0 plus the over-read at the rank's shard edges on an uncompressed store).
+bytes (1.0 plus the over-read at the rank's shard edges on an uncompressed store).  With no
+workers, ``mb_per_cpu_s`` is the same bytes over the CPU time the reading process used (all its
+threads): a per-core rate that holds on a machine other jobs load.
 
 Used by ``credit-parallel bench --loader STORE`` and ``benchmarks/loader.py``.
 """
@@ -75,10 +77,10 @@ def measure_loader(
     stream = iter(loader(workers))
     first = next(stream)
     batch = first["x"].shape[0]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(batches):
         next(stream)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     del stream
     rate = batches * batch / elapsed
     rows = shard_range(height, domain, rank)
@@ -90,6 +92,9 @@ def measure_loader(
         "samples_per_s": rate,
         "mb_per_s": rate * sample_bytes / 1e6,
         "read_ratio": read_ratio,
+        # in-process reads: MB per CPU second of this process (all its threads), the rate of one
+        # dedicated core, which a loaded machine's wall clock does not show
+        "mb_per_cpu_s": batches * batch * sample_bytes / 1e6 / cpu if workers == 0 else None,
     }
 
 
@@ -98,4 +103,9 @@ def format_loader_line(path, result: dict) -> str:
         f"loader {path}: domain {result['domain']} rank {result['rank']} ({result['rows']} rows), "
         f"{result['workers']} workers: {result['samples_per_s']:.2f} samples/s, "
         f"{result['mb_per_s']:.0f} MB/s decoded, read/ideal {result['read_ratio']:.3f}"
+        + (
+            f", {result['mb_per_cpu_s']:.0f} MB per CPU second"
+            if result["mb_per_cpu_s"] is not None
+            else ""
+        )
     )
