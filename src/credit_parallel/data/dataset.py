@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import xarray as xr
-import zarr
 from torch.utils.data import Dataset
 from zarr.core.buffer.cpu import NDBuffer
 
@@ -39,6 +38,7 @@ from .store import (
     STATISTICS,
     TIME_NAMES,
     default_stats_path,
+    direct_float32_array,
     find_dim,
     open_store,
 )
@@ -287,23 +287,14 @@ class ERA5Dataset(Dataset):
         ]
 
     def _direct_arrays(self, ds: xr.Dataset) -> dict:
-        """The zarr arrays read without xarray: float32 with dims ``(time, [level,] latitude,
-        longitude)`` in that order and nothing for xarray to decode (no scale/offset, a NaN or
-        no fill value), so the values zarr decodes are the values xarray would return."""
+        """The variables zarr decodes straight into a sample (``store.direct_float32_array``)."""
         direct = {}
         for name in self.upper_air_variables + self.surface_variables:
-            variable = ds[name]
             dims = [self._time_dim, self._lat_dim, self._lon_dim]
             if name in self.upper_air_variables:
                 dims.insert(1, self._level_dim)
-            encoding = variable.encoding
-            fill = encoding.get("_FillValue", np.nan)
-            plain = not ({"scale_factor", "add_offset"} & set(encoding))
-            plain = plain and (fill is None or np.isnan(fill))
-            if list(variable.dims) != dims or variable.dtype != np.float32 or not plain:
-                continue
-            array = zarr.open_array(self._store, path=name, mode="r")
-            if array.dtype == np.float32 and array.shape == variable.shape:
+            array = direct_float32_array(ds, self._store, name, dims)
+            if array is not None:
                 direct[name] = array
         return direct
 
@@ -496,10 +487,8 @@ class ERA5Dataset(Dataset):
         return out
 
     def _read_variable(self, name: str, time_index: slice, target: np.ndarray):
-        """The raw values of ``name`` at ``time_index`` and the sample's rows, decoded by zarr
-        into ``target`` (``(T, levels, rows, W)`` or ``(T, rows, W)``, north to south; returns
-        None); for a store zarr cannot decode into float32 in place (another dtype or dim
-        order), the values read through xarray, shaped like ``target``, are returned instead."""
+        """Raw ``name`` at ``time_index`` and the sample's rows decoded by zarr into ``target``
+        (north to south; returns None), or, for other stores, read by xarray and returned."""
         upper = name in self.upper_air_variables
         array = self._direct.get(name)
         if array is not None:
