@@ -15,6 +15,8 @@ against the xarray read, ``rechunk_store``, and the device prefetcher's stream o
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +27,8 @@ from credit_parallel.data import ERA5Dataset, build_train_loader, write_sample_d
 from credit_parallel.data.prefetch import DevicePrefetcher
 from credit_parallel.data.rechunk import rechunk_store
 from credit_parallel.domain.rows import shard_range
+from credit_parallel.train.trainer import Trainer
+from sample_conf import tiny_unet_conf
 
 UPPER = ["Z", "T", "U", "V"]
 SURFACE = ["SP", "t2m"]
@@ -263,3 +267,40 @@ def test_rechunk_command_and_bench_loader_number(base, tmp_path, capsys):
     assert code == 0 and "domain 3 rank 1 (11 rows), 0 workers" in text
     rate = float(text.split(" samples/s")[0].split()[-1])
     assert rate > 0 and "read/ideal 1.455" in text  # rows 11..21 in chunks of 4: 8..23 read
+
+
+# ---- starvation visible ---------------------------------------------------------------------
+class _SlowDataset(torch.utils.data.Dataset):
+    """Each sample takes ``delay`` seconds more to read."""
+
+    def __init__(self, inner, delay: float):
+        self.inner, self.delay = inner, delay
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return self.inner[i]
+
+
+def test_the_step_record_reports_the_time_spent_waiting_for_data(base):
+    trainer_keys = {"parallelism": {"data": "none", "tensor": 1, "domain": 1}, "steps": 2}
+    conf = tiny_unet_conf(base, H, W, time_slice=[0, 5], trainer={**trainer_keys, "batch_size": 2})
+    inner = ERA5Dataset(base, conf["data"]["upper_air_variables"],
+                        conf["data"]["surface_variables"], time_slice=(0, 5))  # fmt: skip
+    for delay in (0.0, 0.1):
+        trainer = Trainer(conf, dataset=_SlowDataset(inner, delay))
+        for _ in range(2):
+            record = trainer.train_step()
+            wait = record["data_wait_ms"] / 1e3
+            assert 0.0 <= record["data_wait_frac"] <= 1.0
+            if delay:  # two samples read in this process, each 0.1 s late
+                assert wait >= 2 * delay and record["data_wait_frac"] > 0.05
+            else:
+                assert wait < 0.2
