@@ -240,6 +240,13 @@ def test_prefetcher_copies_ahead_on_the_side_stream_and_orders_the_consumer(dept
     assert prefetcher.wait_s >= 0.0
 
 
+def test_prefetcher_hands_out_every_batch_of_a_finite_source():
+    streams = _FakeStreams()
+    batches = [{"x": torch.full((1,), float(k))} for k in range(3)]
+    prefetcher = DevicePrefetcher(batches, "cpu", None, depth=2, streams=streams)
+    assert [float(b["x"]) for b in prefetcher] == [0.0, 1.0, 2.0]
+
+
 def test_prefetcher_without_streams_moves_each_batch_when_asked():
     log = []
     prefetcher = DevicePrefetcher(_host_batches(log, lambda: None), "cpu", None, depth=3)

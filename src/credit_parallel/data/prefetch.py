@@ -68,6 +68,7 @@ class DevicePrefetcher:
             streams = CudaStreams(self.device)
         self._streams = streams if depth > 0 else None
         self._queue: deque = deque()
+        self._exhausted = False
         self.wait_s = 0.0
 
     def __iter__(self):
@@ -81,8 +82,13 @@ class DevicePrefetcher:
             self.wait_s += time.perf_counter() - start
 
     def _issue(self) -> None:
-        """Take the next host batch and start its copy on the side stream."""
-        host = self._next_host()
+        """Take the next host batch and start its copy on the side stream (a finite source
+        that has ended issues nothing more)."""
+        try:
+            host = self._next_host()
+        except StopIteration:
+            self._exhausted = True
+            return
         with self._streams.context(self._streams.side):
             batch = batch_to_device(host, self.device, self.dtype)
         # the host batch stays referenced until handed out: its pinned memory is the copy's source
@@ -91,14 +97,16 @@ class DevicePrefetcher:
     def __next__(self) -> dict:
         if self._streams is None:
             return batch_to_device(self._next_host(), self.device, self.dtype)
-        if not self._queue:
+        if not self._queue and not self._exhausted:
             self._issue()
+        if not self._queue:
+            raise StopIteration
         batch, _host = self._queue.popleft()
         current = self._streams.current()
         self._streams.wait(current, self._streams.side)
         for value in batch.values():
             if isinstance(value, torch.Tensor):
                 self._streams.record(value, current)
-        while len(self._queue) < self.depth:
+        while len(self._queue) < self.depth and not self._exhausted:
             self._issue()  # the coming batches' copies run while the caller computes this one
         return batch
