@@ -1,4 +1,4 @@
-"""The ``credit-parallel`` command line: train, verify, plan, sample-data, bench, mesh-demo.
+"""The ``credit-parallel`` command line: train, verify, plan, sample-data, rechunk, bench, mesh-demo.
 
 Every command has ``--help``; exit status 0 on success and non-zero with a one-line reason on
 any error.  ``train``/``verify`` start ``--nproc`` local ranks through PyTorch's elastic
@@ -133,6 +133,23 @@ def _cmd_sample_data(args) -> int:
     return 0
 
 
+def _cmd_rechunk(args) -> int:
+    from .data.rechunk import rechunk_store
+
+    path = rechunk_store(
+        args.source,
+        args.output,
+        lat_chunk=args.lat_chunk,
+        time_chunk=args.time_chunk,
+        compress=not args.no_compress,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"wrote {path}: chunks of {args.time_chunk} time x {args.lat_chunk} rows (see docs/data.md)"
+    )
+    return 0
+
+
 def _cmd_bench(args) -> int:
     from .tools.bench import run_bench
 
@@ -208,6 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nlon", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sample_data)
+
+    from .data.rechunk import RECOMMENDED_LAT_CHUNK
+
+    p = sub.add_parser("rechunk", help="copy an ERA5 zarr store into the row chunks training reads")
+    p.add_argument("source", help="the zarr store to copy (its _stats.zarr is copied along)")
+    p.add_argument("output", help="the new store")
+    p.add_argument("--lat-chunk", type=int, default=RECOMMENDED_LAT_CHUNK, help="rows per chunk")
+    p.add_argument("--time-chunk", type=int, default=1, help="time steps per chunk")
+    p.add_argument("--no-compress", action="store_true", help="write uncompressed chunks")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output store")
+    p.set_defaults(func=_cmd_rechunk)
 
     p = sub.add_parser("bench", help="step time, halo bytes, collectives and memory per layout")
     from .tools.bench import add_bench_arguments

@@ -184,6 +184,7 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     "valid_time_slice": (None, _time_slice("valid_time_slice")),
     "num_workers": (2, _number("data", "num_workers", int, 0)),
     "prefetch_factor": (2, _number("data", "prefetch_factor", int, 1)),
+    "device_prefetch": (1, _number("data", "device_prefetch", int, 0)),  # batches copied ahead
     # None: the dataset's own default (data.dataset.DEFAULT_CACHE_LIMIT_BYTES, 1 GiB)
     "cache_limit_bytes": (None, _optional_number("data", "cache_limit_bytes", int, 0)),
 }
@@ -321,6 +322,7 @@ class DataConfig:
     valid_time_slice: Any = None
     num_workers: int = 2
     prefetch_factor: int = 2
+    device_prefetch: int = 1
     cache_limit_bytes: int | None = None
 
     @classmethod
