@@ -162,3 +162,55 @@ def test_wxformer_next_transformer_tp_composed_matches_single_process(block, h):
             for name, grad in grads.items():
                 err = (grad - ref_grads[name]).abs().max().item()
                 assert err <= 1e-10, (name, err)
+
+
+def _spread_worker(rank, world, which):
+    from credit_parallel.tensor_parallel import tp_replicated_parameters
+    from credit_parallel.tensor_parallel_guard import replicated_gradient_spread
+
+    model = _transformer()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    if which == "credit":  # miles-credit's own native TP: no all-reduce for dpb
+        import_credit("credit.parallel.tensor_parallel").apply_native_tensor_parallel(model, mesh)
+        params = [(n, p) for n, p in model.named_parameters() if not hasattr(p, "placements")]
+    else:
+        apply_tensor_parallel(model, mesh)
+        params = tp_replicated_parameters(model)
+    x, w = _batch()
+    (model(x) * w).sum().backward()
+    return replicated_gradient_spread(params, mesh.get_group())
+
+
+def test_verify_spread_rows_flag_credit_native_tp_and_pass_ours():
+    theirs = run_on_ranks(_spread_worker, 2, "credit", timeout=300)[0]
+    ours = run_on_ranks(_spread_worker, 2, "ours", timeout=300)[0]
+    differing = sorted(name for name, spread, _ in theirs if spread > 1e-10)
+    assert differing and all(".dpb." in name for name in differing)
+    assert {n for n, _, _ in ours} >= set(differing)
+    assert max(spread for _, spread, _ in ours) <= 1e-10
+
+
+def test_plan_notes_the_all_reduced_position_bias_and_flags_an_unfixable_parameter():
+    from credit_parallel.planner.make import make_plan
+
+    conf = {
+        "model": {"type": "wxformer_next"},
+        "trainer": {"parallelism": {"data": "none", "tensor": 2, "domain": 1}},
+    }
+    plan = make_plan(conf, 2, model=_transformer(), input_shapes=[(16, 8, 4)])
+    assert any("layers.0.0.dpb" in note and "all-reduced over tp" in note for note in plan.notes)
+    assert not any("tp:" in v for v in plan.violations)
+
+    class HeadBias(nn.Module):
+        _tp_col, _tp_row = "up", "down"
+
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Conv2d(4, 8, 1), nn.Conv2d(8, 4, 1)
+            self.bias = nn.Parameter(torch.zeros(1))
+
+        def forward(self, x):
+            return self.down(self.up(x) + self.bias)
+
+    plan = make_plan(conf, 2, model=HeadBias(), input_shapes=[(4, 8, 4)])
+    assert any("parameter bias" in v and "different gradients" in v for v in plan.violations)

@@ -334,3 +334,22 @@ def _copy_output_hook(group):
         return flat[1].unflatten(leaves)
 
     return hook
+
+
+def replicated_gradient_spread(named_parameters, group) -> list[tuple[str, float, float]]:
+    """``(name, max |difference| across the tp ranks, max |gradient|)`` of each replicated
+    parameter's gradient (its local tensor under FSDP2: tp peers hold the same dp shard).
+    Collective over ``group``: every tp rank calls it with the same parameters, in order."""
+    rows = []
+    for name, param in named_parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        high, low = local.detach().clone(), local.detach().clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        spread = (high - low).abs().max().item() if high.numel() else 0.0
+        reference = high.abs().max().item() if high.numel() else 0.0
+        rows.append((name, spread, reference))
+    return rows

@@ -394,6 +394,12 @@ def make_plan(
         tuple(int(v) for v in s)
         for s in (input_shapes if input_shapes is not None else model_input_shapes(model))
     )
+    if tp > 1:  # before the domain trace, on the unconverted meta model
+        from .tp_partial import tp_partial_gradient_findings
+
+        tp_notes, tp_violations = tp_partial_gradient_findings(model, shapes)
+        notes.extend(tp_notes)
+        violations.extend(tp_violations)
     trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, layers, n, violations, notes)
