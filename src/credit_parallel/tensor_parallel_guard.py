@@ -338,9 +338,10 @@ def _copy_output_hook(group):
 
 def replicated_gradient_spread(named_parameters, group) -> list[tuple[str, float, float]]:
     """``(name, max |difference| across the tp ranks, max |gradient|)`` of each replicated
-    parameter's gradient (its local tensor under FSDP2: tp peers hold the same dp shard).
-    Collective over ``group``: every tp rank calls it with the same parameters, in order."""
-    rows = []
+    parameter's gradient (its local tensor under FSDP2: tp peers hold the same dp shard), the
+    maxima taken over every rank so that all ranks return the same rows.  Collective over the
+    default group: every rank calls it with the same parameters, in order."""
+    names, figures = [], []
     for name, param in named_parameters:
         grad = param.grad
         if grad is None:
@@ -349,7 +350,13 @@ def replicated_gradient_spread(named_parameters, group) -> list[tuple[str, float
         high, low = local.detach().clone(), local.detach().clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
-        spread = (high - low).abs().max().item() if high.numel() else 0.0
-        reference = high.abs().max().item() if high.numel() else 0.0
-        rows.append((name, spread, reference))
-    return rows
+        empty = high.numel() == 0
+        names.append(name)
+        figures.append(
+            (0.0, 0.0) if empty else ((high - low).abs().max().item(), high.abs().max().item())
+        )
+    if not names:
+        return []
+    table = torch.tensor(figures, dtype=torch.float64, device=local.device)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return [(n, float(d), float(r)) for n, (d, r) in zip(names, table.tolist())]
