@@ -133,9 +133,13 @@ def _train_worker(rank, world, conf):
 
 
 def _verify_worker(rank, world, conf):
+    from credit_parallel.data.dataset import dataset_from_conf
     from credit_parallel.verify import judge, verify_layout
 
-    return judge(verify_layout(conf, dtype=torch.float64, batch_size=1), torch.float64)
+    # as `credit-parallel verify` does when data.path exists: a real batch of the sample store
+    dataset = dataset_from_conf(conf, "train")
+    rows = verify_layout(conf, dtype=torch.float64, batch_size=1, dataset=dataset)
+    return judge(rows, torch.float64)
 
 
 def test_miles_credit_crossformer_plans_verifies_and_trains_on_sample_data_domain2(store):

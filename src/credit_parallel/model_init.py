@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .composition import apply_data_parallel, apply_model_parallel, parallel_layout
+from .composition import apply_data_parallel, apply_model_parallel, parallel_layout, parallelize
 from .config import DataMode
 from .domain.gather import nonlocal_policy_from_conf
 
@@ -171,6 +172,19 @@ class InitRecord(TorchDispatchMode):
                 setattr(nn_init, name, original)
 
     # ------------------------------------------------------------------ replay
+    def can_rebuild(self, ref: _Ref, replay: bool = False) -> bool:
+        """Whether :meth:`full_value` can give ``ref``'s value: a chain starting with an op
+        that creates its storage; ``replay`` (buffers, small): the whole replay succeeds."""
+        chain = self.chains.get(ref.key, ())
+        if not chain or chain[0].out_index is None:
+            return False
+        if replay:
+            try:
+                self.full_value(ref, "")
+            except ValueError:
+                return False
+        return True
+
     def full_value(self, ref: _Ref, what: str) -> torch.Tensor:
         """The CPU value the plain build gives the tensor ``ref`` (``what`` names it in errors)."""
         return self._storage(ref.key, float("inf"), {}, what).as_strided(
@@ -260,6 +274,20 @@ def build_parallel_model(
         torch.manual_seed(seed)
     model, record = record_meta_build(model_factory)
     refs = {name: _Ref.of(t) for name, t in _named_tensors(model)}
+    buffers = {name for name, _ in model.named_buffers()}
+    lost = [name for name, ref in refs.items() if not record.can_rebuild(ref, name in buffers)]
+    if lost:
+        # e.g. miles-credit's attention index buffers, made from Python data: build the model
+        # whole on the CPU (same seed, same values) and parallelise it, as for a passed model
+        warnings.warn(
+            f"{len(lost)} tensor(s) of {type(model).__name__} cannot be rebuilt from a "
+            f"meta-device build ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}); "
+            "building the whole model on every rank instead",
+            stacklevel=2,
+        )
+        if seed is not None:
+            torch.manual_seed(seed)
+        return parallelize(model_factory().to(device=torch.device(device)), conf)
     dims, meshes = parallel_layout(conf)
     if meshes is not None:
         model = apply_model_parallel(
