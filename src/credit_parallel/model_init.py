@@ -276,9 +276,10 @@ def build_parallel_model(
     refs = {name: _Ref.of(t) for name, t in _named_tensors(model)}
     buffers = {name for name, _ in model.named_buffers()}
     lost = [name for name, ref in refs.items() if not record.can_rebuild(ref, name in buffers)]
-    if lost:
-        # e.g. miles-credit's attention index buffers, made from Python data: build the model
-        # whole on the CPU (same seed, same values) and parallelise it, as for a passed model
+    if lost and getattr(model, "_whole_build_fallback", False):
+        # a model that declares it (miles-credit's, models/external.py: attention index buffers
+        # made from Python data): build it whole on the CPU (same seed, same values) and
+        # parallelise it, as for a passed model; any other model is refused by name below
         warnings.warn(
             f"{len(lost)} tensor(s) of {type(model).__name__} cannot be rebuilt from a "
             f"meta-device build ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}); "

@@ -171,6 +171,9 @@ def _one_frame_class(base: type) -> type:
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
         "input_shapes": property(_input_shapes),
+        # miles-credit builds some buffers from Python data, which a meta-device build drops:
+        # model_init.build_parallel_model then builds the model whole on each rank instead
+        "_whole_build_fallback": True,
     }
     return type(base.__name__, (base,), namespace)
 

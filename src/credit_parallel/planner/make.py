@@ -46,6 +46,7 @@ from .cost import (
     predicted_halo_bytes,
     tp_split_dims,
 )
+from .tp_partial import tp_partial_gradient_findings
 from .trace import build_meta_model, domain_targets, model_input_shapes, trace_model
 
 __all__ = ["MAX_RANKS_LISTED", "Plan", "RankEntry", "make_plan"]
@@ -394,12 +395,7 @@ def make_plan(
         tuple(int(v) for v in s)
         for s in (input_shapes if input_shapes is not None else model_input_shapes(model))
     )
-    if tp > 1:  # before the domain trace, on the unconverted meta model
-        from .tp_partial import tp_partial_gradient_findings
-
-        tp_notes, tp_violations = tp_partial_gradient_findings(model, shapes)
-        notes.extend(tp_notes)
-        violations.extend(tp_violations)
+    tp_partial_gradient_findings(model, shapes, tp, notes, violations)  # before the domain trace
     trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, layers, n, violations, notes)

@@ -19,28 +19,27 @@ __all__ = ["tp_partial_gradient_findings"]
 
 
 def tp_partial_gradient_findings(
-    model: nn.Module, shapes: Sequence[Sequence[int]]
-) -> tuple[list[str], list[str]]:
-    """``(notes, violations)`` for ``model`` (on any device, meta included) with per-sample
-    input ``shapes``; empty when the model declares no tensor parallelism."""
-    targets = collect_tensor_parallel_targets(model)
+    model: nn.Module, shapes: Sequence[Sequence[int]], tp: int, notes: list, violations: list
+) -> None:
+    """Append to ``notes`` / ``violations`` what the guard will do for ``model`` (any device,
+    meta included; per-sample input ``shapes``) at tp size ``tp``; nothing at tp 1 or when the
+    model declares no tensor parallelism.  Run it on the unconverted model."""
+    targets = collect_tensor_parallel_targets(model) if tp > 1 else []
     if not targets:
-        return [], []
+        return
     column = {t.path for t in targets if t.role == "col"}
     row = {t.path for t in targets if t.role == "row"}
     device = next((p.device for p in model.parameters()), torch.device("meta"))
     inputs = [torch.zeros((1, *s), device=device) for s in shapes]
     with torch.no_grad():
         report = find_partial_gradient_modules(model, column, row, *inputs)
-    notes = []
     if report.modules:
         notes.append(
             f"tp: {len(report.modules)} replicated module output(s) meet tp-sharded activations "
             f"({', '.join(report.modules)}; {len(report.parameters)} parameters): their "
             "gradient is all-reduced over tp (one all-reduce each per step), so it is exact"
         )
-    violations = [
+    violations.extend(
         f"tp: replicated {path} would get different gradients on the tp ranks: {why}"
         for path, why in report.unfixable
-    ]
-    return notes, violations
+    )
