@@ -44,7 +44,6 @@ LAYER_OF = {
     "tensor_parallel": "library",
     "tensor_parallel_guard": "library",
     "credit_api": "library",
-    "model_build": "library",
     "fsdp": "library",
     "collectives": "library",
     "small_collectives": "library",
