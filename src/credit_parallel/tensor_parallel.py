@@ -533,7 +533,9 @@ def apply_tensor_parallel(
     ``src_data_rank=None`` takes each rank's own copy without communication (a model on the
     meta device, materialised afterwards).  Call it before
     FSDP2: parameters become ``nn.Parameter`` s wrapping DTensors on ``tp_mesh`` (a 1-D submesh of
-    the full mesh), which ``fully_shard`` shards further over dp.
+    the full mesh), which ``fully_shard`` shards further over dp.  The first forward is traced
+    (``tensor_parallel_guard``): replicated tensors meeting sharded activations get their
+    gradient all-reduced over tp from then on.
     """
     if tp_mesh is None:
         return model
