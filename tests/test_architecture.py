@@ -42,6 +42,8 @@ LAYER_OF = {
     "domain": "library",
     "data": "library",
     "tensor_parallel": "library",
+    "tensor_parallel_guard": "library",
+    "credit_api": "library",
     "fsdp": "library",
     "collectives": "library",
     "small_collectives": "library",

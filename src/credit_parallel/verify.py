@@ -205,7 +205,23 @@ def verify_layout(
         rows.append(
             (f"grad {name}", *_err(g, rg if rg is not None else torch.zeros_like(g)), "param")
         )
+    rows += _tp_spread_rows(par)
     return rows
+
+
+def _tp_spread_rows(model) -> list[tuple]:
+    """A replicated parameter whose gradient differs across the tp ranks (each holding only
+    its heads' share) is a FAIL row of its own: the cause, not only the symptom."""
+    from .composition import get_device_mesh, get_raw_model
+    from .tensor_parallel import tp_replicated_parameters
+    from .tensor_parallel_guard import replicated_gradient_spread
+
+    mesh = get_device_mesh(model)
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return []
+    params = tp_replicated_parameters(get_raw_model(model))
+    spread = replicated_gradient_spread(params, mesh["tp"].get_group())
+    return [(f"tp ranks agree on grad {n}", d, ref, "param") for n, d, ref in spread]
 
 
 def _dp_group(model):

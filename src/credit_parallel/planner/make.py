@@ -44,6 +44,7 @@ from .cost import (
     predicted_halo_bytes,
     tp_split_dims,
 )
+from .tp_partial import tp_partial_gradient_findings
 from .trace import build_meta_model, conversion_plan, model_input_shapes, plan_targets, trace_model
 
 __all__ = ["MAX_RANKS_LISTED", "Plan", "RankEntry", "make_plan"]
@@ -388,6 +389,7 @@ def make_plan(
         tuple(int(v) for v in s)
         for s in (input_shapes if input_shapes is not None else model_input_shapes(model))
     )
+    tp_partial_gradient_findings(model, shapes, tp, notes, violations)  # before the domain trace
     trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, layers, n, violations, notes)
