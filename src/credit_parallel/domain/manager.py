@@ -154,6 +154,12 @@ class DomainParallelManager:
         return len(self._domain_ranks)
 
     @property
+    def domain_parallel_size(self) -> int:
+        """The seed's attribute name (``credit.domain_parallel``) for :attr:`domain_world_size`;
+        CREDIT's own helpers (e.g. ``credit.parallel.gather_spatial``) read it."""
+        return self.domain_world_size
+
+    @property
     def domain_ranks(self) -> list[int]:
         """Global ranks of this rank's domain group, in domain order."""
         return list(self._domain_ranks)
