@@ -33,6 +33,7 @@ from ..domain.fusion import find_fusions
 from ..domain.gather import gather_cost_note
 from ..domain.rows import shard_sizes
 from ..domain.shared_input import union_windows
+from ..fsdp import FSDP2_MIN_UNIT_PARAMS
 from ..mesh import full_rank_layout
 from ..run_config import TrainerConfig, trainer_option
 from .cost import (
@@ -315,8 +316,9 @@ def _window_constraints(model, shapes, layers, n: int, violations: list, notes: 
 
 
 def _memory(
-    model, trace, layers, shapes, levels, *, data, dp, tp, n, batch_size, amp, violations, notes
-):
+    model, trace, layers, shapes, levels, *, data, dp, tp, n, batch_size, amp, violations, notes,
+    min_unit_params=FSDP2_MIN_UNIT_PARAMS,
+):  # fmt: skip
     """(MemoryEstimate, tp targets, FSDP units, local parameter numels) of one rank."""
     split, tp_listed = tp_split_dims(model, tp, violations)
     if tp > 1 and not tp_listed:
@@ -331,7 +333,7 @@ def _memory(
         full_numel += p.numel()
         local_numels[pname] = local_numel(p.shape, split.get(pname), tp, fsdp_dp)
     param_bytes = sum(local_numels.values()) * _PARAM_BYTES
-    units = fsdp_units(model) if data == DataMode.FSDP2 else []
+    units = fsdp_units(model, min_unit_params) if data == DataMode.FSDP2 else []
     params = dict(model.named_parameters())
     largest_unit = max(
         (
@@ -402,6 +404,7 @@ def make_plan(
     memory, tp_listed, units, local_numels = _memory(
         model, trace, layers, shapes, levels, data=data, dp=dp, tp=tp, n=n, batch_size=batch_size, amp=amp,
         violations=violations, notes=notes,
+        min_unit_params=trainer_option(conf, "fsdp2_min_unit_params"),
     )  # fmt: skip
     act_bytes = memory.activation_dtype_bytes
     halo_per_rank = tuple(
