@@ -123,12 +123,23 @@ def _fully_shard_torch(model, per_block: bool, amp: bool):
 
 
 def build_step(
-    variant: str, block: dict, device, *, amp: bool, batch: int = 1, compiled: bool = False
+    variant: str,
+    block: dict,
+    device,
+    *,
+    amp: bool,
+    batch: int = 1,
+    compiled: bool = False,
+    parallelism: dict | None = None,
 ) -> Callable[[], None]:
-    """A closure running one full training step of ``variant`` (see the module docstring)."""
+    """A closure running one full training step of ``variant`` (see the module docstring).
+
+    ``parallelism``: the library variants' layout (default ``{data: fsdp2, tensor: 1, domain:
+    1}``); with domain > 1 each rank feeds its rows of the global batch (``TrainStep`` shards)."""
     from ...composition import get_domain_manager, parallelize
     from ...device import autocast_for
     from ...models import build_model
+    from ...train.loss import local_lat_weights
     from ...train.step import TrainStep, latitude_weighted_loss
 
     if compiled and not compile_available():
@@ -141,16 +152,17 @@ def build_step(
     autocast = lambda: autocast_for(device, amp)  # noqa: E731
     if variant.startswith("library"):
         min_params = 0 if variant == "library blocks" else None
-        trainer = {"parallelism": {"data": "fsdp2", "tensor": 1, "domain": 1}, "amp": amp}
+        layout = parallelism or {"data": "fsdp2", "tensor": 1, "domain": 1}
+        trainer = {"parallelism": dict(layout), "amp": amp}
         if min_params is not None:
             trainer["fsdp2_min_unit_params"] = min_params
         if compiled:  # COMPILE HOOK
             trainer["compile"] = True
         model = parallelize(model, {"model": block, "trainer": trainer})
+        manager = get_domain_manager(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        step = TrainStep(
-            model, loss_fn, manager=get_domain_manager(model), max_norm=1.0, autocast=autocast
-        )
+        local_loss = latitude_weighted_loss(local_lat_weights(lat, manager), lat.shape[0])
+        step = TrainStep(model, local_loss, manager=manager, max_norm=1.0, autocast=autocast)
 
         def library_step():
             opt.zero_grad(set_to_none=True)
@@ -202,13 +214,16 @@ def measure_variants(
     rounds: int = 2,
     batch: int = 1,
     compiled: bool = False,
+    parallelism: dict | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[Figure]:
     """Median step time (and CUDA peak) of each variant, interleaved over ``rounds``."""
     device = torch.device(device)
     steps_of = {}
     for v in variants:
-        steps_of[v] = build_step(v, block, device, amp=amp, batch=batch, compiled=compiled)
+        steps_of[v] = build_step(
+            v, block, device, amp=amp, batch=batch, compiled=compiled, parallelism=parallelism
+        )
         for _ in range(warmup):
             steps_of[v]()
     times = {v: [] for v in variants}
