@@ -54,6 +54,11 @@ def environment_line(device: str) -> str:
     )
 
 
+def _torch_device(device: str) -> torch.device:
+    """``cuda:0`` (this one-rank process's GPU) or the CPU, for ``device`` "cuda" / "cpu"."""
+    return torch.device(device, 0) if device == "cuda" else torch.device(device)
+
+
 def _init_one_rank(device: str) -> None:
     from ...device import DEVICE_ENV, set_local_cuda_device
     from ...testing import free_port
@@ -104,9 +109,7 @@ def trainer_smoke(device: str, store: str, steps: int = 5) -> str:
     from ...train.trainer import Trainer
 
     t0 = time.perf_counter()
-    trainer = Trainer(
-        _smoke_conf(store, steps), device=torch.device(device, 0) if device == "cuda" else "cpu"
-    )
+    trainer = Trainer(_smoke_conf(store, steps), device=_torch_device(device))
     losses = [trainer.train_step()["loss"] for _ in range(steps)]
     ok = all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
     return (
@@ -121,7 +124,7 @@ def verify_line(device: str, store: str, dtype: torch.dtype) -> tuple[str, bool]
     from ...verify import judge, verify_layout
 
     conf = _smoke_conf(store, 1)
-    where = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    where = _torch_device(device)
     with deterministic_kernels(where) as pinned:
         rows = judge(
             verify_layout(conf, dtype=dtype, dataset=dataset_from_conf(conf), device=where), dtype
@@ -169,7 +172,7 @@ def _domain_figure(model: str, size: str, domain: int, device: str) -> float | N
 def step_rows(device: str, size: str, *, steps: int, warmup: int, rounds: int, domains) -> list:
     rows = []
     amp = device == "cuda"
-    where = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    where = _torch_device(device)
     for kind in ("crossformer", "unet"):
         block = model_conf(kind, size)
         eager = measure_variants(
