@@ -268,3 +268,38 @@ def test_each_demo_runs_after_the_command_its_error_names(demo, tmp_path, monkey
         sample = ds[len(ds) - 1]
         assert sample["x"].shape[-2:] == (model["image_height"], model["image_width"])
         assert sample["x"].shape[0] == model["in_channels"], split
+
+
+# --------------------------------------------------------------------------- the node check
+def _variants_worker(rank, world):
+    from credit_parallel.tools.bench.overhead import VARIANTS, build_step
+
+    block = {
+        "type": "crossformer", "in_channels": 2, "out_channels": 2, "image_height": 16,
+        "image_width": 16, "dims": [8, 16], "depths": [1, 1], "dim_head": 4,
+    }  # fmt: skip
+    ran = []
+    for variant in VARIANTS:
+        step = build_step(variant, block, torch.device("cpu"), amp=False)
+        step()
+        step()
+        ran.append(variant)
+    return sorted(ran)
+
+
+def test_every_overhead_variant_runs_a_step_on_one_rank():
+    from credit_parallel.testing import run_on_ranks
+    from credit_parallel.tools.bench.overhead import VARIANTS
+
+    assert run_on_ranks(_variants_worker, 1) == [sorted(VARIANTS)]
+
+
+def test_node_check_reports_the_environment_and_one_table_shape():
+    from credit_parallel.tools.bench import node_check
+
+    line = node_check.environment_line("cpu")
+    assert line.startswith("environment: no GPU") and torch.__version__ in line
+    rows = [("unet", "8x8", "plain", "1.0", "-", "-"), ("unet", "8x8", "library", "2.0", "-", "-")]
+    table = node_check.format_rows(rows).splitlines()
+    assert table[0].split()[:3] == ["model", "size", "variant"] and len(table) == 3
+    assert node_check.main(["--bad"]) == 2

@@ -130,12 +130,12 @@ def verify_line(device: str, store: str, dtype: torch.dtype) -> tuple[str, bool]
             verify_layout(conf, dtype=dtype, dataset=dataset_from_conf(conf), device=where), dtype
         )
     failed = [r for r in rows if r[-1] == "FAIL"]
-    worst = max(rows, key=lambda r: r[1] / max(r[2], 1e-30))
+    worst = max(rows, key=lambda r: (r[1] / max(r[2], 1e-30), r[1]))
     name = str(dtype).replace("torch.", "")
     line = (
         f"verify {name} (1 rank, fsdp2{'; ' + pinned if pinned else ''}): "
-        f"{len(rows) - len(failed)} passed, {len(failed)} failed; worst {worst[0]}: "
-        f"abs err {worst[1]:.2e} of {worst[2]:.2e}"
+        f"{len(rows) - len(failed)} passed, {len(failed)} failed; largest relative error: "
+        f"{worst[0]}, {worst[1]:.2e} of {worst[2]:.2e}"
     )
     return line, not failed
 
@@ -218,6 +218,8 @@ def run_node_check(device: str = "auto", quick: bool = False) -> int:
     size = "gpu" if device == "cuda" and not quick else "cpu"
     gpus = visible_gpu_count() if device == "cuda" else 0
     domains = list(range(2, gpus + 1)) if device == "cuda" else [2]
+    if device == "cpu":  # one thread, as each of the domain rows' ranks gets on a 2-core node
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(domains)))
     print(environment_line(device), flush=True)
     _init_one_rank(device)
     ok = True
