@@ -12,7 +12,8 @@ On ONE rank (gloo on the CPU, NCCL on a GPU) it times the same model, loss and A
 
 The loss is the trainer's (latitude-weighted MSE) in every variant; bf16 autocast on CUDA
 (``amp``), float32 on the CPU.  Each figure is the median over ``rounds`` x ``steps`` timed steps
-after ``warmup`` untimed ones, variants interleaved round by round; the peak memory is CUDA's
+after ``warmup`` untimed ones, variants interleaved round by round (wall clock on CUDA; on the
+CPU the process's CPU time, which a loaded machine does not inflate); the peak memory is CUDA's
 ``max_memory_allocated`` during the timed steps (absent on the CPU).
 
 COMPILE HOOK: :func:`compile_available` says whether the library has ``trainer.compile``; when it
@@ -191,15 +192,19 @@ def build_step(
 
 
 def _time(step, steps: int, device) -> list[float]:
+    """Per-step milliseconds: wall clock around synchronised steps on CUDA; on the CPU this
+    process's CPU time (one intra-op thread: the work itself, not the time spent waiting for a
+    core on a shared machine)."""
     from ...device import synchronize
 
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     out = []
     for _ in range(steps):
         synchronize(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         step()
         synchronize(device)
-        out.append((time.perf_counter() - t0) * 1e3)
+        out.append((clock() - t0) * 1e3)
     return out
 
 
