@@ -204,9 +204,8 @@ def step_rows(device: str, size: str, *, steps: int, warmup: int, rounds: int, d
 def format_rows(rows) -> str:
     head = ("model", "size", "variant", "eager ms", "peak GiB", "compiled ms")
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    lines = ["  ".join(str(v).ljust(w) for v, w in zip(head, widths))]
-    lines += ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+    lines = [head, *rows]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in lines)
 
 
 def run_node_check(device: str = "auto", quick: bool = False) -> int:
@@ -235,7 +234,8 @@ def run_node_check(device: str = "auto", quick: bool = False) -> int:
     steps, warmup, rounds = (2, 1, 1) if quick else (6, 2, 2)
     rows = step_rows(device, size, steps=steps, warmup=warmup, rounds=rounds, domains=domains)
     print(f"step = forward + backward + AdamW{' (bf16 autocast)' if device == 'cuda' else ''}, "
-          f"batch 1, median of {steps * rounds} after {warmup} warm-up; library = parallelize + "
+          f"batch 1, median of {steps * rounds} after {warmup} warm-up "
+          f"({'wall clock' if device == 'cuda' else 'CPU time of the rank, 1 thread'}); library = parallelize + "
           f"TrainStep(max_norm=1); torch fsdp2 root = fully_shard(root) + clip_grad_norm_; "
           f"compiled: {'trainer.compile' if compile_available() else 'not available in this version'}")  # fmt: skip
     print(format_rows(rows), flush=True)
