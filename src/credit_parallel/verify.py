@@ -15,10 +15,12 @@ differ by TF32 rounding (relative ~1e-4), above the float32 tolerance.
 Mixed precision: verify always compares with ``trainer.amp`` off.  Under bf16 autocast (8
 mantissa bits, a relative rounding of 2^-9 ~ 2e-3 per operation) two runs of one function that sum
 in a different order (a different layout, kernel or shard) differ by bf16 rounding accumulated
-over the layers: expect relative differences of order 1e-2 for outputs and gradients, so the
-float32 tolerances above do not apply; exactness is established in float64/float32 with amp off,
-and an amp run of a layout is judged against the same amp run of the single process with a
-relative tolerance of about 5e-2.
+over the layers: relative differences of order 1e-2 for outputs and gradients (measured on the
+demo U-Net at 33 x 64, domain 2 against one process, both under CPU bf16 autocast: output 1.1e-2,
+input gradient 1.3e-2, parameter gradients 1.1e-2; float32 without amp: 1-3e-6), so the float32
+tolerances above do not apply; exactness is established in float64/float32 with amp off, and an
+amp run of a layout is judged against the same amp run of the single process at a relative
+tolerance of 5e-2.
 """
 
 from __future__ import annotations
