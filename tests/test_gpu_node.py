@@ -145,6 +145,7 @@ def test_bench_suite_refuses_cuda_and_names_the_gpu_check(capsys):
 
 # --------------------------------------------------------------------------- the process group
 def _recorded_init(monkeypatch, gpus, requested, local_rank, local_world):
+    """``local_world=None``: no LOCAL_WORLD_SIZE (a launcher other than torchrun, e.g. srun)."""
     calls = {"init": [], "set_device": []}
     monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(
@@ -155,22 +156,32 @@ def _recorded_init(monkeypatch, gpus, requested, local_rank, local_world):
     monkeypatch.setattr(device_mod.torch.cuda, "set_device", calls["set_device"].append)
     monkeypatch.setenv(DEVICE_ENV, requested)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    if local_world is not None:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    monkeypatch.setenv("WORLD_SIZE", "64")  # many nodes: never compared with one node's GPUs
     launch.init_distributed_from_env(60, rendezvous_timeout_s=60)
     return calls
 
 
-def test_nccl_gets_device_id_and_set_device_once(monkeypatch):
-    calls = _recorded_init(monkeypatch, gpus=4, requested="auto", local_rank=3, local_world=4)
+@pytest.mark.parametrize("local_world", [4, None])
+def test_nccl_gets_device_id_and_set_device_once(monkeypatch, local_world):
+    calls = _recorded_init(
+        monkeypatch, gpus=4, requested="auto", local_rank=3, local_world=local_world
+    )
     ((args, kwargs),) = calls["init"]
     assert args == ("nccl",) and kwargs["device_id"] == torch.device("cuda", 3)
     assert kwargs["timeout"] == datetime.timedelta(seconds=60)
     assert calls["set_device"] == [torch.device("cuda", 3)]
 
 
-@pytest.mark.parametrize("gpus, requested", [(0, "auto"), (1, "auto"), (8, "cpu")])
-def test_gloo_gets_no_device(monkeypatch, gpus, requested):
-    calls = _recorded_init(monkeypatch, gpus=gpus, requested=requested, local_rank=1, local_world=2)
+@pytest.mark.parametrize(
+    "gpus, requested, local_world",
+    [(0, "auto", 2), (1, "auto", 2), (8, "cpu", 2), (1, "auto", None)],
+)
+def test_gloo_gets_no_device(monkeypatch, gpus, requested, local_world):
+    calls = _recorded_init(
+        monkeypatch, gpus=gpus, requested=requested, local_rank=1, local_world=local_world
+    )
     ((args, kwargs),) = calls["init"]
     assert args == ("gloo",) and "device_id" not in kwargs and calls["set_device"] == []
 

@@ -64,7 +64,10 @@ def init_distributed_from_env(
         return
     timeout = datetime.timedelta(seconds=float(timeout_s))
     rendezvous = max(timeout, datetime.timedelta(seconds=float(rendezvous_timeout_s)))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    # torchrun sets LOCAL_WORLD_SIZE; elsewhere (srun) the rank needs at least its own GPU
+    local_ranks = int(
+        os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", "0")) + 1)
+    )
     device = choose_device(requested_device(), local_ranks)
     kwargs = {}
     if device == "cuda":
