@@ -158,6 +158,8 @@ def _domain_figure(model: str, size: str, domain: int, device: str) -> float | N
 
     out = os.path.join(tempfile.mkdtemp(prefix="credit-parallel-node-"), "domain.json")
     os.environ[DEVICE_ENV] = device
+    if device == "cuda":  # the ranks share GPU 0 with this process: give its cache back first
+        torch.cuda.empty_cache()
     rc = launch_local(
         domain,
         "credit_parallel.tools.bench.node_check",
