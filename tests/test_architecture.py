@@ -36,6 +36,7 @@ LAYER_OF = {
     "layout": "library",
     "config": "library",
     "run_config": "library",
+    "compat": "library",
     "device": "library",
     "launch": "library",
     "mesh": "library",

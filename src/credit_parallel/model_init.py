@@ -307,7 +307,11 @@ def build_parallel_model(
             torch.manual_seed(seed)
         return parallelize_dims(model_factory().to(device=torch.device(device)), dims, options)
     meshes = layout_meshes(dims)
-    data_options = {"amp": options.amp, "activation_checkpoint": options.activation_checkpoint}
+    data_options = {
+        "amp": options.amp,
+        "activation_checkpoint": options.activation_checkpoint,
+        "min_unit_params": options.fsdp2_min_unit_params,
+    }
     if meshes is not None:
         model = apply_model_parallel(
             model, dims, meshes, src_data_rank=None, nonlocal_policy=options.nonlocal_policy

@@ -55,8 +55,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from .compat import regroup_parts
 from .tensor_parallel_guard import (
     CopyToTensorParallel,
     ReduceFromTensorParallel,
@@ -86,11 +86,6 @@ _TP_PARAMETERS_ATTR = "_tp_parameter_names"
 # --------------------------------------------------------------------------------------------
 # The projection module and its two styles (row layers, 1x1 convs, fused column layers).
 # --------------------------------------------------------------------------------------------
-
-
-def _parts_placement(parts: int):
-    """Per-part layout of a fused output axis: rank t holds slice t of each of the parts."""
-    return _StridedShard(0, split_factor=parts)
 
 
 def _distribute(param, tp_mesh, placement, src_data_rank) -> nn.Parameter:
@@ -159,7 +154,7 @@ class TensorParallelProjection(nn.Module):
         if self.parts > 1:
             # Stored as Shard(0) (DCP/FSDP2-safe); regroup to the per-part layout here.  The
             # backward of the redistribute brings the gradient back to Shard(0).
-            param = param.redistribute(placements=[_parts_placement(self.parts)])
+            return regroup_parts(param, self.parts)
         return param.to_local()
 
     def _project(self, x, weight, bias):

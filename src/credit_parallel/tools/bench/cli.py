@@ -53,6 +53,20 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     ap.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers (--loader)")
     ap.add_argument("--loader-domain", type=int, default=1, help="domain size (--loader)")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the node check instead of the layout suite: environment, trainer smoke, verify "
+        "float32/float64, plain vs library step time and peak memory (CUDA when --device allows, "
+        "else the same table on gloo CPU ranks at small sizes)",
+    )
+    ap.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: CUDA when a GPU is visible (--gpu), else the CPU; the layout suite runs gloo "
+        "CPU ranks and refuses cuda",
+    )
     return ap
 
 
@@ -112,6 +126,16 @@ def run_bench(args) -> int:
     rounds = getattr(args, "rounds", None) or 1
     if getattr(args, "loader", None):
         return run_loader(args)
+    device = getattr(args, "device", "auto") or "auto"
+    if getattr(args, "gpu", False):
+        from .node_check import run_node_check
+
+        return run_node_check(device=device, quick=quick)
+    if device == "cuda":
+        raise ValueError(
+            "bench --device cuda: the layout suite runs gloo ranks on the CPU; the GPU check is "
+            "`credit-parallel bench --gpu` (or drop --device)"
+        )
     models, layouts = _select(args)
     if getattr(args, "profile", False):
         return run_profile(models, layouts, steps=steps, warmup=warmup)
