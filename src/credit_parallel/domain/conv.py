@@ -172,7 +172,7 @@ class _DomainParallelConvNd(DomainWrapper):
             window = self.shared_input.window_for(self, x, length, n, dim, mgr)
         else:
             plan, split = call.plan, call.split
-            if split is not None and self._splits:
+            if split is not None and self._splits and not torch.compiler.is_compiling():
                 if plan.sends or plan.recvs:
                     late = overlap_enabled(self.overlap, x.device)
                     peers, group = mgr.domain_ranks, mgr.domain_group
