@@ -46,6 +46,7 @@ LAYER_OF = {
     "collectives": "library",
     "small_collectives": "library",
     "checkpoint": "library",
+    "compile": "library",
     "composition": "composition",
     "model_init": "composition",
     "plan": "planner",

@@ -8,7 +8,8 @@
 2. domain > 1: a :class:`DomainParallelManager` from the mesh's "domain"/"dp" axes, and
    ``convert_to_domain_parallel``.  The manager is attached to the model, never made the
    process-wide one (that stays solely ``initialize_domain_parallel``'s);
-3. tensor > 1: ``apply_tensor_parallel`` on the "tp" axis;
+3. tensor > 1: ``apply_tensor_parallel`` on the "tp" axis; ``trainer.compile``: ``compile_blocks``
+   (``torch.compile`` per block, before FSDP2, as torchtitan does);
 4. data "fsdp2": ``apply_fsdp2`` over the flattened dp x domain axis when domain > 1 (gradients
    summed over domain, averaged over dp), else over "dp"; "ddp": ``apply_ddp`` over "dp".
 
@@ -22,12 +23,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .compile import compile_blocks
 from .config import DataMode, MeshAxis, ParallelDims, ParallelMesh
 from .device import device_for_process_group
 from .domain.convert import convert_to_domain_parallel
 from .domain.gather import nonlocal_policy_from_conf
 from .domain.manager import DomainParallelManager
 from .fsdp import apply_ddp, apply_fsdp2
+from .run_config import trainer_option
 from .tensor_parallel import apply_tensor_parallel
 
 __all__ = [
@@ -113,12 +116,17 @@ def parallelize(model: nn.Module, conf: dict) -> nn.Module:
     """Apply the configured parallelisms to ``model`` (in place where possible) and return it.
 
     A layout that does not change the model (``data: none``, tensor = domain = 1, on any number
-    of ranks) returns it untouched.
+    of ranks) returns it untouched (compiled per block when ``trainer.compile`` is true).
     """
     dims, meshes = parallel_layout(conf)
+    compile_on = trainer_option(conf, "compile")
     if meshes is None:
+        if compile_on:
+            compile_blocks(model)
         return model
     model = apply_model_parallel(
         model, dims, meshes, nonlocal_policy=nonlocal_policy_from_conf(conf)
     )
+    if compile_on:  # per block, after domain conversion and TP, before FSDP2 (as torchtitan)
+        compile_blocks(model)
     return apply_data_parallel(model, conf, dims, meshes)

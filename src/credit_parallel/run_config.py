@@ -154,6 +154,8 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "checkpoint_every": (0, _number("trainer", "checkpoint_every", int, 0)),
     "dtype": ("float32", _choice("trainer", "dtype", ("float32", "float64"))),
     "activation_checkpoint": (False, _flag("trainer", "activation_checkpoint")),
+    # torch.compile per block after domain conversion / TP, before FSDP2 (credit_parallel.compile)
+    "compile": (False, _flag("trainer", "compile")),
     "dist_timeout_s": (DEFAULT_DIST_TIMEOUT_S, _seconds),
     "save_dir": (None, _optional_path("trainer", "save_dir")),
     "resume": (False, _flag("trainer", "resume")),
@@ -276,6 +278,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     dtype: str = "float32"
     activation_checkpoint: bool = False
+    compile: bool = False
     dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
     save_dir: str | None = None
     resume: bool = False
