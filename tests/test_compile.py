@@ -1,0 +1,172 @@
+"""torch.compile through the library (``credit_parallel.compile``, ``domain/ops.py``): a compiled
+converted block computes the single-process function (float64, 1e-10: forward, input gradient,
+every parameter gradient) with the backends ``aot_eager`` and ``inductor`` at domain 2 and 3 on
+uneven rows, and Dynamo sees no graph break in it; a bundled model compiled through
+``parallelize`` at domain 1 matches the plain one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from credit_parallel import compile_blocks, parallelize
+from credit_parallel.compile import compile_targets
+from credit_parallel.domain.convert import convert_to_domain_parallel
+from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.domain.ops import decode_plans, encode_plan
+from credit_parallel.domain.rows import plan_exchange, shard_range
+from credit_parallel.models.crossformer import CrossFormer
+from credit_parallel.models.unet import UNet
+from credit_parallel.run_config import TrainerConfig
+from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
+from miles_credit import import_credit
+
+
+def _conv_norm_block():
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.SiLU(), nn.Conv2d(8, 4, 3, padding=1)
+    )
+
+
+def _attention_block():
+    m = import_credit("credit.models.unet_diffusion")
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), m.Attention(8, heads=2, dim_head=4))
+
+
+BLOCKS = {"conv_norm": _conv_norm_block, "attention": _attention_block}
+
+
+def _compiled_parity_worker(rank, world, block, h, backend):
+    torch.set_default_dtype(torch.float64)
+    mgr = DomainParallelManager(world, world)
+    x = torch.randn(2, 3, h, 6, generator=torch.Generator().manual_seed(3))
+    a, b = shard_range(h, world, rank)
+    token = ("parity", (tuple(x.shape),))
+
+    def convert(model, manager):
+        model = convert_to_domain_parallel(model, manager)
+        assert compile_blocks(model, backend=backend) == [""]
+        manager.begin_forward(token)
+        model(x[:, :, a:b])  # the first call per input shape runs eagerly (notes the heights)
+        return model
+
+    errors = domain_parity_errors(BLOCKS[block], x, mgr, convert=convert)
+    assert_parity(errors)
+    # the converted block, traced by Dynamo: one graph, no break
+    model = convert_to_domain_parallel(BLOCKS[block](), mgr)
+    mgr.begin_forward(token)
+    model(x[:, :, a:b])
+    explained = torch._dynamo.explain(model)(x[:, :, a:b])
+    return errors, explained.graph_break_count, explained.graph_count
+
+
+def _check(results, block):
+    errors, breaks, graphs = results[0]
+    assert breaks == 0 and graphs == 1, (breaks, graphs)
+    assert "output" in errors and "input_grad" in errors
+    assert any(k.startswith("param:") for k in errors)
+    if block == "attention":
+        assert any("to_qkv" in k for k in errors)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+@pytest.mark.parametrize("world, h", [(2, 7), (3, 11)])
+def test_compiled_block_aot_eager_matches_single_process(block, world, h):
+    _check(run_on_ranks(_compiled_parity_worker, world, block, h, "aot_eager", timeout=600), block)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+@pytest.mark.parametrize("world, h", [(2, 7), (3, 11)])
+def test_compiled_block_inductor_matches_single_process(block, world, h):
+    _check(run_on_ranks(_compiled_parity_worker, world, block, h, "inductor", timeout=900), block)
+
+
+def _bundled(name):
+    torch.manual_seed(0)
+    if name == "crossformer":
+        return CrossFormer(3, 2, 16, 16, dims=(16, 32), depths=(2, 2), window_sizes=(4, 2))
+    return UNet(3, 2, 16, 16, base_channels=8, channel_mults=(1, 2))
+
+
+def _grads(model):
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    return out
+
+
+def _domain1_worker(rank, world, name, backend, monkeypatch_backend):
+    torch.set_default_dtype(torch.float64)
+    import credit_parallel.composition as composition
+
+    # trainer.compile through parallelize, with the test's backend
+    composition.compile_blocks = lambda m: compile_blocks(m, backend=monkeypatch_backend)
+    ref = _bundled(name)
+    par = copy.deepcopy(ref)
+    conf = {
+        "trainer": {
+            "parallelism": {"data": "fsdp2", "tensor": 1, "domain": 1},
+            "compile": True,
+        }
+    }
+    par = parallelize(par, conf)
+    compiled = [n for n, m in compile_targets(par) if m._compiled_call_impl is not None]
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    results = []
+    for model in (ref, par):
+        xi = x.clone().requires_grad_()
+        y = model(xi)
+        (y * torch.arange(y.numel()).reshape(y.shape).sin()).sum().backward()
+        results.append((y.detach(), xi.grad, _grads(model)))
+    (y0, gx0, gp0), (y1, gx1, gp1) = results
+    errs = {"output": float((y0 - y1).abs().max()), "input_grad": float((gx0 - gx1).abs().max())}
+    errs.update({k: float((gp0[k] - gp1[k]).abs().max()) for k in gp0})
+    assert set(gp0) == set(gp1)
+    return errs, compiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name", ["crossformer", "unet"])
+def test_bundled_model_compiled_through_parallelize_matches_plain(name, backend):
+    errs, compiled = run_on_ranks(_domain1_worker, 1, name, backend, backend, timeout=900)[0]
+    assert len(compiled) >= 2, compiled  # per block, not the whole model
+    bad = {k: v for k, v in errs.items() if v > 1e-10}
+    assert not bad, bad
+
+
+def test_compile_targets_are_the_innermost_fsdp_blocks():
+    model = _bundled("unet")
+    names = [n for n, _ in compile_targets(model)]
+    marked = [n for n, m in model.named_modules() if getattr(m, "_fsdp2_shard", False)]
+    assert names and set(names) <= set(marked)
+    assert compile_targets(nn.Linear(2, 2))[0][0] == ""
+
+
+def test_compile_blocks_twice_is_refused():
+    model = nn.Sequential(nn.Linear(2, 2))
+    compile_blocks(model, backend="eager")
+    with pytest.raises(RuntimeError, match="already compiled"):
+        compile_blocks(model, backend="eager")
+
+
+def test_trainer_compile_key_defaults_off_and_parses():
+    assert TrainerConfig.from_conf({"trainer": {}}).compile is False
+    assert TrainerConfig.from_conf({"trainer": {"compile": True}}).compile is True
+    with pytest.raises(ValueError, match="compile"):
+        TrainerConfig.from_conf({"trainer": {"compile": "yes"}})
+
+
+def test_plan_encoding_round_trips():
+    windows = ((-1, 0, 1, 2, 3), (2, 3, 4, 5, 6, 7), (5, 6, 7, 8, 9, -1))
+    for plan in plan_exchange(10, 3, windows):
+        assert decode_plans(tuple(encode_plan(plan))) == (plan,)
+    plans = plan_exchange(10, 3, windows)
+    code = tuple(v for p in plans for v in encode_plan(p))
+    assert decode_plans(code) == plans
