@@ -19,7 +19,7 @@ from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.ops import decode_plans, encode_plan
 from credit_parallel.domain.rows import plan_exchange, shard_range
 from credit_parallel.models.crossformer import CrossFormer
-from credit_parallel.models.unet import UNet
+from credit_parallel.models.unet import UNet, UNetResBlock
 from credit_parallel.run_config import TrainerConfig
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
 from miles_credit import import_credit
@@ -170,3 +170,39 @@ def test_plan_encoding_round_trips():
     plans = plan_exchange(10, 3, windows)
     code = tuple(v for p in plans for v in encode_plan(p))
     assert decode_plans(code) == plans
+
+
+class _Breaking(nn.Module):
+    _fsdp2_shard = True
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+
+    def forward(self, x):
+        x = self.conv(x)
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+class _TwoBlocks(nn.Module):
+    input_shapes = ((2, 4, 4),)
+
+    def __init__(self):
+        super().__init__()
+        self.a = UNetResBlock(2, 4, 2)
+        self.b = _Breaking()
+
+    def forward(self, x):
+        return self.b(self.a(x)[:, :2])
+
+
+def test_plan_compile_lists_graph_breaks_per_block():
+    from credit_parallel.planner.compile_report import compile_breaks, format_compile_breaks
+
+    blocks = compile_breaks({}, model=_TwoBlocks().to("meta"))
+    by_name = {b.name: b for b in blocks}
+    assert by_name["a"].breaks == 0 and by_name["a"].graphs == 1
+    assert by_name["b"].breaks == 1 and by_name["b"].graphs == 2
+    text = format_compile_breaks(blocks)
+    assert "1 graph breaks" in text and "b (_Breaking): 2 graph(s), 1 break(s)" in text
