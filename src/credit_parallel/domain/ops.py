@@ -125,8 +125,9 @@ def _exchange_rows(
     pg, peers = _peers(group)
     specs = [(p, d, f) for p, d, f in zip(decode_plans(tuple(plans)), dims, fills)]
     windows = EAGER_IMPLS["exchange_rows"](list(xs), specs, peers, pg)
-    # an operator's output owns its memory (never a view of an input or a buffer)
-    return [w.clone() for w in windows]
+    # an operator's output owns its memory: a view (of an input, or of a receive buffer that
+    # another output may share) is copied; a concatenated window is already its own
+    return [w if w._base is None else w.clone() for w in windows]
 
 
 @_exchange_rows.register_fake
@@ -143,9 +144,8 @@ def _exchange_rows_backward(
     specs = [(p, d, 0.0) for p, d in zip(decode_plans(tuple(plans)), dims)]
     shapes = [_shape_with(g.shape, d, r) for g, d, r in zip(grads, dims, rows)]
     grads = [g.contiguous() for g in grads]
-    return [
-        g.clone() for g in EAGER_IMPLS["exchange_rows_backward"](grads, specs, peers, pg, shapes)
-    ]
+    # fresh tensors: the shard gradients are built from zeros
+    return EAGER_IMPLS["exchange_rows_backward"](grads, specs, peers, pg, shapes)
 
 
 @_exchange_rows_backward.register_fake
