@@ -168,7 +168,9 @@ class _DomainParallelConvNd(DomainWrapper):
         if self.fused_pad is not None:
             return self._forward_fused_pad(x, weight, bias, mgr, length, n, dim)
         call = self._call_geometry(length, n, mgr.domain_rank)
-        if self.shared_input is not None and self.shared_input.active:
+        # compiled: each conv exchanges alone (the shared window's bookkeeping is not traceable)
+        shared = self.shared_input is not None and not torch.compiler.is_compiling()
+        if shared and self.shared_input.active:
             window = self.shared_input.window_for(self, x, length, n, dim, mgr)
         else:
             plan, split = call.plan, call.split

@@ -40,6 +40,7 @@ __all__ = [
     "exchange_traced",
     "gather_stacked_traced",
     "group_name",
+    "return_rows_traced",
 ]
 
 # The eager communication each operator runs, registered by the module that owns it (exchange.py,
@@ -186,6 +187,41 @@ def exchange_traced(xs, specs, group) -> list[torch.Tensor]:
     fills = [float(f) for _, _, f in specs]
     return list(
         torch.ops.credit_parallel.exchange_rows(list(xs), code, dims, fills, group_name(group))
+    )
+
+
+@torch.library.custom_op("credit_parallel::return_rows", mutates_args=())
+def _return_rows(y: torch.Tensor, plan: list[int], dim: int, rows: int, group: str) -> torch.Tensor:
+    return _exchange_rows_backward([y], plan, [dim], [rows], group)[0]
+
+
+@_return_rows.register_fake
+def _(y, plan, dim, rows, group):
+    return y.new_empty(_shape_with(y.shape, dim, rows))
+
+
+def _return_setup(ctx, inputs, output):
+    _, ctx.plan, ctx.dim, _, ctx.group = inputs
+
+
+def _return_backward(ctx, grad):
+    window = torch.ops.credit_parallel.exchange_rows(
+        [grad.contiguous()], ctx.plan, [ctx.dim], [0.0], ctx.group
+    )[0]
+    return window, None, None, None, None
+
+
+torch.library.register_autograd(
+    "credit_parallel::return_rows", _return_backward, setup_context=_return_setup
+)
+
+
+def return_rows_traced(y, plan, dim: int, rows: int, group) -> torch.Tensor:
+    """The rows of a permutation layout back to their owners (``attention/relayout.py``'s
+    ``return_rows``; the transpose of the exchange) as one traced operator; ``rows``: this
+    rank's balanced shard height."""
+    return torch.ops.credit_parallel.return_rows(
+        y, encode_plan(plan), int(dim), int(rows), group_name(group)
     )
 
 
