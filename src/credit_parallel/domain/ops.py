@@ -112,6 +112,14 @@ def _peers(name: str) -> tuple[dist.ProcessGroup, list[int]]:
     return group, dist.get_process_group_ranks(group)
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an operator output: its own contiguous memory (the fake implementations promise
+    contiguous outputs, and an output must not be a view of an input or of another output)."""
+    if t._base is None and t.is_contiguous():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _shape_with(shape, dim: int, rows: int) -> list[int]:
     out = list(shape)
     out[dim] = rows
@@ -126,9 +134,7 @@ def _exchange_rows(
     pg, peers = _peers(group)
     specs = [(p, d, f) for p, d, f in zip(decode_plans(tuple(plans)), dims, fills)]
     windows = EAGER_IMPLS["exchange_rows"](list(xs), specs, peers, pg)
-    # an operator's output owns its memory: a view (of an input, or of a receive buffer that
-    # another output may share) is copied; a concatenated window is already its own
-    return [w if w._base is None else w.clone() for w in windows]
+    return [_owned(w) for w in windows]
 
 
 @_exchange_rows.register_fake
@@ -145,8 +151,9 @@ def _exchange_rows_backward(
     specs = [(p, d, 0.0) for p, d in zip(decode_plans(tuple(plans)), dims)]
     shapes = [_shape_with(g.shape, d, r) for g, d, r in zip(grads, dims, rows)]
     grads = [g.contiguous() for g in grads]
-    # fresh tensors: the shard gradients are built from zeros
-    return EAGER_IMPLS["exchange_rows_backward"](grads, specs, peers, pg, shapes)
+    return [
+        _owned(g) for g in EAGER_IMPLS["exchange_rows_backward"](grads, specs, peers, pg, shapes)
+    ]
 
 
 @_exchange_rows_backward.register_fake
@@ -228,7 +235,7 @@ def return_rows_traced(y, plan, dim: int, rows: int, group) -> torch.Tensor:
 # ----------------------------------------------------------------------------- small statistics
 @torch.library.custom_op("credit_parallel::gather_small", mutates_args=())
 def _gather_small(x: torch.Tensor, group: str) -> torch.Tensor:
-    return gather_small(x.contiguous(), _resolve_process_group(group)).clone()
+    return _owned(gather_small(x.contiguous(), _resolve_process_group(group)))
 
 
 @_gather_small.register_fake
@@ -275,7 +282,7 @@ def _all_to_all(
     pg, peers = _peers(group)
     shapes = [recv_shapes[i : i + ndim] for i in range(0, len(recv_shapes), ndim)]
     recvs = EAGER_IMPLS["all_to_all"](list(parts), shapes, peers, dist.get_rank(pg), pg)
-    return [t.clone() for t in recvs]
+    return [_owned(t) for t in recvs]
 
 
 @_all_to_all.register_fake
