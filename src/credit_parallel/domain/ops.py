@@ -112,10 +112,12 @@ def _peers(name: str) -> tuple[dist.ProcessGroup, list[int]]:
     return group, dist.get_process_group_ranks(group)
 
 
-def _owned(t: torch.Tensor) -> torch.Tensor:
+def _owned(t: torch.Tensor, inputs=()) -> torch.Tensor:
     """``t`` as an operator output: its own contiguous memory (the fake implementations promise
     contiguous outputs, and an output must not be a view of an input or of another output)."""
-    if t._base is None and t.is_contiguous():
+    ptr = t.untyped_storage().data_ptr()
+    aliased = any(ptr == x.untyped_storage().data_ptr() for x in inputs)
+    if t._base is None and t.is_contiguous() and not aliased:
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -134,7 +136,7 @@ def _exchange_rows(
     pg, peers = _peers(group)
     specs = [(p, d, f) for p, d, f in zip(decode_plans(tuple(plans)), dims, fills)]
     windows = EAGER_IMPLS["exchange_rows"](list(xs), specs, peers, pg)
-    return [_owned(w) for w in windows]
+    return [_owned(w, xs) for w in windows]
 
 
 @_exchange_rows.register_fake
@@ -152,7 +154,8 @@ def _exchange_rows_backward(
     shapes = [_shape_with(g.shape, d, r) for g, d, r in zip(grads, dims, rows)]
     grads = [g.contiguous() for g in grads]
     return [
-        _owned(g) for g in EAGER_IMPLS["exchange_rows_backward"](grads, specs, peers, pg, shapes)
+        _owned(g, grads)
+        for g in EAGER_IMPLS["exchange_rows_backward"](grads, specs, peers, pg, shapes)
     ]
 
 
@@ -282,7 +285,7 @@ def _all_to_all(
     pg, peers = _peers(group)
     shapes = [recv_shapes[i : i + ndim] for i in range(0, len(recv_shapes), ndim)]
     recvs = EAGER_IMPLS["all_to_all"](list(parts), shapes, peers, dist.get_rank(pg), pg)
-    return [_owned(t) for t in recvs]
+    return [_owned(t, parts) for t in recvs]
 
 
 @_all_to_all.register_fake
