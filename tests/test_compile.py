@@ -244,3 +244,40 @@ def test_bundled_model_compiled_per_block_at_domain_3_matches_single_process(nam
     errors, compiled = run_on_ranks(_bundled_domain_worker, 3, name, "aot_eager", timeout=900)[0]
     assert len(compiled) >= 4 and "" not in compiled
     assert sum(k.startswith("param:") for k in errors) == len(list(_bundled(name).parameters()))
+
+
+def _trainer_worker(rank, world, store):
+    import credit_parallel.model_init as model_init
+    from credit_parallel.train.trainer import Trainer
+    from sample_conf import tiny_unet_conf
+
+    model_init.compile_blocks = lambda m: compile_blocks(m, backend="aot_eager")
+    out = {}
+    for compiled in (False, True):
+        trainer_conf = {
+            "parallelism": {"data": "fsdp2", "tensor": 1, "domain": 2},
+            "steps": 3,
+            "batch_size": 2,
+            "dtype": "float64",
+            "seed": 3,
+            "compile": compiled,
+        }
+        conf = tiny_unet_conf(store, 17, 32, time_slice=[0, 20], trainer=trainer_conf)
+        trainer = Trainer(conf)
+        losses = [trainer.train_step()["loss"] for _ in range(3)]
+        params = {n: p.detach().full_tensor().clone() for n, p in trainer.model.named_parameters()}
+        names = [n for n, m in compile_targets(trainer.model) if m._compiled_call_impl]
+        out[compiled] = (losses, params, names)
+    return out
+
+
+@pytest.mark.slow
+def test_trainer_compile_fsdp2_over_domain2_trains_like_eager(tmp_path):
+    from credit_parallel.data import write_sample_dataset
+
+    store = str(write_sample_dataset(tmp_path / "s.zarr", n_times=24, nlat=17, nlon=32))
+    out = run_on_ranks(_trainer_worker, 2, store, timeout=900)[0]
+    (eager_losses, eager_params, eager_names), (losses, params, names) = out[False], out[True]
+    assert not eager_names and names  # trainer.compile compiled the blocks
+    assert max(abs(a - b) for a, b in zip(losses, eager_losses)) <= 1e-10
+    assert max(float((params[k] - eager_params[k]).abs().max()) for k in params) <= 1e-10

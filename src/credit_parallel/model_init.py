@@ -34,9 +34,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .compile import compile_blocks
 from .composition import apply_data_parallel, apply_model_parallel, parallel_layout
 from .config import DataMode
 from .domain.gather import nonlocal_policy_from_conf
+from .run_config import trainer_option
 
 __all__ = ["InitRecord", "build_parallel_model", "materialize_", "record_meta_build"]
 
@@ -265,6 +267,9 @@ def build_parallel_model(
         model = apply_model_parallel(
             model, dims, meshes, src_data_rank=None, nonlocal_policy=nonlocal_policy_from_conf(conf)
         )
+    if trainer_option(conf, "compile"):  # per block, before FSDP2 (as parallelize does)
+        compile_blocks(model)
+    if meshes is not None:
         if dims.data == DataMode.FSDP2:
             model = apply_data_parallel(model, conf, dims, meshes)
     materialize_(model, record, refs, device=torch.device(device))
