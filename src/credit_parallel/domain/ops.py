@@ -237,13 +237,14 @@ def return_rows_traced(y, plan, dim: int, rows: int, group) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- small statistics
 @torch.library.custom_op("credit_parallel::gather_small", mutates_args=())
-def _gather_small(x: torch.Tensor, group: str) -> torch.Tensor:
+def _gather_small(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
     return _owned(gather_small(x.contiguous(), _resolve_process_group(group)))
 
 
 @_gather_small.register_fake
-def _(x, group):
-    world = dist.get_world_size(_resolve_process_group(group))
+def _(x, world, group):
+    # the size is an argument: a fake must be a function of its arguments alone (a compiled
+    # graph is cached by them; a group name is reused by other groups in other runs)
     return x.new_empty((world, *x.shape))
 
 
@@ -258,12 +259,12 @@ def _(x, group):
 
 
 def _gather_setup(ctx, inputs, output):
-    ctx.group = inputs[1]
+    ctx.group = inputs[2]
 
 
 def _gather_backward(ctx, grad):
     rank = dist.get_rank(_resolve_process_group(ctx.group))
-    return torch.ops.credit_parallel.sum_small(grad, ctx.group)[rank], None
+    return torch.ops.credit_parallel.sum_small(grad, ctx.group)[rank], None, None
 
 
 torch.library.register_autograd(
@@ -274,7 +275,8 @@ torch.library.register_autograd(
 def gather_stacked_traced(x: torch.Tensor, group) -> torch.Tensor:
     """Every rank's ``x`` stacked in group-rank order, differentiable (the backward sums the
     stacked gradient over the ranks; each keeps its slot)."""
-    return torch.ops.credit_parallel.gather_small(x, group_name(group))
+    world = dist.get_world_size(group)
+    return torch.ops.credit_parallel.gather_small(x, world, group_name(group))
 
 
 # ----------------------------------------------------------------------------- all-to-all
