@@ -77,13 +77,14 @@ def main() -> int:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     args = p.parse_args()
     print(
         f"step = forward+backward+AdamW, batch 1, 8 channels, {args.height}x{args.width}, "
         f"median of {args.steps} after {args.warmup} warm-up, {torch.get_num_threads()} threads"
     )
     for name in args.models.split(","):
-        for variant in VARIANTS:
+        for variant in args.variants.split(","):
             # each variant in a fresh process (one gloo rank): no compile cache shared in memory
             first, median = run_on_ranks(
                 _variant,

@@ -14,7 +14,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from credit_parallel import compile_blocks, parallelize
-from credit_parallel.compile import compile_targets
+from credit_parallel.compile import compile_targets, is_compiled
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.ops import decode_plans, encode_plan
@@ -118,7 +118,7 @@ def _domain1_worker(rank, world, name, backend, monkeypatch_backend):
         }
     }
     par = parallelize(par, conf)
-    compiled = [n for n, m in compile_targets(par) if m._compiled_call_impl is not None]
+    compiled = [n for n, m in compile_targets(par) if is_compiled(m)]
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     results = []
     for model in (ref, par):
@@ -266,7 +266,7 @@ def _trainer_worker(rank, world, store):
         trainer = Trainer(conf)
         losses = [trainer.train_step()["loss"] for _ in range(3)]
         params = {n: p.detach().full_tensor().clone() for n, p in trainer.model.named_parameters()}
-        names = [n for n, m in compile_targets(trainer.model) if m._compiled_call_impl]
+        names = [n for n, m in compile_targets(trainer.model) if is_compiled(m)]
         out[compiled] = (losses, params, names)
     return out
 

@@ -5,9 +5,10 @@ parallelism and before FSDP2 (``parallelize`` calls it between the two): the blo
 modules that opt in to FSDP2 (``_fsdp2_shard = True``) and contain no other such block, or the
 whole model when none opts in.  Every block compiles to one graph (``fullgraph=True``): the
 library's communication inside a converted block (halo exchanges, GroupNorm statistics, attention
-all-to-alls) is traced as the custom operators of ``domain/ops.py``.  FSDP2's hooks stay outside
-the graphs (Dynamo skips them).  A block is compiled in place (``module._compiled_call_impl``, as
-``nn.Module.compile`` does), so parameter names and ``state_dict`` keys do not change.
+all-to-alls) is traced as the custom operators of ``domain/ops.py``.  The block's ``forward`` is
+what is compiled (an instance attribute), so the hooks FSDP2 registers on the block later run
+eagerly around the graph, as around torchtitan's compiled blocks; the module keeps its class,
+parameter names and ``state_dict`` keys.
 
 A compiled block of a domain-parallel model cannot ask the domain group for the global height of
 a new input shape inside a graph: the first call of a block per input shape (the manager's
@@ -18,8 +19,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["compile_blocks", "compile_targets"]
+from .fsdp import is_activation_checkpointed
+
+__all__ = ["compile_blocks", "compile_targets", "is_compiled"]
 
 
 def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -48,23 +52,33 @@ def _manager_of(block: nn.Module):
     return get_domain_parallel_manager()
 
 
-class _CompiledCall:
-    """A block's ``_compiled_call_impl``: the compiled ``_call_impl``, after one eager call per
-    new input shape of a domain-parallel block (see the module docstring)."""
+class _CompiledForward:
+    """A block's compiled ``forward``, after one eager call per new input shape of a
+    domain-parallel block (see the module docstring)."""
 
-    def __init__(self, block: nn.Module, compiled, manager):
-        self._block, self._compiled, self._manager = block, compiled, manager
+    def __init__(self, block, eager, compiled, manager):
+        self.eager, self._compiled, self._manager = eager, compiled, manager
+        self._block = block
         self._seen: set = set()
+
+    def _run(self, fn, args, kwargs):
+        # trainer.activation_checkpoint swaps the block's class later (fsdp.py); this instance
+        # forward shadows the class's, so the checkpoint is applied here, around the graph
+        if is_activation_checkpointed(self._block) and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         mgr = self._manager
-        if mgr is None or mgr.domain_world_size == 1:
-            return self._compiled(*args, **kwargs)
-        token = mgr._token
-        if token not in self._seen:
-            self._seen.add(token)
-            return self._block._call_impl(*args, **kwargs)
-        return self._compiled(*args, **kwargs)
+        if mgr is not None and mgr.domain_world_size > 1 and mgr._token not in self._seen:
+            self._seen.add(mgr._token)
+            return self._run(self.eager, args, kwargs)
+        return self._run(self._compiled, args, kwargs)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_blocks` compiled ``module``."""
+    return isinstance(module.__dict__.get("forward"), _CompiledForward)
 
 
 def compile_blocks(
@@ -81,14 +95,15 @@ def compile_blocks(
     ``torch.compile``'s; ``fullgraph=True`` makes a graph break inside a block an error."""
     names = []
     for name, block in compile_targets(model):
-        if block._compiled_call_impl is not None:
+        if is_compiled(block):
             raise RuntimeError(
                 f"compile_blocks: block {name or type(model).__name__!r} is already compiled "
                 "(compile_blocks or trainer.compile applied twice)"
             )
+        eager = block.forward
         compiled = torch.compile(
-            block._call_impl, backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic
+            eager, backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic
         )
-        block._compiled_call_impl = _CompiledCall(block, compiled, _manager_of(block))
+        block.forward = _CompiledForward(block, eager, compiled, _manager_of(block))
         names.append(name)
     return names
