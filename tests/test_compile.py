@@ -82,6 +82,7 @@ def test_compiled_block_aot_eager_matches_single_process(block, world, h):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # inductor's C++ builds: minutes on a loaded 2-core machine
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 @pytest.mark.parametrize("world, h", [(2, 7), (3, 11)])
 def test_compiled_block_inductor_matches_single_process(block, world, h):
@@ -134,6 +135,7 @@ def _domain1_worker(rank, world, name, backend, monkeypatch_backend):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("name", ["crossformer", "unet"])
 def test_bundled_model_compiled_through_parallelize_matches_plain(name, backend):
