@@ -50,6 +50,7 @@ _EXPORTS = {
     "FunctionalCallGuard": "domain.guard",
     # tensor parallel, data parallel, collectives, composition
     "apply_tensor_parallel": "tensor_parallel",
+    "compile_blocks": "compile",
     "tp_replicated_parameters": "tensor_parallel",
     "apply_fsdp2": "fsdp",
     "apply_ddp": "fsdp",
