@@ -37,7 +37,50 @@ def _attention_block():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), m.Attention(8, heads=2, dim_head=4))
 
 
-BLOCKS = {"conv_norm": _conv_norm_block, "attention": _attention_block}
+class _TokenAttention(nn.Module):
+    """nn.MultiheadAttention over the flattened H*W tokens (converted to the sequence-parallel
+    token form: token counts, two all-to-alls, under a TorchFunctionMode)."""
+
+    def __init__(self, channels=8, heads=2):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(channels, heads, batch_first=True)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        t = x.flatten(2).transpose(1, 2)
+        y, _ = self.attn(t, t, t, need_weights=False)
+        return y.transpose(1, 2).reshape(b, c, h, w)
+
+
+class _HandAttention(nn.Module):
+    """Attention over all H*W positions written by hand: nothing the converter recognises, so
+    ``nonlocal_policy="gather"`` runs it on the all-gathered globe."""
+
+    def __init__(self, channels=8):
+        super().__init__()
+        self.qkv = nn.Conv2d(channels, 3 * channels, 1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).flatten(2).chunk(3, dim=1)
+        attn = (q.transpose(1, 2) @ k / q.shape[1] ** 0.5).softmax(-1)
+        return (v @ attn.transpose(1, 2)).reshape(x.shape)
+
+
+def _between_convs(body):
+    return lambda: nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), body(), nn.Conv2d(8, 4, 3, padding=1)
+    )
+
+
+BLOCKS = {
+    "conv_norm": _conv_norm_block,
+    "attention": _attention_block,
+    "tokens": _between_convs(_TokenAttention),
+    "gather": _between_convs(_HandAttention),
+}
+# the parameter every block must report a gradient error for (its communication is on the path)
+_KEY_PARAM = {"attention": "to_qkv", "tokens": "in_proj_weight", "gather": "qkv"}
+_POLICY = {"gather": "gather"}
 
 
 def _compiled_parity_worker(rank, world, block, h, backend):
@@ -46,9 +89,10 @@ def _compiled_parity_worker(rank, world, block, h, backend):
     x = torch.randn(2, 3, h, 6, generator=torch.Generator().manual_seed(3))
     a, b = shard_range(h, world, rank)
     token = ("parity", (tuple(x.shape),))
+    policy = _POLICY.get(block, "raise")
 
     def convert(model, manager):
-        model = convert_to_domain_parallel(model, manager)
+        model = convert_to_domain_parallel(model, manager, nonlocal_policy=policy)
         assert compile_blocks(model, backend=backend) == [""]
         manager.begin_forward(token)
         model(x[:, :, a:b])  # the first call per input shape runs eagerly (notes the heights)
@@ -58,20 +102,23 @@ def _compiled_parity_worker(rank, world, block, h, backend):
     assert_parity(errors)
     assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])  # it compiled
     # the converted block, traced by Dynamo: one graph, no break
-    model = convert_to_domain_parallel(BLOCKS[block](), mgr)
+    model = convert_to_domain_parallel(BLOCKS[block](), mgr, nonlocal_policy=policy)
+    forms = sorted({getattr(m, "domain_form", "") for m in model.modules()} - {""})
     mgr.begin_forward(token)
     model(x[:, :, a:b])
     explained = torch._dynamo.explain(model)(x[:, :, a:b])
-    return errors, explained.graph_break_count, explained.graph_count
+    return errors, explained.graph_break_count, explained.graph_count, forms
 
 
 def _check(results, block):
-    errors, breaks, graphs = results[0]
+    errors, breaks, graphs, forms = results[0]
     assert breaks == 0 and graphs == 1, (breaks, graphs)
     assert "output" in errors and "input_grad" in errors
     assert any(k.startswith("param:") for k in errors)
-    if block == "attention":
-        assert any("to_qkv" in k for k in errors)
+    if block in _KEY_PARAM:
+        assert any(_KEY_PARAM[block] in k for k in errors), sorted(errors)
+    if block in ("tokens", "gather"):  # the converted form under test is really there
+        assert {"tokens": "sequence", "gather": "gather"}[block] in forms, forms
 
 
 @pytest.mark.slow
@@ -81,10 +128,14 @@ def test_compiled_block_aot_eager_matches_single_process(block, world, h):
     _check(run_on_ranks(_compiled_parity_worker, world, block, h, "aot_eager", timeout=600), block)
 
 
+_INDUCTOR_CASES = [
+    (block, world, h) for block in ("attention", "conv_norm") for world, h in [(2, 7), (3, 11)]
+] + [("tokens", 2, 7)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # inductor's C++ builds: minutes on a loaded 2-core machine
-@pytest.mark.parametrize("block", sorted(BLOCKS))
-@pytest.mark.parametrize("world, h", [(2, 7), (3, 11)])
+@pytest.mark.parametrize("block, world, h", _INDUCTOR_CASES)
 def test_compiled_block_inductor_matches_single_process(block, world, h):
     _check(run_on_ranks(_compiled_parity_worker, world, block, h, "inductor", timeout=900), block)
 

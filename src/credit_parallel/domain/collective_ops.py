@@ -9,7 +9,8 @@
   backward = all-reduce of the stacked gradient, each rank keeps its slot;
 * :func:`all_reduce_sum` — plain in-place sum over the domain group (inside a backward).
 
-The last two carry a few hundred bytes: they go through :mod:`credit_parallel.small_collectives`
+Under ``torch.compile`` the first two are the traced operators ``credit_parallel::gather_rows``
+/ ``scatter_rows`` of :mod:`.ops` (the same communication).  The last two carry a few hundred bytes: they go through :mod:`credit_parallel.small_collectives`
 (point to point on small gloo groups, where gloo's collectives cost several times the latency).
 """
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from ..compat import all_gather_single
 from ..small_collectives import gather_small, sum_small_
+from .ops import EAGER_IMPLS, gather_rows_traced, scatter_rows_traced
 from .rows import shard_range, shard_sizes
 
 __all__ = ["all_gather_rows", "all_gather_stacked", "all_reduce_sum", "scatter_rows"]
@@ -37,6 +39,9 @@ def _gather_padded(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
     all_gather_single(out, x, group=group)
     parts = [out.narrow(0, r * biggest, s) for r, s in enumerate(sizes)]
     return torch.cat(parts, 0).movedim(0, dim)
+
+
+EAGER_IMPLS["gather_rows"] = _gather_padded
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -87,10 +92,16 @@ class _AllGatherStacked(torch.autograd.Function):
 
 
 def all_gather_rows(x: torch.Tensor, dim: int, length: int, manager) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # one traced operator (domain/ops.py)
+        sizes = shard_sizes(length, manager.domain_world_size)
+        return gather_rows_traced(x, dim, sizes, manager.domain_group)
     return _AllGatherRows.apply(x, dim, length, manager.domain_rank, manager.domain_group)
 
 
 def scatter_rows(x: torch.Tensor, dim: int, manager) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # one traced operator (domain/ops.py)
+        sizes = shard_sizes(x.shape[dim], manager.domain_world_size)
+        return scatter_rows_traced(x, dim, sizes, manager.domain_rank, manager.domain_group)
     return _ScatterRows.apply(x, dim, manager.domain_rank, manager.domain_group)
 
 

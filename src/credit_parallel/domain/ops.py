@@ -12,7 +12,10 @@ instead, so that a converted block compiles to ONE graph:
 * ``credit_parallel::gather_small`` / ``sum_small`` — the norm statistics (stack of every rank's
   tensor; its backward: the sum over ranks, each rank keeping its slot);
 * ``credit_parallel::all_to_all`` — the attention re-layout (its backward: the reverse
-  all-to-all).
+  all-to-all);
+* ``credit_parallel::gather_rows`` / ``reduce_rows`` / ``scatter_rows`` — rows gathered from
+  every rank (the nonlocal gather policy; backward: the sum over ranks, each keeping its rows)
+  and a replicated tensor's own rows kept (backward: the gather).
 
 Custom operators take tensors and plain values only: a row plan travels as a flat list of ints
 (:func:`encode_plan`), a process group by its ``group_name`` (resolved as the functional
@@ -38,9 +41,11 @@ __all__ = [
     "decode_plans",
     "encode_plan",
     "exchange_traced",
+    "gather_rows_traced",
     "gather_stacked_traced",
     "group_name",
     "return_rows_traced",
+    "scatter_rows_traced",
 ]
 
 # The eager communication each operator runs, registered by the module that owns it (exchange.py,
@@ -322,3 +327,91 @@ def all_to_all_traced(parts, recv_shapes, group) -> list[torch.Tensor]:
     ndim = len(recv_shapes[0])
     flat = [int(v) for s in recv_shapes for v in s]
     return list(torch.ops.credit_parallel.all_to_all(list(parts), flat, ndim, group_name(group)))
+
+
+# ----------------------------------------------------------------------------- rows gathered
+# (``collective_ops.py``: the nonlocal gather policy and ``gather_tensor`` / ``shard_tensor``)
+@torch.library.custom_op("credit_parallel::gather_rows", mutates_args=())
+def _gather_rows(x: torch.Tensor, dim: int, sizes: list[int], group: str) -> torch.Tensor:
+    return _owned(EAGER_IMPLS["gather_rows"](x, dim, list(sizes), _resolve_process_group(group)))
+
+
+@_gather_rows.register_fake
+def _(x, dim, sizes, group):
+    return x.new_empty(_shape_with(x.shape, dim, sum(sizes)))
+
+
+@torch.library.custom_op("credit_parallel::reduce_rows", mutates_args=())
+def _reduce_rows(grad: torch.Tensor, dim: int, start: int, stop: int, group: str) -> torch.Tensor:
+    total = grad.contiguous().clone()
+    dist.all_reduce(total, group=_resolve_process_group(group))
+    return total.narrow(dim, start, stop - start).contiguous()
+
+
+@_reduce_rows.register_fake
+def _(grad, dim, start, stop, group):
+    return grad.new_empty(_shape_with(grad.shape, dim, stop - start))
+
+
+def _own_range(sizes, group: str) -> tuple[int, int]:
+    rank = dist.get_rank(_resolve_process_group(group))
+    start = sum(sizes[:rank])
+    return start, start + sizes[rank]
+
+
+def _gather_rows_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.sizes, ctx.group = inputs
+
+
+def _gather_rows_backward(ctx, grad):
+    start, stop = _own_range(ctx.sizes, ctx.group)
+    back = torch.ops.credit_parallel.reduce_rows(grad, ctx.dim, start, stop, ctx.group)
+    return back, None, None, None
+
+
+torch.library.register_autograd(
+    "credit_parallel::gather_rows", _gather_rows_backward, setup_context=_gather_rows_setup
+)
+
+
+@torch.library.custom_op("credit_parallel::scatter_rows", mutates_args=())
+def _scatter_rows(
+    x: torch.Tensor, dim: int, sizes: list[int], rank: int, group: str
+) -> torch.Tensor:
+    start = sum(sizes[:rank])
+    return x.narrow(dim, start, sizes[rank]).clone(memory_format=torch.contiguous_format)
+
+
+@_scatter_rows.register_fake
+def _(x, dim, sizes, rank, group):
+    return x.new_empty(_shape_with(x.shape, dim, sizes[rank]))
+
+
+def _scatter_rows_setup(ctx, inputs, output):
+    _, ctx.dim, ctx.sizes, _, ctx.group = inputs
+
+
+def _scatter_rows_backward(ctx, grad):
+    full = torch.ops.credit_parallel.gather_rows(grad.contiguous(), ctx.dim, ctx.sizes, ctx.group)
+    return full, None, None, None, None
+
+
+torch.library.register_autograd(
+    "credit_parallel::scatter_rows", _scatter_rows_backward, setup_context=_scatter_rows_setup
+)
+
+
+def gather_rows_traced(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
+    """The rows of every rank (``sizes`` in group-rank order) concatenated along ``dim``, as one
+    traced operator; its backward sums the gradient over the ranks and keeps this rank's rows."""
+    return torch.ops.credit_parallel.gather_rows(
+        x, int(dim), [int(s) for s in sizes], group_name(group)
+    )
+
+
+def scatter_rows_traced(x: torch.Tensor, dim: int, sizes, rank: int, group) -> torch.Tensor:
+    """Group rank ``rank``'s (this rank's) rows of a replicated tensor (``sizes`` in group-rank
+    order), as one traced operator; its backward gathers the rows of every rank."""
+    return torch.ops.credit_parallel.scatter_rows(
+        x, int(dim), [int(s) for s in sizes], int(rank), group_name(group)
+    )

@@ -35,19 +35,49 @@ def mask_refused(name: str, call: str) -> ValueError:
     )
 
 
-def token_counts(manager, *lengths: int) -> list[tuple[int, ...]]:
+def token_counts(manager, *lengths: int, owner=None) -> list[tuple[int, ...]]:
     """Per domain rank, its local token counts ``lengths`` (one tiny all_gather, on the
-    device the group communicates on)."""
+    device the group communicates on).
+
+    The counts are a function of the input shapes alone, so an eager call notes them on
+    ``owner`` (the attention wrapper) under the manager's forward token, as layers note their
+    global heights; under ``torch.compile`` they are read back from there (a compiled graph
+    cannot read a gathered tensor on the host): no communication, no graph break.
+    """
+    if torch.compiler.is_compiling():
+        return _noted_counts(manager, owner, lengths)
     mine = torch.tensor(lengths, dtype=torch.int64, device=manager.device)
     out = [torch.empty_like(mine) for _ in range(manager.domain_world_size)]
     dist.all_gather(out, mine, group=manager.domain_group)
-    return [tuple(int(v) for v in t.tolist()) for t in out]
+    counts = [tuple(int(v) for v in t.tolist()) for t in out]
+    if owner is not None:
+        noted = owner.__dict__.get("_domain_token_counts")
+        if noted is None:
+            noted = {}
+            object.__setattr__(owner, "_domain_token_counts", noted)
+        key = (manager._token, tuple(lengths))
+        noted[key] = counts if noted.get(key, counts) == counts else None  # None: ambiguous
+    return counts
 
 
-def checked_counts(manager, name: str, q_len: int, k_len: int, units: int):
-    """Per-rank query and key token counts (one tiny all_gather); every rank must hold the same
+def _noted_counts(manager, owner, lengths) -> list[tuple[int, ...]]:
+    noted = getattr(owner, "_domain_token_counts", None) or {}
+    counts = noted.get((manager._token, tuple(lengths)))
+    if counts is None:
+        raise RuntimeError(
+            f"{type(owner).__name__}: no token counts of the domain ranks known for local "
+            f"lengths {tuple(lengths)} of this input shape under torch.compile; compile the model "
+            "with credit_parallel.compile_blocks (its first call per input shape runs eagerly "
+            "and notes them), or call the attention eagerly once first"
+        )
+    return counts
+
+
+def checked_counts(manager, name: str, q_len: int, k_len: int, units: int, owner=None):
+    """Per-rank query and key token counts (one tiny all_gather, or the counts noted on
+    ``owner`` under ``torch.compile``: see :func:`token_counts`); every rank must hold the same
     (batch x head) units, else the dim taken for tokens is not the sharded one."""
-    counts = token_counts(manager, q_len, k_len, units)
+    counts = token_counts(manager, q_len, k_len, units, owner=owner)
     if len({c[2] for c in counts}) != 1:
         raise ValueError(
             f"{name}: sequence-parallel attention found different batch x head sizes on the "
@@ -114,6 +144,8 @@ def sequence_parallel_sdpa(
     is_causal: bool = False,
     scale=None,
     enable_gqa: bool = False,
+    *,
+    owner=None,
 ):
     """``F.scaled_dot_product_attention`` on (..., L_local, D) tensors whose token dim -2 is
     sharded in rank order: the same function as one process on the concatenated tokens."""
@@ -127,7 +159,7 @@ def sequence_parallel_sdpa(
             f"{tuple(value.shape)} (grouped-query / broadcast heads are not split)"
         )
     units = math.prod(lead)
-    q_counts, k_counts = checked_counts(manager, name, query.shape[-2], key.shape[-2], units)
+    q_counts, k_counts = checked_counts(manager, name, query.shape[-2], key.shape[-2], units, owner)
     q, k, v = (t.reshape(units, t.shape[-2], t.shape[-1]) for t in (query, key, value))
     (out,) = core_over_all_tokens(
         _sdpa_core(dropout_p, scale), q, k, v, q_counts, k_counts, manager

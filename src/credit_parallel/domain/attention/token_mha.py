@@ -104,7 +104,7 @@ def _refuse_unsupported(name: str, a: dict) -> None:
         )
 
 
-def sequence_parallel_mha(manager, name: str, args: tuple, kwargs: dict):
+def sequence_parallel_mha(manager, name: str, args: tuple, kwargs: dict, owner=None):
     """``F.multi_head_attention_forward(*args, **kwargs)`` with token dim 0 of query, key and
     value sharded over the domain ranks in rank order; returns ``(output, weights or None)``."""
     bound = _SIGNATURE.bind(*args, **kwargs)
@@ -121,7 +121,7 @@ def sequence_parallel_mha(manager, name: str, args: tuple, kwargs: dict):
     q, k, v = _projections(a, query, key, value)
     # torch's layout: (L, B, E) -> (B * heads, L, head_dim), unit = b * heads + h
     q, k, v = (t.reshape(t.shape[0], batch * heads, -1).transpose(0, 1) for t in (q, k, v))
-    q_counts, k_counts = checked_counts(manager, name, length, key.shape[0], batch * heads)
+    q_counts, k_counts = checked_counts(manager, name, length, key.shape[0], batch * heads, owner)
     key_mask = None if kpm is None else _gathered_key_mask(kpm, k_counts, manager, q.dtype)
     units = unit_range(batch * heads, manager)
     outs = core_over_all_tokens(

@@ -39,16 +39,18 @@ class SequenceParallelAttention(TorchFunctionMode):
     (what ``nn.MultiheadAttention`` calls; its fused eval fast path is skipped while a
     ``TorchFunctionMode`` is active) compute over the tokens of every domain rank."""
 
-    def __init__(self, manager, name: str = "attention"):
+    def __init__(self, manager, name: str = "attention", owner=None):
         super().__init__()
-        self.manager, self.name = manager, name
+        self.manager, self.name, self.owner = manager, name, owner
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return sequence_parallel_sdpa(self.manager, self.name, *args, **kwargs)
+            return sequence_parallel_sdpa(
+                self.manager, self.name, *args, owner=self.owner, **kwargs
+            )
         if func is F.multi_head_attention_forward:
-            return sequence_parallel_mha(self.manager, self.name, args, kwargs)
+            return sequence_parallel_mha(self.manager, self.name, args, kwargs, self.owner)
         return func(*args, **kwargs)
 
 
@@ -96,7 +98,7 @@ class DomainTokenAttention(DomainWrapper):
         self.wrapped.training = self.training
         if mgr.domain_world_size == 1:
             return self.wrapped(*args, **kwargs)
-        with SequenceParallelAttention(mgr, self._name()):
+        with SequenceParallelAttention(mgr, self._name(), self):
             return self.wrapped(*args, **kwargs)
 
     # ---- geometry protocol and planner costs
