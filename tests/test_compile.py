@@ -23,7 +23,7 @@ from credit_parallel.models.crossformer import CrossFormer
 from credit_parallel.models.unet import UNet, UNetResBlock
 from credit_parallel.run_config import TrainerConfig
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
-from miles_credit import import_credit
+from miles_credit import import_credit, import_timm
 
 
 def _conv_norm_block():
@@ -66,6 +66,28 @@ class _HandAttention(nn.Module):
         return (v @ attn.transpose(1, 2)).reshape(x.shape)
 
 
+class _SwinBetweenConvs(nn.Module):
+    """timm's shifted SwinTransformerV2Block between convolutions, permuted B,H,W,C for it (as
+    FuXi does): the H-roll becomes a row re-layout there and back (``DomainSwinBlock``)."""
+
+    def __init__(self, height=14):
+        super().__init__()
+        timm = import_timm("timm.models.swin_transformer_v2")
+        self.inp = nn.Conv2d(3, 8, 3, padding=1)
+        self.block = timm.SwinTransformerV2Block(
+            dim=8, input_resolution=(height, 6), num_heads=2, window_size=(2, 3),
+            shift_size=(1, 1), mlp_ratio=2.0,
+        )  # fmt: skip
+        self.out = nn.Conv2d(8, 4, 3, padding=1)
+        with torch.no_grad():  # every parameter off its init (zero biases, unit norms)
+            for p in self.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+
+    def forward(self, x):
+        y = self.block(self.inp(x).permute(0, 2, 3, 1))
+        return self.out(y.permute(0, 3, 1, 2))
+
+
 def _between_convs(body):
     return lambda: nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), body(), nn.Conv2d(8, 4, 3, padding=1)
@@ -77,9 +99,15 @@ BLOCKS = {
     "attention": _attention_block,
     "tokens": _between_convs(_TokenAttention),
     "gather": _between_convs(_HandAttention),
+    "swin": _SwinBetweenConvs,
 }
 # the parameter every block must report a gradient error for (its communication is on the path)
-_KEY_PARAM = {"attention": "to_qkv", "tokens": "in_proj_weight", "gather": "qkv"}
+_KEY_PARAM = {
+    "attention": "to_qkv",
+    "tokens": "in_proj_weight",
+    "gather": "qkv",
+    "swin": "block.attn.qkv",
+}
 _POLICY = {"gather": "gather"}
 
 
@@ -117,13 +145,19 @@ def _check(results, block):
     assert any(k.startswith("param:") for k in errors)
     if block in _KEY_PARAM:
         assert any(_KEY_PARAM[block] in k for k in errors), sorted(errors)
-    if block in ("tokens", "gather"):  # the converted form under test is really there
-        assert {"tokens": "sequence", "gather": "gather"}[block] in forms, forms
+    expected = {"tokens": "sequence", "gather": "gather", "swin": "relayout"}
+    if block in expected:  # the converted form under test is really there
+        assert expected[block] in forms, forms
+
+
+# uneven rows at domain 2 (7/7 cuts windows of 2 rows for the Swin block) or 3 (4/4/3, 5/5/4)
+_AOT_CASES = [
+    (block, world, h) for block in sorted(set(BLOCKS) - {"swin"}) for world, h in [(2, 7), (3, 11)]
+] + [("swin", 2, 14), ("swin", 3, 14)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", sorted(BLOCKS))
-@pytest.mark.parametrize("world, h", [(2, 7), (3, 11)])
+@pytest.mark.parametrize("block, world, h", _AOT_CASES)
 def test_compiled_block_aot_eager_matches_single_process(block, world, h):
     _check(run_on_ranks(_compiled_parity_worker, world, block, h, "aot_eager", timeout=600), block)
 
