@@ -295,6 +295,7 @@ def test_plan_compile_lists_graph_breaks_per_block():
     assert by_name["b"].breaks == 1 and by_name["b"].graphs == 2
     text = format_compile_breaks(blocks)
     assert "1 graph breaks" in text and "b (_Breaking): 2 graph(s), 1 break(s)" in text
+    assert "nonlocal gather" in text and "tokens" in text  # the traced forms are stated
 
 
 def _bundled_domain_worker(rank, world, name, backend):

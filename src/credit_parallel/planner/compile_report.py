@@ -4,8 +4,8 @@ Without processes the planner cannot convert the model, so this looks at what ``
 compiles on one process: the model of the config, built on the meta device, run once to record
 each block's inputs, then ``torch._dynamo.explain`` on every block (meta tensors: nothing is
 computed).  A converted block adds the library's communication, which is traced as operators
-(``domain/ops.py``), so a block without breaks here has none at domain > 1 either, unless it
-contains a layer whose domain form is not traced (the report says which forms are).
+(``domain/ops.py``) for every domain form (:data:`TRACED_FORMS`, which the report states), so
+a block without breaks here has none at domain > 1 either.
 """
 
 from __future__ import annotations
@@ -18,7 +18,17 @@ from torch import nn
 from ..compile import compile_targets
 from .trace import build_meta_model, model_input_shapes
 
-__all__ = ["BlockBreaks", "compile_breaks", "format_compile_breaks"]
+__all__ = ["TRACED_FORMS", "BlockBreaks", "compile_breaks", "format_compile_breaks"]
+
+# the domain layers whose communication a compiled block traces as operators (domain/ops.py);
+# none is left that breaks the graph
+TRACED_FORMS = (
+    "halo exchanges (every exchange_rows caller: convolutions, padding, resampling, ...)",
+    "GroupNorm statistics",
+    "sequence-parallel attention (heads and tokens: all-to-alls, token counts noted eagerly)",
+    "row-group / Swin window re-layouts",
+    "the nonlocal gather policy (rows gathered and kept)",
+)
 
 
 @dataclass(frozen=True)
@@ -84,4 +94,5 @@ def format_compile_breaks(blocks) -> str:
     for b in blocks:
         lines.append(f"  {b.name} ({b.block_type}): {b.graphs} graph(s), {b.breaks} break(s)")
         lines.extend(f"    - {r}" for r in b.reasons)
+    lines.append("  domain communication traced as operators: " + "; ".join(TRACED_FORMS))
     return "\n".join(lines)
