@@ -52,6 +52,24 @@ class _TokenAttention(nn.Module):
         return y.transpose(1, 2).reshape(b, c, h, w)
 
 
+class _SdpaTokens(nn.Module):
+    """F.scaled_dot_product_attention over the H*W tokens, declared as token attention; its 3x3
+    qkv convolution is converted inside the wrapper (a halo exchange in the same graph)."""
+
+    _domain_attention = {"form": "tokens"}
+
+    def __init__(self, channels=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Conv2d(channels, 3 * channels, 3, padding=1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x).reshape(b, 3, self.heads, -1, h * w).transpose(-1, -2).unbind(1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return y.transpose(-1, -2).reshape(b, c, h, w)
+
+
 class _HandAttention(nn.Module):
     """Attention over all H*W positions written by hand: nothing the converter recognises, so
     ``nonlocal_policy="gather"`` runs it on the all-gathered globe."""
@@ -99,12 +117,14 @@ BLOCKS = {
     "attention": _attention_block,
     "tokens": _between_convs(_TokenAttention),
     "gather": _between_convs(_HandAttention),
+    "tokens_sdpa": _between_convs(_SdpaTokens),
     "swin": _SwinBetweenConvs,
 }
 # the parameter every block must report a gradient error for (its communication is on the path)
 _KEY_PARAM = {
     "attention": "to_qkv",
     "tokens": "in_proj_weight",
+    "tokens_sdpa": "qkv",
     "gather": "qkv",
     "swin": "block.attn.qkv",
 }
@@ -145,7 +165,8 @@ def _check(results, block):
     assert any(k.startswith("param:") for k in errors)
     if block in _KEY_PARAM:
         assert any(_KEY_PARAM[block] in k for k in errors), sorted(errors)
-    expected = {"tokens": "sequence", "gather": "gather", "swin": "relayout"}
+    expected = {"tokens": "sequence", "tokens_sdpa": "sequence", "gather": "gather"}
+    expected["swin"] = "relayout"
     if block in expected:  # the converted form under test is really there
         assert expected[block] in forms, forms
 
