@@ -1,7 +1,9 @@
 """torch.compile through the library (``credit_parallel.compile``, ``domain/ops.py``): a compiled
 converted block computes the single-process function (float64, 1e-10: forward, input gradient,
 every parameter gradient) with the backends ``aot_eager`` and ``inductor`` at domain 2 and 3 on
-uneven rows, and Dynamo sees no graph break in it; a bundled model compiled through
+uneven rows — conv / GroupNorm, CREDIT's head-split attention, nn.MultiheadAttention and SDPA
+token attention, a module under nonlocal_policy="gather", timm's shifted Swin block — and Dynamo
+sees no graph break in it; a bundled model compiled through
 ``parallelize`` at domain 1 matches the plain one."""
 
 from __future__ import annotations
