@@ -35,7 +35,7 @@ from credit_parallel.data import write_sample_dataset
 from credit_parallel.models import UNet
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.trainer import Trainer
-from sample_conf import tiny_unet, tiny_unet_conf
+from sample_conf import tiny_unet, unet_run_conf
 
 __all__: list[str] = []
 
@@ -56,16 +56,19 @@ def store(tmp_path_factory):
 
 
 def _conf(store, parallelism=None, batch_size=2):
-    trainer = {
-        "parallelism": parallelism or {"data": "none", "tensor": 1, "domain": 1},
-        "steps": 8,
-        "batch_size": batch_size,
-        "lr": 0.01,
-        "warmup_steps": 2,
-        "seed": 5,
-        "dtype": "float64",
-    }
-    return tiny_unet_conf(store, H, W, time_slice=[0, 33], trainer=trainer)
+    return unet_run_conf(
+        store,
+        H,
+        W,
+        time_slice=[0, 33],
+        parallelism=parallelism,
+        steps=8,
+        batch_size=batch_size,
+        lr=0.01,
+        warmup_steps=2,
+        seed=5,
+        dtype="float64",
+    )
 
 
 def _losses(trainer, steps):
