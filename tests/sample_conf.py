@@ -16,17 +16,19 @@ SAMPLE_DATA = {
 SINGLE_PROCESS = {"data": "none", "tensor": 1, "domain": 1}
 
 
-def tiny_unet(height: int, width: int) -> dict:
-    """``model`` section: a 2-level U-Net with 8 channels in and out."""
+def tiny_unet(height: int, width: int, channels: int = 8, **keys) -> dict:
+    """``model`` section: a 2-level U-Net with ``channels`` (8: the sample store's) in and out;
+    ``keys`` add or override model keys."""
     return {
         "type": "unet",
-        "in_channels": 8,
-        "out_channels": 8,
+        "in_channels": channels,
+        "out_channels": channels,
         "image_height": height,
         "image_width": width,
         "base_channels": 4,
         "channel_mults": [1, 2],
         "norm_groups": 2,
+        **keys,
     }
 
 

@@ -20,18 +20,9 @@ from credit_parallel.planner import (
 )
 from credit_parallel.testing import run_on_ranks
 from helpers import exchange_stats_worker
+from sample_conf import tiny_unet
 
-_UNET = {
-    "type": "unet",
-    "in_channels": 4,
-    "out_channels": 4,
-    "image_height": 33,
-    "image_width": 16,
-    "base_channels": 4,
-    "channel_mults": [1, 2, 2],
-    "norm_groups": 2,
-    "mlp_ratio": 2,
-}
+_UNET = tiny_unet(33, 16, 4, channel_mults=[1, 2, 2], mlp_ratio=2)
 
 
 def _conf(data="none", tensor=1, domain=1, model=None, **trainer):
