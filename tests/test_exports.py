@@ -82,3 +82,39 @@ def test_every_name_the_docs_tell_users_to_call_is_exported():
     assert not missing, f"add to credit_parallel._EXPORTS: {missing}"
     for name in names:
         assert getattr(credit_parallel, name) is not None
+
+
+# SPEC §3/§4 (CREDIT's signatures) fix where `manager` goes in these; domain_parity_errors (the
+# test harness) keeps its positional manager until the branches that call it so are merged
+MANAGER_POSITION_FIXED = {
+    "shard_tensor",
+    "gather_tensor",
+    "shard_batch",
+    "HaloExchange",
+    "shard_spatial",
+    "unpad_shard_interp",
+    "sync_domain_gradients",
+    "convert_to_domain_parallel",
+    "domain_parity_errors",
+}
+# SPEC §3 names the sharded dimension `dim` in these; everywhere else it is `shard_dim`
+DIM_NAME_FIXED = {"HaloExchange", "shard_tensor", "gather_tensor"}
+
+
+def _parameters(name):
+    value = getattr(credit_parallel, name)
+    if not callable(value) or isinstance(value, type) and issubclass(value, BaseException):
+        return {}
+    try:
+        return inspect.signature(value).parameters
+    except (TypeError, ValueError):  # enums and other callables without a signature
+        return {}
+
+
+@pytest.mark.parametrize("name", sorted(credit_parallel._EXPORTS))
+def test_manager_is_keyword_only_and_the_sharded_dim_is_shard_dim(name):
+    params = _parameters(name)
+    if "manager" in params and name not in MANAGER_POSITION_FIXED:
+        assert params["manager"].kind is inspect.Parameter.KEYWORD_ONLY, name
+    if name not in DIM_NAME_FIXED:
+        assert "dim" not in params, f"{name}: call the sharded dimension shard_dim"
