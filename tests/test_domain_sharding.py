@@ -316,3 +316,8 @@ def _gather_same_token_worker(rank, world):
 def test_gather_tensor_is_not_fooled_by_a_repeated_token():
     for ok in run_on_ranks(_gather_same_token_worker, 2):
         assert all(ok), ok
+
+
+def test_shard_batch_refuses_a_dim_under_both_its_new_and_its_deprecated_name():
+    with pytest.raises(TypeError, match="shard_dim_5d= only"):
+        shard_batch({}, shard_dim_5d=3, spatial_dims_5d=3)
