@@ -48,7 +48,6 @@ from credit_parallel.launch import group_timeout
 from credit_parallel.testing import free_port, run_on_ranks
 from credit_parallel.tools.forensics import STATUS_DIR_ENV, describe_failures, run_worker
 from credit_parallel.train.trainer import NonFiniteError, Trainer
-from sample_conf import tiny_unet
 
 # the directory holding the credit_parallel under test, for the subprocesses' PYTHONPATH
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(credit_parallel.__file__)))
@@ -56,7 +55,17 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(credit_parallel._
 __all__: list[str] = []
 
 H, W, C = 17, 16, 2
-UNET = tiny_unet(H, W, C, mlp_ratio=2)
+UNET = {
+    "type": "unet",
+    "in_channels": C,
+    "out_channels": C,
+    "image_height": H,
+    "image_width": W,
+    "base_channels": 4,
+    "channel_mults": [1, 2],
+    "norm_groups": 2,
+    "mlp_ratio": 2,
+}
 MARGIN_S = 3.0  # exit within the timeout plus this (process teardown on a loaded machine)
 
 
