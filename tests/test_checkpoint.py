@@ -185,7 +185,11 @@ def _crash_while_saving(trainer, directory, where):
     os._exit(0)
 
 
-@pytest.mark.parametrize("where", ["writing shards", "before rename", "before marker"])
+# "before rename": 25 s alone, 44 s in the whole suite on the loaded 2-core machine
+@pytest.mark.parametrize(
+    "where",
+    ["writing shards", pytest.param("before rename", marks=pytest.mark.slow), "before marker"],
+)
 def test_kill_during_save_leaves_previous_checkpoint_loadable(store, tmp_path, where):
     directory = tmp_path / "ckpt"
     trainer = Trainer(_conf(store))
@@ -349,6 +353,7 @@ def _fsdp2_tp2_domain2_resume(rank, world, store, path):
     return trainer.step, _losses(trainer, 2)
 
 
+@pytest.mark.slow  # 23 s alone, 30 s in the whole suite on the loaded 2-core machine
 def test_checkpoint_reshards_fsdp2_dp_x_domain_to_one_process_to_fsdp2_tp2_domain2(store, tmp_path):
     uninterrupted = _losses(Trainer(_conf(store)), K + 3)
     # {fsdp2, 1, 2} on 4 ranks (parameters and AdamW state sharded over dp x domain) saves
