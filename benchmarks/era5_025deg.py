@@ -2,9 +2,9 @@
 
 1. Writes (if absent) a zarr store in the ERA5 / WeatherBench layout on the 0.25-degree grid
    (``credit_parallel.data.write_sample_dataset``: dims ``(time, level, latitude, longitude)``,
-   latitude 90 .. -90 with both poles, 6-hourly), chunked one time step x one latitude row and
-   uncompressed, so that a domain rank fetches exactly its rows and the bytes it reads are the
-   decoded bytes.  Default: 6 times, levels 500/850 hPa -> 10 channels, about 250 MB.
+   latitude 90 .. -90 with both poles, 6-hourly), chunked one time step x 16 latitude rows
+   (``RECOMMENDED_LAT_CHUNK``, docs/data.md) and uncompressed, so that a domain rank fetches its
+   rows plus at most one chunk per shard edge and the bytes it reads are decoded bytes.  Default: 6 times, levels 500/850 hPa -> 10 channels, about 250 MB.
 2. Trains ``--steps`` steps (after one untimed step) of a small variant of the bundled
    ``era5_025deg_unet.yaml`` U-Net (``--base-channels``, ``--channel-mults``; fp32, no activation
    checkpointing, batch 1) under {fsdp2, tensor 1, domain 1} on 1 rank and {fsdp2, tensor 1,
@@ -51,7 +51,7 @@ MIB = 2**20
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", default="/tmp/credit_parallel_era5_025deg/era5_025deg.zarr")
+    parser.add_argument("--store", default="/tmp/credit_parallel_era5_025deg/era5_025deg_r16.zarr")
     parser.add_argument("--times", type=int, default=6, help="time steps written to the store")
     parser.add_argument("--levels", type=float, nargs="+", default=[500.0, 850.0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one untimed")
@@ -71,8 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def write_store(path, times: int, levels, grid=(721, 1440)) -> Path:
-    """The 0.25-degree store at ``path`` (written only when absent), one row per chunk."""
+    """The 0.25-degree store at ``path`` (written only when absent), 16 rows per chunk."""
     from credit_parallel.data import write_sample_dataset
+    from credit_parallel.data.rechunk import RECOMMENDED_LAT_CHUNK
 
     path = Path(path)
     if not (path / "zarr.json").exists():
@@ -85,7 +86,7 @@ def write_store(path, times: int, levels, grid=(721, 1440)) -> Path:
             nlon=grid[1],
             levels=tuple(levels),
             time_chunk=1,
-            lat_chunk=1,
+            lat_chunk=RECOMMENDED_LAT_CHUNK,
             compress=False,
         )
         print(f"wrote {path} in {time.perf_counter() - start:.0f} s")

@@ -2,7 +2,7 @@
 # Creates .venv if missing and installs everything the project needs into it.
 # torch is pinned to 2.13.0 here on purpose: on these machines a CPU wheel of exactly that
 # version lies on local disk, while an unpinned torch would pull a multi-GB CUDA build.
-# (The package itself declares torch>=2.13 so cluster users keep their own CUDA build.)
+# (The package itself declares torch>=2.11 so cluster users keep their own CUDA build.)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

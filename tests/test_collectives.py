@@ -380,7 +380,9 @@ class _FsdpNet(nn.Module):
 def _fsdp_worker(rank, world):
     torch.manual_seed(0)
     reference = _FsdpNet().double()
-    model = apply_fsdp2(copy.deepcopy(reference), None, {"trainer": {"amp": False}})
+    model = apply_fsdp2(
+        copy.deepcopy(reference), None, {"trainer": {"amp": False, "fsdp2_min_unit_params": 0}}
+    )
     x = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
     def populate():
@@ -449,7 +451,7 @@ def _dp_tp_worker(rank, world):
     reference = _TPNet().double()
     model = copy.deepcopy(reference)
     _distribute_tp_block(model.block, submeshes["tp"])
-    apply_fsdp2(model, submeshes["dp"], {"trainer": {}})
+    apply_fsdp2(model, submeshes["dp"], {"trainer": {"fsdp2_min_unit_params": 0}})
     x = torch.randn(8, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     dp_rank = mesh.get_local_rank("dp")
 

@@ -123,7 +123,9 @@ def _fsdp2_worker(rank, world, dtype, activation_checkpoint):
     model = copy.deepcopy(reference)
     keys_before = list(model.state_dict())
     names_before = [n for n, _ in model.named_parameters()]
-    conf = {"trainer": {"amp": False, "activation_checkpoint": activation_checkpoint}}
+    # every opted-in block its own unit (min 0), however small: the per-block path is exact
+    trainer = {"amp": False, "activation_checkpoint": activation_checkpoint}
+    conf = {"trainer": {**trainer, "fsdp2_min_unit_params": 0}}
     apply_fsdp2(model, None, conf)  # None: a 1-D mesh over the whole world
     wrapped = {
         "root": isinstance(model, FSDPModule),
@@ -445,3 +447,59 @@ def test_apply_fsdp2_and_ddp_reject_a_2d_mesh():
             apply_fsdp2(SmallNet(), mesh, {"trainer": {}})
         with pytest.raises(ValueError, match="1-D"):
             apply_ddp(SmallNet(), mesh)
+
+
+# --------------------------------------------------------------------------------------------
+# Granularity: blocks too small to pay for their collectives stay in their parent's unit
+
+
+def test_fsdp2_units_keep_small_blocks_in_the_parent():
+    from credit_parallel.fsdp import FSDP2_MIN_UNIT_PARAMS, fsdp2_units
+
+    model = SmallNet()
+    conv = sum(p.numel() for p in model.conv_block.parameters())
+    mlp = sum(p.numel() for p in model.mlp_block.parameters())
+    assert conv != mlp
+    names = lambda units: [n for n, _ in units]  # noqa: E731
+    assert names(fsdp2_units(model, 0)) == ["conv_block", "mlp_block"]
+    assert names(fsdp2_units(model, max(conv, mlp))) == [
+        "conv_block" if conv > mlp else "mlp_block"
+    ]
+    assert names(fsdp2_units(model, max(conv, mlp) + 1)) == []
+    assert names(fsdp2_units(model)) == [] and FSDP2_MIN_UNIT_PARAMS >= 100_000
+    with pytest.raises(ValueError, match="fsdp2_min_unit_params"):
+        fsdp2_units(model, -1)
+
+
+class _Nested(nn.Module):
+    """An opted-in parent whose child is big enough alone: the parent counts only the rest."""
+
+    _fsdp2_shard = True
+
+    def __init__(self):
+        super().__init__()
+        self.inner = ConvBlock(4)
+        self.extra = nn.Linear(4, 4)
+
+
+def test_fsdp2_units_count_only_parameters_no_selected_child_holds():
+    from credit_parallel.fsdp import fsdp2_units
+
+    model = nn.Sequential(_Nested())
+    inner = sum(p.numel() for p in model[0].inner.parameters())
+    extra = sum(p.numel() for p in model[0].extra.parameters())
+    assert [n for n, _ in fsdp2_units(model, inner)] == ["0.inner"]  # extra alone is smaller
+    assert extra < inner
+    assert [n for n, _ in fsdp2_units(model, inner + 1)] == ["0"]  # together they reach it
+
+
+def _granularity_worker(rank, world, min_params):
+    torch.manual_seed(0)
+    model = SmallNet()
+    apply_fsdp2(model, None, {"trainer": {"fsdp2_min_unit_params": min_params}})
+    return [isinstance(m, FSDPModule) for m in (model, model.conv_block, model.mlp_block)]
+
+
+def test_apply_fsdp2_follows_the_minimum_unit_size():
+    assert run_on_ranks(_granularity_worker, 2, 1_000_000) == [[True, False, False]] * 2
+    assert run_on_ranks(_granularity_worker, 2, 0) == [[True, True, True]] * 2

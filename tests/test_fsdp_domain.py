@@ -102,7 +102,7 @@ def _local_numel(t: torch.Tensor) -> int:
 
 def _train_worker(rank, world, block, h=H, op="sum"):
     torch.set_default_dtype(torch.float64)
-    conf = {"trainer": {"parallelism": block}}
+    conf = {"trainer": {"parallelism": block, "fsdp2_min_unit_params": 0}}  # per-block units
     torch.manual_seed(0)
     model = parallelize(copy.deepcopy(Net()), conf)
     mgr = get_domain_manager(model)

@@ -88,7 +88,9 @@ def _input():
 
 
 def _layout_worker(rank, world, block):
-    conf = {"trainer": {"parallelism": block}}
+    # one FSDP2 unit per opted-in block however small (the root's own unit stays unsharded
+    # after a forward, as FSDP2 keeps it for the backward)
+    conf = {"trainer": {"parallelism": block, "fsdp2_min_unit_params": 0}}
     model = build_parallel_model(unet, conf, device="cpu", seed=SEED)
     raw = model.module if hasattr(model, "module") else model
     # the forward runs on what FSDP2 / DDP actually hold, not only on what full_tensor() reads

@@ -1,7 +1,7 @@
 """Operating a run: plain log lines in batch jobs, ``--resume PATH``, a quiet verify.
 
 * stdout not a terminal (a batch job's log file): one plain line per logged step
-  ``step N loss X grad_norm G lr L samples/s S`` with the numbers of the step's record, no
+  ``step N loss X grad_norm G lr L samples/s S data_wait_ms D data_wait_frac F`` with the numbers of the step's record, no
   progress bar; on a terminal the bar and no plain lines.
 * ``train --resume PATH`` continues a run saved under domain 2 (2 ranks) in a new run
   directory on 1 process, and its steps equal an uninterrupted single-process run (float64,
@@ -34,7 +34,11 @@ __all__: list[str] = []
 
 TOL = 1e-10
 H, W = 17, 32
-LINE = re.compile(r"^step (\d+) loss (\S+) grad_norm (\S+) lr (\S+) samples/s (\S+)$", re.MULTILINE)
+LINE = re.compile(
+    r"^step (\d+) loss (\S+) grad_norm (\S+) lr (\S+) samples/s (\S+) "
+    r"data_wait_ms (\S+) data_wait_frac (\S+)$",
+    re.MULTILINE,
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +66,16 @@ def test_batch_job_prints_one_plain_line_per_logged_step(store, tmp_path):
     assert "\r" not in text and "it/s" not in text and "step/s" not in text
     lines = LINE.findall(text)
     assert [int(n) for n, *_ in lines] == [2, 4]
-    for (n, loss, grad_norm, lr, rate), record in zip(lines, result["history"][1::2]):
+    for (n, loss, grad_norm, lr, rate, wait, frac), record in zip(lines, result["history"][1::2]):
         assert int(n) == record["step"]
         assert float(loss) == pytest.approx(record["loss"], rel=1e-5)
         assert float(grad_norm) == pytest.approx(record["grad_norm"], rel=1e-5)
         assert float(lr) == pytest.approx(record["lr"], rel=1e-5)
         assert float(rate) > 0
+        assert float(wait) == pytest.approx(record["data_wait_ms"], abs=0.05)
+        assert 0 < float(wait) and 0 < float(frac) == pytest.approx(
+            record["data_wait_frac"], abs=0.005
+        )
 
 
 def test_terminal_gets_the_progress_bar_and_no_plain_lines(store, tmp_path):

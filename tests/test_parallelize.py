@@ -76,7 +76,7 @@ def _train(model, params, batches, step_fn, steps):
 
 def _worker(rank, world, block, steps, dtype):
     torch.set_default_dtype(dtype)
-    conf = {"trainer": {"parallelism": block}}
+    conf = {"trainer": {"parallelism": block, "fsdp2_min_unit_params": 0}}  # per-block units
     g = torch.Generator().manual_seed(7)
     batches = [
         (torch.randn(B, 4, H, W, generator=g), torch.randn(B, 4, H, W, generator=g))

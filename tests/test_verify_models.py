@@ -110,7 +110,10 @@ def _assert_all_pass(results, world):
         table = format_table(rows, parallelism, world, dtype)
         assert not failed, f"{mtype} {parallelism} {dtype}:\n{table}"
         model = {"unet": UNET, "crossformer": CROSSFORMER, "pangu": PANGU}[mtype]
-        assert len(rows) == _n_rows(model), table
+        # plus, under tp, one row per replicated parameter: its gradient agrees across tp ranks
+        spread = [r for r in rows if r[0].startswith("tp ranks agree on grad ")]
+        assert bool(spread) == (parallelism.get("tensor", 1) > 1), table
+        assert len(rows) - len(spread) == _n_rows(model), table
         assert any(r[2] > 0 for r in rows if r[0].startswith("grad ")), "all-zero gradients"
 
 

@@ -84,6 +84,16 @@ _EXPORTS = {
     "domain_parity_errors": "testing",
     "assert_parity": "testing",
     "fake_process_group": "testing",
+    # CREDIT 2026.2's names (credit.parallel.*), thin entry points onto the above
+    "supports_native_tp": "credit_api",
+    "apply_native_tensor_parallel": "credit_api",
+    "TpColConv2d": "credit_api",
+    "TpColLinear": "credit_api",
+    "TpRowConv2d": "credit_api",
+    "TpRowLinear": "credit_api",
+    "shard_lat_weights": "credit_api",
+    "gather_spatial": "credit_api",
+    "fsdp2_is_applied": "credit_api",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,4 +1,4 @@
-"""The ``credit-parallel`` command line: train, verify, plan, sample-data, bench, mesh-demo.
+"""The ``credit-parallel`` command line: train, verify, plan, sample-data, rechunk, bench, mesh-demo.
 
 Every command has ``--help``; exit status 0 on success and non-zero with a one-line reason on
 any error.  ``train``/``verify`` start ``--nproc`` local ranks through PyTorch's elastic
@@ -60,6 +60,40 @@ def _load_and_check(config: str, nproc: int | None) -> tuple[dict, int]:
     return conf, n
 
 
+def _choose_device(args, nproc: int) -> str:
+    """Resolve ``--device`` for ``nproc`` local ranks BEFORE any rank starts (a ``cuda`` run with
+    fewer visible GPUs than ranks stops here naming both counts) and hand the choice to the
+    ranks (and to this process, for a one-rank run) through the environment."""
+    from .device import DEVICE_ENV, choose_device
+    from .launch import under_launcher
+
+    requested = getattr(args, "device", "auto") or "auto"
+    if under_launcher():  # torchrun / SLURM started the ranks: each resolves for its node
+        os.environ[DEVICE_ENV] = requested
+        return requested
+    device = choose_device(requested, nproc)
+    os.environ[DEVICE_ENV] = device
+    return device
+
+
+def _sample_data_command(conf: dict) -> str:
+    """The ``sample-data`` command that writes the data a (demo) config reads: its grid, its
+    times and its path."""
+    model, data = conf.get("model") or {}, conf.get("data") or {}
+    cmd = ["credit-parallel", "sample-data"]
+    nlat, nlon = model.get("image_height"), model.get("image_width")
+    if nlat is not None and int(nlat) != 33:
+        cmd += ["--nlat", str(nlat)]
+    if nlon is not None and int(nlon) != 64:
+        cmd += ["--nlon", str(nlon)]
+    ends = [int(s[1]) for s in (data.get("time_slice"), data.get("valid_time_slice")) if s]
+    if ends and max(ends) > 240:
+        cmd += ["--times", str(max(ends))]
+    if data.get("path") != DEFAULT_SAMPLE_PATH:
+        cmd += ["--output", str(data.get("path"))]
+    return " ".join(cmd)
+
+
 def _run_worker(module: str, nproc: int, worker_args: list[str], conf: dict) -> int:
     from .config import ParallelDims
     from .launch import under_launcher
@@ -82,8 +116,10 @@ def _cmd_train(args) -> int:
     path = (conf.get("data") or {}).get("path")
     if path and not os.path.exists(path):
         raise CLIError(
-            f"data.path {path!r} does not exist (create the demo data with `credit-parallel sample-data`)"
+            f"data.path {path!r} does not exist (create the demo data with "
+            f"`{_sample_data_command(conf)}`)"
         )
+    _choose_device(args, n)
     from .launch import under_launcher
 
     if not under_launcher():
@@ -106,6 +142,7 @@ def _cmd_train(args) -> int:
 def _cmd_verify(args) -> int:
     args.config = resolve_config(args.config)
     conf, n = _load_and_check(args.config, args.nproc)
+    _choose_device(args, n)
     extra = ["--config", args.config, "--dtype", args.dtype]
     return _run_worker("credit_parallel.verify", n, extra, conf)
 
@@ -133,6 +170,23 @@ def _cmd_sample_data(args) -> int:
     return 0
 
 
+def _cmd_rechunk(args) -> int:
+    from .data.rechunk import rechunk_store
+
+    path = rechunk_store(
+        args.source,
+        args.output,
+        lat_chunk=args.lat_chunk,
+        time_chunk=args.time_chunk,
+        compress=not args.no_compress,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"wrote {path}: chunks of {args.time_chunk} time x {args.lat_chunk} rows (see docs/data.md)"
+    )
+    return 0
+
+
 def _cmd_bench(args) -> int:
     from .tools.bench import run_bench
 
@@ -150,6 +204,16 @@ def _cmd_mesh_demo(args) -> int:
         "credit_parallel.mesh_demo",
         ["--data", args.data, "--tensor", str(args.tensor), "--domain", str(args.domain)],
     )
+
+
+DEVICE_HELP = (
+    "auto (default): CUDA with NCCL when this node has at least as many visible GPUs as local "
+    "ranks, else gloo ranks on the CPU; cuda: refuse to start with fewer GPUs than ranks; cpu"
+)
+
+
+def _add_device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help=DEVICE_HELP)
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -183,12 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from this checkpoint (a step_* directory, or a directory of them; "
         "written under any layout) into --output",
     )
+    _add_device_argument(p)
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("verify", help="compare the layout with a single-process run on one batch")
     p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    _add_device_argument(p)
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(
@@ -208,6 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nlon", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_sample_data)
+
+    from .data.rechunk import RECOMMENDED_LAT_CHUNK
+
+    p = sub.add_parser("rechunk", help="copy an ERA5 zarr store into the row chunks training reads")
+    p.add_argument("source", help="the zarr store to copy (its _stats.zarr is copied along)")
+    p.add_argument("output", help="the new store")
+    p.add_argument("--lat-chunk", type=int, default=RECOMMENDED_LAT_CHUNK, help="rows per chunk")
+    p.add_argument("--time-chunk", type=int, default=1, help="time steps per chunk")
+    p.add_argument("--no-compress", action="store_true", help="write uncompressed chunks")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output store")
+    p.set_defaults(func=_cmd_rechunk)
 
     p = sub.add_parser("bench", help="step time, halo bytes, collectives and memory per layout")
     from .tools.bench import add_bench_arguments

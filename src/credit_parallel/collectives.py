@@ -219,30 +219,51 @@ def _sharded_groups(grad: DTensor) -> tuple[DTensor, tuple[ProcessGroup, ...]]:
     return grad, groups
 
 
-def _local_norm(local: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """This rank's contribution, in float64: sum |x|^p, or max |x| for the inf norm."""
-    if local.numel() == 0:
-        return torch.zeros((), dtype=torch.float64, device=local.device)
-    dtype = local.dtype if local.dtype in (torch.float32, torch.float64) else torch.float32
-    norm = torch.linalg.vector_norm(local, norm_type, dtype=dtype).to(torch.float64)
-    return norm if math.isinf(norm_type) else norm**norm_type
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a local norm is computed in: float32 for 16-bit gradients, else their own."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _foreach_contribution(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Sum |x|^p (max |x| for the inf norm) over ``tensors`` (one device and dtype), in float64,
+    from ONE fused ``torch._foreach_norm`` kernel (per-tensor norms), not one kernel per tensor."""
+    device = tensors[0].device
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(tensors, norm_type, dtype=_norm_dtype(tensors[0].dtype))
+    norms = torch.stack(norms).to(torch.float64)
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
 def _global_norm(
     grads: list[torch.Tensor], norm_type: float, extra_groups: Sequence[ProcessGroup]
 ) -> torch.Tensor:
+    """The global norm: local shards grouped by (groups to reduce over, device, dtype), one fused
+    norm kernel per group, then one all-reduce per distinct tuple of groups (one in total for
+    an FSDP2 model on one mesh)."""
     is_inf = math.isinf(norm_type)
     reduce_op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     device = _local(grads[0]).device
-    # One partial result per distinct tuple of groups; the insertion order is the parameter
-    # order, identical on every rank, so all ranks issue the same collectives in the same order.
-    partials: dict[tuple[ProcessGroup, ...], torch.Tensor] = {}
+    # Insertion order is the parameter order, identical on every rank, so all ranks issue the
+    # same collectives in the same order.
+    buckets: dict[tuple, list[torch.Tensor]] = {}
+    groups_of: dict[tuple, tuple[ProcessGroup, ...]] = {}
     for grad in grads:
         if isinstance(grad, DTensor):
-            carrier, groups = _sharded_groups(grad)
+            key = (grad.device_mesh, tuple(grad.placements))
+            if key not in groups_of or any(p.is_partial() for p in grad.placements):
+                carrier, groups_of[key] = _sharded_groups(grad)
+            else:
+                carrier = grad
+            groups = groups_of[key]
         else:
             carrier, groups = grad, tuple(extra_groups)
-        contribution = _local_norm(_local(carrier), norm_type).to(device)
+        local = _local(carrier)
+        buckets.setdefault((groups, local.device, local.dtype), []).append(local)
+    partials: dict[tuple[ProcessGroup, ...], torch.Tensor] = {}
+    for (groups, _, _), tensors in buckets.items():
+        contribution = _foreach_contribution(tensors, norm_type).to(device)
         if groups in partials:
             previous = partials[groups]
             partials[groups] = (
@@ -259,6 +280,16 @@ def _global_norm(
                 sum_small_(partial, group)
         total = torch.maximum(total, partial) if is_inf else total + partial
     return total if is_inf else total ** (1.0 / norm_type)
+
+
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Every gradient's local shard times ``coef``, one fused kernel per device and dtype."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        local = _local(grad)
+        by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, dtype), tensors in by_kind.items():
+        torch._foreach_mul_(tensors, coef.to(device=device, dtype=dtype))
 
 
 def clip_grad_norm_(
@@ -306,7 +337,5 @@ def clip_grad_norm_(
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         # Without a host sync: a non-finite norm leaves the gradients as they are.
         coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
-        for grad in grads:
-            local = _local(grad)
-            local.mul_(coef.to(device=local.device, dtype=local.dtype))
+        _scale_(grads, coef)
     return total

@@ -32,7 +32,7 @@ from .config import DataMode, MeshAxis, ParallelDims, ParallelMesh, require_proc
 from .device import device_for_process_group
 from .domain.convert import convert_to_domain_parallel
 from .domain.manager import DomainParallelManager
-from .fsdp import apply_ddp, fsdp2_precision, fully_shard_model
+from .fsdp import FSDP2_MIN_UNIT_PARAMS, apply_ddp, fsdp2_precision, fully_shard_model
 from .run_config import TrainerConfig, trainer_option
 from .tensor_parallel import apply_tensor_parallel
 
@@ -53,12 +53,14 @@ __all__ = [
 @dataclass(frozen=True)
 class RecipeOptions:
     """The ``trainer.*`` settings the recipe reads besides the layout, parsed as the run config
-    parses them: ``trainer.amp``, ``trainer.activation_checkpoint`` (FSDP2) and
-    ``trainer.domain_nonlocal_policy`` (the domain conversion)."""
+    parses them: ``trainer.amp``, ``trainer.activation_checkpoint``,
+    ``trainer.fsdp2_min_unit_params`` (FSDP2) and ``trainer.domain_nonlocal_policy`` (the
+    domain conversion)."""
 
     amp: bool = False
     activation_checkpoint: bool = False
     nonlocal_policy: str = "raise"
+    fsdp2_min_unit_params: int = FSDP2_MIN_UNIT_PARAMS
 
     @classmethod
     def from_conf(cls, conf: dict) -> RecipeOptions:
@@ -67,12 +69,18 @@ class RecipeOptions:
             amp=trainer_option(conf, "amp"),
             activation_checkpoint=trainer_option(conf, "activation_checkpoint"),
             nonlocal_policy=trainer_option(conf, "domain_nonlocal_policy"),
+            fsdp2_min_unit_params=trainer_option(conf, "fsdp2_min_unit_params"),
         )
 
     @classmethod
     def from_trainer(cls, trainer: TrainerConfig) -> RecipeOptions:
         """From an already-parsed ``trainer`` section."""
-        return cls(trainer.amp, trainer.activation_checkpoint, trainer.domain_nonlocal_policy)
+        return cls(
+            amp=trainer.amp,
+            activation_checkpoint=trainer.activation_checkpoint,
+            nonlocal_policy=trainer.domain_nonlocal_policy,
+            fsdp2_min_unit_params=trainer.fsdp2_min_unit_params,
+        )
 
 
 def get_raw_model(model: nn.Module) -> nn.Module:
@@ -141,9 +149,11 @@ def apply_data_parallel(
     *,
     amp: bool = False,
     activation_checkpoint: bool = False,
+    min_unit_params: int = FSDP2_MIN_UNIT_PARAMS,
 ) -> nn.Module:
     """Step 4 of the recipe: FSDP2 (over dp x domain when domain > 1) or DDP over dp.
-    ``amp`` / ``activation_checkpoint``: FSDP2's bf16 policy and block recomputation."""
+    ``amp`` / ``activation_checkpoint`` / ``min_unit_params``: FSDP2's bf16 policy, block
+    recomputation and the smallest block given its own unit (``fsdp.fsdp2_units``)."""
     if dims.data == DataMode.FSDP2:
         # over dp x domain FSDP's reduce-scatter must sum over the domain ranks (each holds its
         # rows' share of the gradient) and average over dp only
@@ -154,6 +164,7 @@ def apply_data_parallel(
             **fsdp2_precision(amp),
             activation_checkpoint=activation_checkpoint,
             gradient_divide_factor=divide,
+            min_unit_params=min_unit_params,
         )
     if dims.data == DataMode.DDP:
         return apply_ddp(model, meshes.axis(MeshAxis.DP))
@@ -185,4 +196,5 @@ def parallelize_dims(
         meshes,
         amp=options.amp,
         activation_checkpoint=options.activation_checkpoint,
+        min_unit_params=options.fsdp2_min_unit_params,
     )

@@ -6,8 +6,11 @@ Recipe of :func:`fully_shard_model` (the order matters; it takes typed arguments
 1. the mixed-precision policy from ``param_dtype`` / ``reduce_dtype``;
 2. activation checkpointing of the opted-in blocks (before sharding, so FSDP2's hooks wrap the
    checkpointed forward and re-gather parameters for the recomputation);
-3. ``fully_shard`` on every submodule that opts in with ``_fsdp2_shard = True``, children before
-   parents, then on the root;
+3. ``fully_shard`` on every submodule that opts in with ``_fsdp2_shard = True`` and is big
+   enough to pay for its collectives (:func:`fsdp2_units`: at least
+   ``trainer.fsdp2_min_unit_params`` parameters of its own, default
+   :data:`FSDP2_MIN_UNIT_PARAMS`), children before parents, then on the root, which takes every
+   parameter left over;
 4. over the flattened dp x domain axis: the gradient divide factor dp (sum over domain ranks,
    average over dp; SPEC §4).
 
@@ -39,9 +42,11 @@ from .run_config import trainer_option
 __all__ = [
     "apply_ddp",
     "apply_fsdp2",
+    "FSDP2_MIN_UNIT_PARAMS",
     "fsdp2_blocks",
     "fsdp2_precision",
     "fully_shard_model",
+    "fsdp2_units",
     "is_activation_checkpointed",
     "no_grad_sync",
 ]
@@ -87,6 +92,34 @@ def fsdp2_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for name, module in model.named_modules()
         if module is not model and getattr(module, _FSDP2_OPT_IN, False) is True
     ]
+
+
+# A unit of its own costs an all-gather in forward, another in backward and a reduce-scatter,
+# each with a fixed price (NCCL latency of 10-30 us, FSDP2's Python hooks and copy-in/out of
+# 50-200 us) that only a unit with megabytes of parameters hides (1M float32 parameters = 4 MB:
+# ~13 us at 300 GB/s).  Smaller opted-in blocks stay in their parent's (or the root's) unit.
+FSDP2_MIN_UNIT_PARAMS = 1_000_000
+
+
+def fsdp2_units(
+    model: nn.Module, min_params: int = FSDP2_MIN_UNIT_PARAMS
+) -> list[tuple[str, nn.Module]]:
+    """The opted-in blocks (:func:`fsdp2_blocks`) that get a ``fully_shard`` of their own, in
+    pre-order: those whose parameters not managed by a selected descendant number at least
+    ``min_params`` (full, unsharded sizes).  The rest stay in the nearest selected ancestor or
+    the root.  ``min_params=0`` selects every opted-in block."""
+    if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 0:
+        raise ValueError(
+            f"trainer.fsdp2_min_unit_params must be an integer >= 0, got {min_params!r}"
+        )
+    claimed: set[int] = set()
+    selected = []
+    for name, block in reversed(fsdp2_blocks(model)):  # children before their parents
+        own = [p for p in block.parameters() if id(p) not in claimed]
+        if sum(p.numel() for p in own) >= min_params:
+            selected.append((name, block))
+            claimed.update(id(p) for p in own)
+    return selected[::-1]
 
 
 # Activation checkpointing swaps the block's class for a subclass whose forward runs the original
@@ -148,13 +181,15 @@ def apply_fsdp2(
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
 
-    The SPEC's config-taking entry point: it parses ``trainer.amp`` and
-    ``trainer.activation_checkpoint`` of the full config as the run config parses them and calls
-    :func:`fully_shard_model`, which the library itself uses.
+    The SPEC's config-taking entry point: it parses ``trainer.amp``,
+    ``trainer.activation_checkpoint`` and ``trainer.fsdp2_min_unit_params`` of the full config as
+    the run config parses them and calls :func:`fully_shard_model`, which the library itself uses.
 
     Args:
         model: the model (after domain conversion and tensor parallelism, if any); every
-            submodule with ``_fsdp2_shard = True`` becomes an FSDP2 unit, then the root.
+            submodule with ``_fsdp2_shard = True`` holding at least
+            ``trainer.fsdp2_min_unit_params`` parameters of its own becomes an FSDP2 unit
+            (:func:`fsdp2_units`), then the root.
         dp_mesh: the 1-D mesh to shard over (dp, or the flattened dp x domain axis); None: the
             whole world.
         conf: the full config; ``trainer.amp`` true -> bf16 parameters/compute with fp32
@@ -173,12 +208,16 @@ def apply_fsdp2(
     """
     amp = _trainer_flag(conf, "amp")
     activation_checkpoint = _trainer_flag(conf, "activation_checkpoint")
+    min_unit_params = (
+        trainer_option(conf, "fsdp2_min_unit_params") if conf is not None else FSDP2_MIN_UNIT_PARAMS
+    )
     return fully_shard_model(
         model,
         dp_mesh,
         **fsdp2_precision(amp),
         activation_checkpoint=activation_checkpoint,
         gradient_divide_factor=gradient_divide_factor,
+        min_unit_params=min_unit_params,
     )
 
 
@@ -190,10 +229,13 @@ def fully_shard_model(
     reduce_dtype: torch.dtype | None = None,
     activation_checkpoint: bool = False,
     gradient_divide_factor: float | None = None,
+    min_unit_params: int = FSDP2_MIN_UNIT_PARAMS,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
 
-    ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
+    ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` that holds at least
+    ``min_unit_params`` (``trainer.fsdp2_min_unit_params``) parameters of its own
+    (:func:`fsdp2_units`; children before
     parents), then to the root; ``dp_mesh=None`` shards over a 1-D mesh of the whole world.
     ``dp_mesh`` may be the flattened dp x domain axis; pass ``gradient_divide_factor=dp`` then,
     so that the reduce-scatter sums over the domain ranks and averages over dp only (the default
@@ -218,7 +260,7 @@ def fully_shard_model(
         _apply_activation_checkpointing(blocks)
     # Bottom-up: a parent's fully_shard must see its children already managed so that it only
     # takes the parameters left over.
-    for _, block in reversed(blocks):
+    for _, block in reversed(fsdp2_units(model, min_unit_params)):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
     if gradient_divide_factor is not None:

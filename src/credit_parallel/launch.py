@@ -18,6 +18,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .device import backend_for, choose_device, requested_device, set_local_cuda_device
+
 __all__ = [
     "DEFAULT_RENDEZVOUS_TIMEOUT_S",
     "group_timeout",
@@ -37,7 +39,13 @@ def under_launcher() -> bool:
 def init_distributed_from_env(
     timeout_s: float = 600.0, *, rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
 ) -> None:
-    """Initialise the default process group from torchrun's environment (NCCL on GPUs, else gloo).
+    """Initialise the default process group from torchrun's environment: NCCL on
+    ``cuda:LOCAL_RANK`` when the command line chose CUDA (``--device``, passed as
+    :data:`~credit_parallel.device.DEVICE_ENV`) or, with ``auto``, when this node has at least as
+    many visible GPUs as local ranks (``LOCAL_WORLD_SIZE``); else gloo on the CPU.  Under NCCL the
+    rank's device is set once (:func:`~credit_parallel.device.set_local_cuda_device`) and given to
+    ``init_process_group`` as ``device_id`` (no "guessing device ID" and no hang on a
+    heterogeneous rank-to-GPU mapping).
 
     ``timeout_s`` (``trainer.dist_timeout_s``) bounds every collective of the default group AND
     of every group created afterwards (:func:`set_subgroup_timeout`): a rank waiting for a peer
@@ -56,10 +64,15 @@ def init_distributed_from_env(
         return
     timeout = datetime.timedelta(seconds=float(timeout_s))
     rendezvous = max(timeout, datetime.timedelta(seconds=float(rendezvous_timeout_s)))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=rendezvous)
+    # torchrun sets LOCAL_WORLD_SIZE; elsewhere (srun) the rank needs at least its own GPU
+    local_ranks = int(
+        os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", "0")) + 1)
+    )
+    device = choose_device(requested_device(), local_ranks)
+    kwargs = {}
+    if device == "cuda":
+        kwargs["device_id"] = set_local_cuda_device()
+    dist.init_process_group(backend_for(device), timeout=rendezvous, **kwargs)
     if rendezvous != timeout:
         import torch.distributed.distributed_c10d as c10d
 

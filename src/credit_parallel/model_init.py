@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -34,7 +35,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .composition import RecipeOptions, apply_data_parallel, apply_model_parallel, layout_meshes
+from .composition import (
+    RecipeOptions,
+    apply_data_parallel,
+    apply_model_parallel,
+    layout_meshes,
+    parallelize_dims,
+)
 from .config import DataMode, ParallelDims
 
 __all__ = ["InitRecord", "build_parallel_model", "materialize_", "record_meta_build"]
@@ -170,6 +177,19 @@ class InitRecord(TorchDispatchMode):
                 setattr(nn_init, name, original)
 
     # ------------------------------------------------------------------ replay
+    def can_rebuild(self, ref: _Ref, replay: bool = False) -> bool:
+        """Whether :meth:`full_value` can give ``ref``'s value: a chain starting with an op
+        that creates its storage; ``replay`` (buffers, small): the whole replay succeeds."""
+        chain = self.chains.get(ref.key, ())
+        if not chain or chain[0].out_index is None:
+            return False
+        if replay:
+            try:
+                self.full_value(ref, "")
+            except ValueError:
+                return False
+        return True
+
     def full_value(self, ref: _Ref, what: str) -> torch.Tensor:
         """The CPU value the plain build gives the tensor ``ref`` (``what`` names it in errors)."""
         return self._storage(ref.key, float("inf"), {}, what).as_strided(
@@ -271,8 +291,27 @@ def build_parallel_model(
         torch.manual_seed(seed)
     model, record = record_meta_build(model_factory)
     refs = {name: _Ref.of(t) for name, t in _named_tensors(model)}
+    buffers = {name for name, _ in model.named_buffers()}
+    lost = [name for name, ref in refs.items() if not record.can_rebuild(ref, name in buffers)]
+    if lost and getattr(model, "_whole_build_fallback", False):
+        # a model that declares it (miles-credit's, models/external.py: attention index buffers
+        # made from Python data): build it whole on the CPU (same seed, same values) and
+        # parallelise it, as for a passed model; any other model is refused by name below
+        warnings.warn(
+            f"{len(lost)} tensor(s) of {type(model).__name__} cannot be rebuilt from a "
+            f"meta-device build ({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}); "
+            "building the whole model on every rank instead",
+            stacklevel=2,
+        )
+        if seed is not None:
+            torch.manual_seed(seed)
+        return parallelize_dims(model_factory().to(device=torch.device(device)), dims, options)
     meshes = layout_meshes(dims)
-    data_options = {"amp": options.amp, "activation_checkpoint": options.activation_checkpoint}
+    data_options = {
+        "amp": options.amp,
+        "activation_checkpoint": options.activation_checkpoint,
+        "min_unit_params": options.fsdp2_min_unit_params,
+    }
     if meshes is not None:
         model = apply_model_parallel(
             model, dims, meshes, src_data_rank=None, nonlocal_policy=options.nonlocal_policy

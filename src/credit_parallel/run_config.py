@@ -155,6 +155,7 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "checkpoint_every": (0, _number("trainer", "checkpoint_every", int, 0)),
     "dtype": ("float32", _choice("trainer", "dtype", ("float32", "float64"))),
     "activation_checkpoint": (False, _flag("trainer", "activation_checkpoint")),
+    "fsdp2_min_unit_params": (1_000_000, _number("trainer", "fsdp2_min_unit_params", int, 0)),
     "dist_timeout_s": (DEFAULT_DIST_TIMEOUT_S, _seconds),
     "save_dir": (None, _optional_path("trainer", "save_dir")),
     "resume": (False, _flag("trainer", "resume")),
@@ -184,6 +185,7 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     "valid_time_slice": (None, _time_slice("valid_time_slice")),
     "num_workers": (2, _number("data", "num_workers", int, 0)),
     "prefetch_factor": (2, _number("data", "prefetch_factor", int, 1)),
+    "device_prefetch": (1, _number("data", "device_prefetch", int, 0)),  # batches copied ahead
     # None: the dataset's own default (data.dataset.DEFAULT_CACHE_LIMIT_BYTES, 1 GiB)
     "cache_limit_bytes": (None, _optional_number("data", "cache_limit_bytes", int, 0)),
 }
@@ -289,6 +291,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     dtype: str = "float32"
     activation_checkpoint: bool = False
+    fsdp2_min_unit_params: int = 1_000_000
     dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
     save_dir: str | None = None
     resume: bool = False
@@ -321,6 +324,7 @@ class DataConfig:
     valid_time_slice: Any = None
     num_workers: int = 2
     prefetch_factor: int = 2
+    device_prefetch: int = 1
     cache_limit_bytes: int | None = None
 
     @classmethod

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from .compat import all_gather_single
 from .launch import wait_all
 
 __all__ = [
@@ -95,7 +96,7 @@ def gather_small(x: torch.Tensor, group) -> torch.Tensor:
         return torch.stack(_exchange_all(x, group, "all_gather"))
     world = dist.get_world_size(group)
     out = x.new_empty((world, *x.shape))
-    dist.all_gather_single(out, x.reshape(1, *x.shape).contiguous(), group=group)
+    all_gather_single(out, x.reshape(1, *x.shape).contiguous(), group=group)
     return out
 
 

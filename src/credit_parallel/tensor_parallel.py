@@ -4,7 +4,9 @@ A model opts in by declaring, on any module, class (or instance) attributes
 
 * ``_tp_col`` / ``_tp_row``: a dotted path (str) or a list/tuple of dotted paths, relative to
   the declaring module, naming an ``nn.Linear`` or a 1x1 ``nn.Conv2d`` to split column-wise
-  (output features/channels) or row-wise (input features/channels);
+  (output features/channels) or row-wise (input features/channels); or CREDIT 2026.2's
+  ``_tp_plan = {"to_q": "colwise", "to_out": "rowwise"}`` (same meaning; with its optional
+  ``_tp_constraints(instance, tp_size)`` check);
 * ``_tp_fused = {"to_qkv": 3}``: a column target whose output is ``parts`` equal-width blocks
   concatenated along the output axis (q|k|v).  It is split *per part*: tp rank t computes
   ``[q_t | k_t | v_t]`` (slice t of every part), so attention heads stay whole;
@@ -32,12 +34,10 @@ split parameter is an ``nn.Parameter`` wrapping a DTensor on the tp mesh whose f
 ``Replicate()`` DTensors.
 
 Fused projections are *stored* as plain ``Shard(0)`` DTensors and regrouped into the per-part
-layout at each forward (one all-gather of the weight over tp; its gradient goes back the same
-way).  ``_StridedShard(0, split_factor=parts)`` does express the per-part layout and its
-``full_tensor()`` / ``redistribute`` are exact on gloo, but DCP cannot save it (its local shard is
-``parts`` separate row blocks; DCP assumes one block per rank and rejects the plan as overlapping
-chunks) and FSDP2 on top of it produces a dp x tp spec whose ``full_tensor()`` is silently wrong
-(torch 2.13).  When that extra all-gather matters, declare separate q, k and v Linears instead.
+layout at each forward (one all-gather of the weight over tp, its gradient back the same way):
+``_StridedShard(0, split_factor=parts)`` expresses that layout, but DCP cannot save it (one
+block per rank assumed) and FSDP2 on top of it gives a silently wrong ``full_tensor()`` (torch
+2.13).  When that all-gather matters, declare separate q, k and v Linears instead.
 
 Attention modules that are TP-ready derive their head count from the projection output width at
 run time (``heads_local = width // head_dim``), never from a stored ``heads`` attribute: after
@@ -49,14 +49,19 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from .compat import regroup_parts
+from .tensor_parallel_guard import (
+    CopyToTensorParallel,
+    ReduceFromTensorParallel,
+    install_partial_gradient_guard,
+)
 
 __all__ = [
     "ColwiseProjectionParallel",
@@ -79,49 +84,8 @@ _TP_PARAMETERS_ATTR = "_tp_parameter_names"
 
 
 # --------------------------------------------------------------------------------------------
-# Megatron's two conjugate operators over the tp group.
-# --------------------------------------------------------------------------------------------
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Megatron's "f": identity forward; backward all-reduces the input gradient (each tp rank
-    holds only the contribution of its own output features)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """Megatron's "g": forward all-reduces the partial sums of a row layer; backward is the
-    identity (the output gradient is already replicated)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        total = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-# --------------------------------------------------------------------------------------------
 # The projection module and its two styles (row layers, 1x1 convs, fused column layers).
 # --------------------------------------------------------------------------------------------
-
-
-def _parts_placement(parts: int):
-    """Per-part layout of a fused output axis: rank t holds slice t of each of the parts."""
-    return _StridedShard(0, split_factor=parts)
 
 
 def _distribute(param, tp_mesh, placement, src_data_rank) -> nn.Parameter:
@@ -190,7 +154,7 @@ class TensorParallelProjection(nn.Module):
         if self.parts > 1:
             # Stored as Shard(0) (DCP/FSDP2-safe); regroup to the per-part layout here.  The
             # backward of the redistribute brings the gradient back to Shard(0).
-            param = param.redistribute(placements=[_parts_placement(self.parts)])
+            return regroup_parts(param, self.parts)
         return param.to_local()
 
     def _project(self, x, weight, bias):
@@ -202,9 +166,9 @@ class TensorParallelProjection(nn.Module):
         group = self.weight.device_mesh.get_group()
         weight, bias = self._local(self.weight), self._local(self.bias)
         if self.role == COLUMN:
-            x = _CopyToTensorParallel.apply(x, group)
+            x = CopyToTensorParallel.apply(x, group)
             return self._project(x, weight, bias)
-        out = _ReduceFromTensorParallel.apply(self._project(x, weight, None), group)
+        out = ReduceFromTensorParallel.apply(self._project(x, weight, None), group)
         if bias is not None:
             out = out + (bias if self.kind == "linear" else bias.view(-1, 1, 1))
         return out
@@ -324,6 +288,27 @@ def _declared_paths(module: nn.Module, attr: str, name: str) -> list[str]:
     return list(items)
 
 
+# CREDIT 2026.2's plan values (miles-credit's _tp_plan) -> our roles
+_PLAN_STYLES = {"colwise": COLUMN, "rowwise": ROW}
+
+
+def _declared_roles(module: nn.Module, name: str) -> tuple[list[str], list[str]]:
+    """(column paths, row paths) a module declares, from ``_tp_col`` / ``_tp_row`` and from
+    CREDIT's ``_tp_plan = {"to_q": "colwise", ..., "to_out": "rowwise"}``: both spellings of
+    the one plan, read here only, so every entry point sees the same targets."""
+    cols = _declared_paths(module, "_tp_col", name)
+    rows = _declared_paths(module, "_tp_row", name)
+    plan = getattr(module, "_tp_plan", None) or {}
+    if not isinstance(plan, dict) or any(v not in _PLAN_STYLES for v in plan.values()):
+        raise TypeError(
+            f"_tp_plan of module {_where(name)} ({type(module).__name__}) must map dotted paths "
+            f"to 'colwise' or 'rowwise', got {plan!r}"
+        )
+    for rel, style in plan.items():
+        (cols if _PLAN_STYLES[style] == COLUMN else rows).append(rel)
+    return list(dict.fromkeys(cols)), list(dict.fromkeys(rows))
+
+
 def _positive_int(value, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int >= 1, got {value!r}")
@@ -341,8 +326,7 @@ def collect_tensor_parallel_targets(model: nn.Module) -> list[TensorParallelTarg
     """
     targets: dict[str, TensorParallelTarget] = {}
     for name, module in model.named_modules():
-        cols = _declared_paths(module, "_tp_col", name)
-        rows = _declared_paths(module, "_tp_row", name)
+        cols, rows = _declared_roles(module, name)
         fused = getattr(module, "_tp_fused", None) or {}
         head_dim = getattr(module, "_tp_head_dim", None)
         if not isinstance(fused, dict):
@@ -503,6 +487,10 @@ def _style_for(layer: nn.Module, target: TensorParallelTarget) -> ParallelStyle:
     return ColwiseProjectionParallel(parts=target.parts)
 
 
+def _role_of(style: ParallelStyle) -> str:
+    return ROW if isinstance(style, RowwiseProjectionParallel) else COLUMN
+
+
 def build_tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, ParallelStyle]:
     """Check every declared target against ``tp_size`` and return ``{full_path: style}``.
 
@@ -512,6 +500,10 @@ def build_tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, Para
     undeclared fused projection (a column target whose last name component contains "qkv"/"kv").
     """
     _positive_int(tp_size, "tp_size")
+    for _, module in model.named_modules():  # CREDIT's optional per-block check
+        check = getattr(type(module), "_tp_constraints", None)
+        if check is not None and getattr(module, "_tp_plan", None):
+            check(module, tp_size)
     plan = {}
     for target in collect_tensor_parallel_targets(model):
         layer = _resolve(model, target)
@@ -532,7 +524,9 @@ def apply_tensor_parallel(
 
     Every target is checked before anything changes (no half-converted model).  Call it before
     FSDP2: parameters become ``nn.Parameter`` s wrapping DTensors on ``tp_mesh`` (a 1-D submesh of
-    the full mesh), which ``fully_shard`` shards further over dp.
+    the full mesh), which ``fully_shard`` shards further over dp.  The first forward is traced
+    (``tensor_parallel_guard``): replicated tensors meeting sharded activations get their
+    gradient all-reduced over tp from then on.
 
     Args:
         model: the model to convert (its opted-in blocks name their column/row layers).
@@ -568,6 +562,9 @@ def apply_tensor_parallel(
     # every style converts its layer in place, so torch's own walker applies the plan
     parallelize_module(model, tp_mesh, plan, src_data_rank=src_data_rank)
     setattr(model, _TP_PARAMETERS_ATTR, frozenset(converted))
+    # replicated tensors meeting sharded activations: found on the first forward, made exact
+    roles = {role: {p for p, t in plan.items() if _role_of(t) == role} for role in (COLUMN, ROW)}
+    install_partial_gradient_guard(model, roles[COLUMN], roles[ROW], tp_mesh.get_group())
     return model
 
 
@@ -575,12 +572,16 @@ def tp_replicated_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]
     """``(name, parameter)`` for every parameter NOT split by :func:`apply_tensor_parallel`.
 
     These stay plain tensors, identical on every tp rank (norm weights, embeddings, convolutions
-    outside the tp pairs...), and their gradients are already identical across tp ranks (the
-    column layer's "f" all-reduces the input gradient), so they need reducing over dp/domain only
-    and must be counted once, not once per tp rank, in a global norm.  Row-layer biases are not
-    listed: they are ``Replicate()`` DTensors on the tp mesh.  Names are those of ``model`` (the
-    object passed to ``apply_tensor_parallel``; FSDP2 keeps them).  On a model never converted,
-    every parameter is listed.
+    outside the tp pairs...), reduced over dp/domain only and counted once, not once per tp
+    rank, in a global norm.  Their gradients are identical across tp ranks when every path from
+    them to the loss either stays replicated or enters the tp region through a column layer
+    (whose "f" all-reduces the input gradient).  A replicated tensor that meets tp-sharded
+    activations directly (a position bias added to the local heads' attention scores) gets
+    only its rank's heads' share: :mod:`tensor_parallel_guard` finds such tensors on the first
+    forward and all-reduces their gradients over tp, so the gradients are equal again, and
+    ``credit-parallel verify`` reports any that still differ.  Row-layer biases are not listed:
+    they are ``Replicate()`` DTensors on the tp mesh.  Names are those of ``model`` (FSDP2 keeps
+    them).  On a model never converted, every parameter is listed.
     """
     converted = getattr(model, _TP_PARAMETERS_ATTR, frozenset())
     return [(n, p) for n, p in model.named_parameters() if n not in converted]

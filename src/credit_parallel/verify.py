@@ -6,6 +6,21 @@ dp slice and domain shard, then compares the gathered output, the input gradient
 parameter gradient.  Rank 0 prints a table of max errors with PASS/FAIL against the project's
 tolerances (float64: max abs error <= 1e-10; float32: max|a-b|/max|ref| <= 1e-5 for outputs and
 input gradients, <= 1e-4 for parameter gradients).
+
+On a GPU the two runs are made comparable first (:func:`credit_parallel.device.deterministic_kernels`,
+named in the table's header): TF32 off for matmuls and cuDNN convolutions, deterministic
+algorithms, cuDNN deterministic and not benchmarking.  Without that, float32 runs of ONE function
+differ by TF32 rounding (relative ~1e-4), above the float32 tolerance.
+
+Mixed precision: verify always compares with ``trainer.amp`` off.  Under bf16 autocast (8
+mantissa bits, a relative rounding of 2^-9 ~ 2e-3 per operation) two runs of one function that sum
+in a different order (a different layout, kernel or shard) differ by bf16 rounding accumulated
+over the layers: relative differences of order 1e-2 for outputs and gradients (measured on the
+demo U-Net at 33 x 64, domain 2 against one process, both under CPU bf16 autocast: output 1.1e-2,
+input gradient 1.3e-2, parameter gradients 1.1e-2; float32 without amp: 1-3e-6), so the float32
+tolerances above do not apply; exactness is established in float64/float32 with amp off, and an
+amp run of a layout is judged against the same amp run of the single process at a relative
+tolerance of 5e-2.
 """
 
 from __future__ import annotations
@@ -21,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .composition import get_domain_manager, parallelize
-from .device import batch_to_device, device_for_process_group
+from .device import batch_to_device, deterministic_kernels, device_for_process_group
 from .domain.guard import FunctionalCallGuard
 from .domain.sharding import gather_tensor, shard_batch
 from .mesh import data_parallel_coords
@@ -205,7 +220,23 @@ def verify_layout(
         rows.append(
             (f"grad {name}", *_err(g, rg if rg is not None else torch.zeros_like(g)), "param")
         )
+    rows += _tp_spread_rows(par)
     return rows
+
+
+def _tp_spread_rows(model) -> list[tuple]:
+    """A replicated parameter whose gradient differs across the tp ranks (each holding only
+    its heads' share) is a FAIL row of its own: the cause, not only the symptom."""
+    from .composition import get_device_mesh, get_raw_model
+    from .tensor_parallel import tp_replicated_parameters
+    from .tensor_parallel_guard import replicated_gradient_spread
+
+    mesh = get_device_mesh(model)
+    if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+        return []
+    params = tp_replicated_parameters(get_raw_model(model))
+    spread = replicated_gradient_spread(params, mesh["tp"].get_group())
+    return [(f"tp ranks agree on grad {n}", d, ref, "param") for n, d, ref in spread]
 
 
 def _dp_group(model):
@@ -240,10 +271,14 @@ def judge(rows, dtype) -> list[tuple]:
     return out
 
 
-def format_table(judged, layout: dict, world: int, dtype) -> str:
+def format_table(judged, layout: dict, world: int, dtype, device=None, pinned=None) -> str:
+    """The table rank 0 prints; the header names the device and, on a GPU, the determinism
+    settings the comparison ran under (``pinned``)."""
     width = max(len(r[0]) for r in judged)
+    where = f" on {device}" if device is not None else ""
     lines = [
-        f"verify: layout {layout} on {world} rank(s), {str(dtype).replace('torch.', '')}",
+        f"verify: layout {layout} on {world} rank(s){where}, {str(dtype).replace('torch.', '')}"
+        + (f"; determinism: {pinned}" if pinned else ""),
         f"{'quantity'.ljust(width)}  {'max abs err':>12}  {'max |ref|':>10}  {'tolerance':>12}  result",
     ]
     for name, err, ref, shown, verdict in judged:
@@ -275,13 +310,19 @@ def main(argv=None) -> int:
         from .data.dataset import dataset_from_conf
 
         dataset = dataset_from_conf(conf, "train")
-    rows = judge(
-        verify_layout(conf, dtype=dtype, batch_size=args.batch_size, dataset=dataset), dtype
-    )
+    device = device_for_process_group()
+    with deterministic_kernels(device) as pinned:
+        rows = judge(
+            verify_layout(
+                conf, dtype=dtype, batch_size=args.batch_size, dataset=dataset, device=device
+            ),
+            dtype,
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
-        print(format_table(rows, parse_parallelism_conf(conf), world, dtype), flush=True)
+        layout = parse_parallelism_conf(conf)
+        print(format_table(rows, layout, world, dtype, device, pinned), flush=True)
     failed = any(r[-1] == "FAIL" for r in rows)
     # only after success (see train.main)
     if dist.is_initialized():

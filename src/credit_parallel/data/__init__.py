@@ -9,7 +9,11 @@ the row-reading training loader of domain-parallel runs.
 - ``sampler``: ``DistributedDPSampler``, ``StepBatchSampler``, ``make_dataloader`` (shards over
   data parallelism only);
 - ``loader``: ``build_train_loader``, ``register_row_batch``, ``RowView``; ``batch_to_device``
-  is ``credit_parallel.device``'s (one copy), re-exported here.
+  is ``credit_parallel.device``'s (one copy), re-exported here;
+- ``prefetch``: ``DevicePrefetcher`` (the next batches copied to the GPU on a side stream, the
+  time spent waiting for data);
+- ``rechunk``: ``rechunk_store``, ``RECOMMENDED_LAT_CHUNK`` (the chunking training reads fastest;
+  docs/data.md).
 
 Names resolve lazily so that importing the sampler does not import xarray.
 """
@@ -36,6 +40,9 @@ _EXPORTS = {
     "build_train_loader": "loader",
     "register_row_batch": "loader",
     "batch_to_device": "loader",
+    "DevicePrefetcher": "prefetch",
+    "rechunk_store": "rechunk",
+    "RECOMMENDED_LAT_CHUNK": "rechunk",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import xarray as xr
 from torch.utils.data import Dataset
+from zarr.core.buffer.cpu import NDBuffer
 
 from ..domain.rows import shard_range
 from .store import (
@@ -37,6 +38,7 @@ from .store import (
     STATISTICS,
     TIME_NAMES,
     default_stats_path,
+    direct_float32_array,
     find_dim,
     open_store,
 )
@@ -114,6 +116,17 @@ def _row_range(rows, domain_shard, height: int) -> tuple[int, int] | None:
             f"{height} (the store's latitude count), got {rows!r}"
         )
     return int(rows[0]), int(rows[1])
+
+
+def _level_index(positions) -> tuple:
+    """The level selection of one read: ``(slice, True)`` when the positions are one ascending
+    block of the store's levels (a basic selection, one request), else ``(array, False)``."""
+    if not positions:
+        return slice(0, 0), True
+    first = positions[0]
+    if list(positions) == list(range(first, first + len(positions))):
+        return slice(first, first + len(positions)), True
+    return np.asarray(positions), False
 
 
 def _time_label(offset: int) -> str:
@@ -237,13 +250,18 @@ class ERA5Dataset(Dataset):
             self._mean = np.zeros(self.channels_per_step)
             self._std = np.ones(self.channels_per_step)
 
+        self._mean32 = np.asarray(self._mean, dtype=np.float32)
+        self._std32 = np.asarray(self._std, dtype=np.float32)
+        self._level_index, self._level_block = _level_index(self._level_positions)
+        self._direct = self._direct_arrays(ds)
+
         self.nbytes = n_times * self.channels_per_step * int(np.prod(self.sample_grid_shape)) * 4
         self.cached = self.nbytes <= cache_limit_bytes
         self._ds = ds
         self._cache = None
         self._cache = self._read(0, n_times) if self.cached else None
         if self.cached:
-            self._ds = None
+            self._ds, self._direct = None, {}
             ds.close()
 
     # ---- construction helpers -------------------------------------------------------------
@@ -267,6 +285,18 @@ class ERA5Dataset(Dataset):
             for step in range(self.forecast_len)
             for name in self.variable_names
         ]
+
+    def _direct_arrays(self, ds: xr.Dataset) -> dict:
+        """The variables zarr decodes straight into a sample (``store.direct_float32_array``)."""
+        direct = {}
+        for name in self.upper_air_variables + self.surface_variables:
+            dims = [self._time_dim, self._lat_dim, self._lon_dim]
+            if name in self.upper_air_variables:
+                dims.insert(1, self._level_dim)
+            array = direct_float32_array(ds, self._store, name, dims)
+            if array is not None:
+                direct[name] = array
+        return direct
 
     def _find_dims(self, ds: xr.Dataset) -> None:
         self._time_dim = find_dim(ds.dims, TIME_NAMES)
@@ -433,42 +463,71 @@ class ERA5Dataset(Dataset):
         return slice(height - stop, height - first) if self._flip_lat else slice(first, stop)
 
     def _read(self, start: int, stop: int) -> np.ndarray:
-        """Times ``start..stop-1`` of the selection, float32 ``(T, channels_per_step, rows, W)``."""
+        """Times ``start..stop-1`` of the selection, float32 ``(T, channels_per_step, rows, W)``.
+
+        Each variable is ONE zarr request for the whole window and the rank's rows (its levels
+        one block when they are consecutive in the store), decoded by zarr straight into its
+        channels of the output buffer and normalised there in place: no intermediate array.
+        zarr fetches and decodes the chunks of a request concurrently (``async.concurrency``).
+        """
         if self._cache is not None:
             return self._cache[start:stop]
         out = np.empty((stop - start, self.channels_per_step, *self.sample_grid_shape), np.float32)
         times = self._time_positions[start:stop]
-        time_index = slice(int(times[0]), int(times[-1]) + 1, 1)
-        if times.size > 1:
-            time_index = slice(int(times[0]), int(times[-1]) + 1, int(times[1] - times[0]))
+        step = int(times[1] - times[0]) if times.size > 1 else 1
+        time_index = slice(int(times[0]), int(times[-1]) + 1, step)
         channel = 0
         for name in self.upper_air_variables + self.surface_variables:
-            index = {self._time_dim: time_index, self._lat_dim: self._lat_index()}
-            dims = [self._time_dim, self._lat_dim, self._lon_dim]
-            if name in self.upper_air_variables:
-                index[self._level_dim] = self._level_positions
-                dims.insert(1, self._level_dim)
-            raw = self._ds[name].isel(index).transpose(*dims).values
-            if raw.ndim == 3:
-                raw = raw[:, None]
-            if self._flip_lat:
-                raw = raw[:, :, ::-1]
-            width = raw.shape[1]
+            upper = name in self.upper_air_variables
+            width = len(self._level_positions) if upper else 1
             target = out[:, channel : channel + width]
-            self._normalise_into(target, raw, slice(channel, channel + width))
+            raw = self._read_variable(name, time_index, target if upper else target[:, 0])
+            self._normalise(target, slice(channel, channel + width), raw)
             channel += width
         return out
 
-    def _normalise_into(self, target: np.ndarray, raw: np.ndarray, channels: slice) -> None:
-        mean = self._mean[channels, None, None]
-        std = self._std[channels, None, None]
+    def _read_variable(self, name: str, time_index: slice, target: np.ndarray):
+        """Raw ``name`` at ``time_index`` and the sample's rows decoded by zarr into ``target``
+        (north to south; returns None), or, for other stores, read by xarray and returned."""
+        upper = name in self.upper_air_variables
+        array = self._direct.get(name)
+        if array is not None:
+            view = target[..., ::-1, :] if self._flip_lat else target  # the store's row order
+            selection = [time_index, self._lat_index(), slice(None)]
+            if upper:
+                selection.insert(1, self._level_index)
+            if upper and not self._level_block:
+                array.get_orthogonal_selection(
+                    tuple(selection), out=NDBuffer.from_numpy_array(view)
+                )
+            else:
+                array.get_basic_selection(tuple(selection), out=NDBuffer.from_numpy_array(view))
+            return None
+        index = {self._time_dim: time_index, self._lat_dim: self._lat_index()}
+        dims = [self._time_dim, self._lat_dim, self._lon_dim]
+        if upper:
+            index[self._level_dim] = self._level_positions
+            dims.insert(1, self._level_dim)
+        raw = self._ds[name].isel(index).transpose(*dims).values
+        return raw[..., ::-1, :] if self._flip_lat else raw
+
+    def _normalise(self, target: np.ndarray, channels: slice, raw=None) -> None:
+        """``target = (values - mean) / std`` per channel; the values are ``raw`` when given
+        (shaped like ``target``'s variable), else ``target`` itself (normalised in place)."""
+        if raw is not None and raw.ndim == target.ndim - 1:
+            raw = raw[:, None]
         if self.rows is None:
             # the single-process reference: float64 arithmetic, rounded once to float32
-            target[...] = (raw.astype(np.float64) - mean) / std
+            source = target if raw is None else raw
+            mean = self._mean[channels, None, None]
+            std = self._std[channels, None, None]
+            target[...] = (source.astype(np.float64) - mean) / std
             return
         # row mode: float32 end to end, in place (no float64 copy of the rows)
-        np.subtract(raw.astype(np.float32, copy=False), mean.astype(np.float32), out=target)
-        np.divide(target, std.astype(np.float32), out=target)
+        if raw is not None:
+            target[...] = raw
+        np.subtract(target, self._mean32[channels, None, None], out=target)
+        np.divide(target, self._std32[channels, None, None], out=target)
 
     def __len__(self) -> int:
         return self._length
@@ -478,7 +537,9 @@ class ERA5Dataset(Dataset):
             index += self._length
         if not 0 <= index < self._length:
             raise IndexError(f"ERA5Dataset: index {index} out of range for {self._length} samples")
-        window = np.array(self._read(index, index + self._window))  # a copy, never the cache
+        window = self._read(index, index + self._window)
+        if self._cache is not None:
+            window = np.array(window)  # a copy, never the cache
         inputs, targets = window[: self.history_len], window[self.history_len :]
         sample = {"time_index": torch.tensor(int(self._time_positions[index]), dtype=torch.int64)}
         if not self.as_5d:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import xarray as xr
+import zarr
 from zarr.storage import LocalStore, WrapperStore
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "ByteCountingStore",
     "compute_normalization_stats",
     "default_stats_path",
+    "direct_float32_array",
     "find_dim",
     "open_store",
 ]
@@ -47,17 +49,20 @@ class ByteCountingStore(WrapperStore):
     """A zarr store wrapper that counts the bytes returned by every read.
 
     ``chunk_bytes[name]``: bytes of the chunk objects of array ``name`` (the first component of
-    the key, e.g. ``"T/c/0/0/3/0"`` -> ``"T"``); ``metadata_bytes``: bytes of metadata documents.
-    ``reset()`` zeroes both.
+    the key, e.g. ``"T/c/0/0/3/0"`` -> ``"T"``); ``chunk_reads[name]``: how many chunk objects of
+    it were fetched (the requests a remote store would serve); ``metadata_bytes``: bytes of
+    metadata documents.  ``reset()`` zeroes them.
     """
 
     def __init__(self, store) -> None:
         super().__init__(store)
         self.chunk_bytes: dict[str, int] = {}
+        self.chunk_reads: dict[str, int] = {}
         self.metadata_bytes = 0
 
     def reset(self) -> None:
         self.chunk_bytes = {}
+        self.chunk_reads = {}
         self.metadata_bytes = 0
 
     def _count(self, key: str, buffer) -> None:
@@ -68,6 +73,7 @@ class ByteCountingStore(WrapperStore):
             self.metadata_bytes += len(buffer)
         else:
             self.chunk_bytes[parts[0]] = self.chunk_bytes.get(parts[0], 0) + len(buffer)
+            self.chunk_reads[parts[0]] = self.chunk_reads.get(parts[0], 0) + 1
 
     async def get(self, key, prototype, byte_range=None):
         buffer = await self._store.get(key, prototype, byte_range)
@@ -85,6 +91,22 @@ class ByteCountingStore(WrapperStore):
 def find_dim(names, candidates) -> str | None:
     """The first of ``candidates`` that is in ``names``, else None."""
     return next((candidate for candidate in candidates if candidate in names), None)
+
+
+def direct_float32_array(ds: xr.Dataset, store, name: str, dims):
+    """The zarr array of ``ds[name]`` when zarr can decode it straight into a float32 buffer
+    with the values xarray would return: float32, dims exactly ``dims`` in that order, nothing
+    for xarray to decode (no scale/offset, a NaN or no fill value); else None."""
+    variable = ds[name]
+    encoding = variable.encoding
+    fill = encoding.get("_FillValue", np.nan)
+    plain = not ({"scale_factor", "add_offset"} & set(encoding))
+    plain = plain and (fill is None or bool(np.isnan(fill)))
+    if list(variable.dims) != list(dims) or variable.dtype != np.float32 or not plain:
+        return None
+    array = zarr.open_array(store, path=name, mode="r")
+    ok = array.dtype == np.float32 and array.shape == variable.shape
+    return array if ok else None
 
 
 def default_stats_path(path) -> Path:

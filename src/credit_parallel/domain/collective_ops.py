@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..compat import all_gather_single
 from ..small_collectives import gather_small, sum_small_
 from .rows import shard_range, shard_sizes
 
@@ -33,7 +34,7 @@ def _gather_padded(x: torch.Tensor, dim: int, sizes, group) -> torch.Tensor:
         x = torch.cat([x, x.new_zeros(pad_shape)], dim)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((n * biggest, *x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)
+    all_gather_single(out, x, group=group)
     parts = [out.narrow(0, r * biggest, s) for r, s in enumerate(sizes)]
     return torch.cat(parts, 0).movedim(0, dim)
 

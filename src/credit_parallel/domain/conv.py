@@ -40,7 +40,7 @@ from .manager import resolve_manager
 from .options import LayerOptions, check_overlap
 from .overlap import SplitConv, overlap_enabled
 from .padding import DomainParallelPad
-from .rows import RankExchangePlan, compose_windows, plan_exchange, shard_range
+from .rows import FILL, RankExchangePlan, compose_windows, plan_exchange, shard_range
 from .shared_input import SharedInputExchange
 from .wrap import DomainWrapper, run_forward_pre_hooks
 
@@ -196,6 +196,34 @@ class _DomainParallelConvNd(DomainWrapper):
         # every rank takes part in the exchange, also one that owns no output row
         return "window"
 
+    # ---- the seed's read-only views (credit.domain_parallel: layer.halo_width / halo_exchange)
+    @property
+    def halo_width(self):
+        """Rows of OTHER ranks' shards this rank reads above and below its own shard: an int
+        when the two are equal, else ``(before, after)``.
+
+        Exact per rank (uneven shards and poles included) for the last global input height the
+        layer ran on: rows beyond the globe are padding, not halo, so the first rank reads
+        nothing above unless ``padding_mode="circular"`` wraps it to the far edge.  Before any
+        forward: the nominal halo of the kernel (``pad_before``, ``dilation*(kernel-1) -
+        pad_before``; for a transposed conv its padding when kernel > stride, else 0), which is
+        what CREDIT reports for the layers it supports."""
+        before, after = _halo_of(self)
+        return before if before == after else (before, after)
+
+    @property
+    def halo_exchange(self):
+        """A :class:`HaloExchange` with this layer's :attr:`halo_width`, dim, boundary mode and
+        manager.  The layer itself exchanges exactly the rows of its per-rank window (one
+        planned exchange, ``exchange.exchange_planned``); this object is that exchange's
+        fixed-width equivalent, for inspection and for code written against the seed."""
+        from .exchange import HaloExchange
+
+        before, after = _halo_of(self)
+        mode = self.geometry.edge_mode
+        mode = mode if mode in ("zeros", "reflect", "replicate", "circular") else "zeros"
+        return HaloExchange((before, after), dim=self.shard_dim, manager=self.manager, mode=mode)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != self.nd + 2:
             raise ValueError(
@@ -325,6 +353,34 @@ class _DomainParallelConvNd(DomainWrapper):
 
     def extra_repr(self) -> str:
         return f"{self.wrapped!r}, shard_dim={self.shard_dim}"
+
+
+def _halo_of(layer: _DomainParallelConvNd) -> tuple[int, int]:
+    """(rows above, rows below) of other ranks' shards in ``layer``'s window on this rank, for
+    the last (global height, domain size, rank) it ran on; the nominal kernel halo before any
+    call.  Pure: reads the layer's geometry only."""
+    calls = [key for key in layer._calls if not key[3]]
+    if not calls:
+        geo, i = layer.geometry, layer.spatial_index
+        pb, _ = geo.pads[i]
+        reach = geo.dilation[i] * (geo.kernel[i] - 1)
+        if geo.transposed:  # the seed's rule: the padding when the kernel overlaps, else none
+            width = pb if geo.kernel[i] > geo.stride[i] else 0
+            return width, width
+        return pb, max(0, reach - pb)
+    length, n, rank, _ = calls[-1]
+    window = layer.input_windows(length, n)[rank]
+    s, e = shard_range(length, n, rank)
+    own = [j for j, row in enumerate(window) if s <= row < e]
+    before = after = 0
+    for j, row in enumerate(window):
+        if row == FILL or s <= row < e:
+            continue
+        if (j < own[0]) if own else (row < s):
+            before += 1
+        else:
+            after += 1
+    return before, after
 
 
 class DomainParallelConv2d(_DomainParallelConvNd):

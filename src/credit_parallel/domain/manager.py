@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..compat import all_gather_single
 from ..config import all_ranks_joined, require_process_group
 
 __all__ = [
@@ -154,6 +155,12 @@ class DomainParallelManager:
         return len(self._domain_ranks)
 
     @property
+    def domain_parallel_size(self) -> int:
+        """The seed's attribute name (``credit.domain_parallel``) for :attr:`domain_world_size`;
+        CREDIT's own helpers (e.g. ``credit.parallel.gather_spatial``) read it."""
+        return self.domain_world_size
+
+    @property
     def domain_ranks(self) -> list[int]:
         """Global ranks of this rank's domain group, in domain order."""
         return list(self._domain_ranks)
@@ -239,7 +246,7 @@ class DomainParallelManager:
 
         sizes = torch.zeros(self.domain_world_size, dtype=torch.int64, device=self.device)
         mine = torch.tensor([local_length], dtype=torch.int64, device=self.device)
-        dist.all_gather_single(sizes, mine, group=self._domain_group)
+        all_gather_single(sizes, mine, group=self._domain_group)
         sizes = [int(v) for v in sizes.tolist()]
         total = sum(sizes)
         if tuple(sizes) != shard_sizes(total, self.domain_world_size):

@@ -10,12 +10,18 @@ per-pixel / row-local computation, and never read a global size from a tensor sh
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torch import nn
 
 from credit_parallel.models.crossformer import CrossFormer, WindowAttention
+from credit_parallel.models.external import (
+    CREDIT_MODEL_TYPES,
+    accepts,
+    build_credit_model,
+    build_from_import_path,
+    check_kwargs,
+)
 from credit_parallel.models.pangu import Pangu3D
 from credit_parallel.models.periodic import PeriodicConv2d
 from credit_parallel.models.swin import SwinNet
@@ -43,6 +49,9 @@ MODEL_TYPES: dict[str, type[nn.Module]] = {
 def build_model(conf_model: dict[str, Any]) -> nn.Module:
     """Build a model from a ``model:`` config block ``{"type": "unet", **constructor_kwargs}``.
 
+    ``type`` may also be an import path ``package.module:Name`` or a miles-credit model type with
+    CREDIT's keys (built by miles-credit's loader): see :mod:`credit_parallel.models.external`.
+
     ``ValueError`` naming ``model.type`` for a missing/unknown type (listing the known ones), and
     naming the key for an unknown, missing or invalid argument.
     """
@@ -52,22 +61,29 @@ def build_model(conf_model: dict[str, Any]) -> nn.Module:
     if "type" not in conf_model:
         raise ValueError(f"model.type is missing; known types: {known}")
     model_type = conf_model["type"]
-    cls = MODEL_TYPES.get(str(model_type).lower()) if isinstance(model_type, str) else None
-    if cls is None:
-        raise ValueError(f"model.type={model_type!r} is not a known model; known types: {known}")
-
     kwargs = {k: v for k, v in conf_model.items() if k != "type"}
-    params = dict(inspect.signature(cls.__init__).parameters)
-    params.pop("self")
-    for key in kwargs:
-        if key not in params:
-            raise ValueError(
-                f"model.{key} is not an argument of {model_type!r}; "
-                f"accepted keys: {', '.join(params)}"
-            )
-    for key, param in params.items():
-        if param.default is inspect.Parameter.empty and key not in kwargs:
-            raise ValueError(f"model.{key} is required for model.type={model_type!r}")
+    if isinstance(model_type, str) and ":" in model_type:
+        return build_from_import_path(model_type, kwargs)
+    cls = MODEL_TYPES.get(str(model_type).lower()) if isinstance(model_type, str) else None
+    credit_type = isinstance(model_type, str) and model_type in CREDIT_MODEL_TYPES
+    if credit_type and cls is None:  # a CREDIT-only type: miles-credit's own loader
+        return build_credit_model(model_type, kwargs)
+    if credit_type and not accepts(cls.__init__, kwargs):
+        # a name both have, keys not ours: CREDIT's block, or a typo in ours (say both)
+        try:
+            return build_credit_model(model_type, kwargs)
+        except ValueError as credit_err:
+            try:
+                check_kwargs(cls.__init__, kwargs, model_type)
+            except ValueError as ours:
+                raise ValueError(f"{ours} (as a CREDIT model block: {credit_err})") from None
+            raise
+    if cls is None:
+        raise ValueError(
+            f"model.type={model_type!r} is not a known model; known types: {known}, a miles-credit "
+            "type, or an import path 'package.module:Name'"
+        )
+    check_kwargs(cls.__init__, kwargs, model_type)
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as err:

@@ -20,6 +20,7 @@ from ..config import DataMode
 from ..domain.attention import form_cost
 from ..domain.geometry import FILL, domain_form_of, domain_kind_of, input_windows_of
 from ..domain.rows import plan_exchange, shard_range, shard_sizes
+from ..fsdp import FSDP2_MIN_UNIT_PARAMS, fsdp2_units
 from ..tensor_parallel import COLUMN, _check_layer, _resolve, collect_tensor_parallel_targets
 
 __all__ = [
@@ -280,13 +281,13 @@ def tp_split_dims(model: nn.Module, tp: int, violations: list[str]):
     return split, listed
 
 
-def fsdp_units(model: nn.Module) -> list[tuple[str, set[str]]]:
-    """FSDP2 units in ``apply_fsdp2`` order and the parameter names each one manages."""
-    blocks = [
-        name
-        for name, module in model.named_modules()
-        if module is not model and getattr(module, "_fsdp2_shard", False) is True
-    ]
+def fsdp_units(
+    model: nn.Module, min_params: int = FSDP2_MIN_UNIT_PARAMS
+) -> list[tuple[str, set[str]]]:
+    """FSDP2 units in ``apply_fsdp2`` order and the parameter names each one manages: the
+    opted-in blocks with at least ``min_params`` parameters of their own
+    (:func:`credit_parallel.fsdp.fsdp2_units`), then the root with the rest."""
+    blocks = [name for name, _ in fsdp2_units(model, min_params)]
     owned: dict[str, set[str]] = {name: set() for name in [*blocks, ""]}
     for pname, _ in model.named_parameters():
         owner = ""

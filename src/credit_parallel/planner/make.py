@@ -31,6 +31,7 @@ from ..domain.convert import validate_sharding_constraints
 from ..domain.gather import gather_cost_note
 from ..domain.plan import sharing_step
 from ..domain.rows import shard_sizes
+from ..fsdp import FSDP2_MIN_UNIT_PARAMS
 from ..mesh import full_rank_layout
 from ..run_config import TrainerConfig, trainer_option
 from .cost import (
@@ -44,6 +45,7 @@ from .cost import (
     predicted_halo_bytes,
     tp_split_dims,
 )
+from .tp_partial import tp_partial_gradient_findings
 from .trace import build_meta_model, conversion_plan, model_input_shapes, plan_targets, trace_model
 
 __all__ = ["MAX_RANKS_LISTED", "Plan", "RankEntry", "make_plan"]
@@ -306,8 +308,9 @@ def _window_constraints(model, shapes, layers, n: int, violations: list, notes: 
 
 
 def _memory(
-    model, trace, layers, shapes, levels, *, data, dp, tp, n, batch_size, amp, violations, notes
-):
+    model, trace, layers, shapes, levels, *, data, dp, tp, n, batch_size, amp, violations, notes,
+    min_unit_params=FSDP2_MIN_UNIT_PARAMS,
+):  # fmt: skip
     """(MemoryEstimate, tp targets, FSDP units, local parameter numels) of one rank."""
     split, tp_listed = tp_split_dims(model, tp, violations)
     if tp > 1 and not tp_listed:
@@ -322,7 +325,7 @@ def _memory(
         full_numel += p.numel()
         local_numels[pname] = local_numel(p.shape, split.get(pname), tp, fsdp_dp)
     param_bytes = sum(local_numels.values()) * _PARAM_BYTES
-    units = fsdp_units(model) if data == DataMode.FSDP2 else []
+    units = fsdp_units(model, min_unit_params) if data == DataMode.FSDP2 else []
     params = dict(model.named_parameters())
     largest_unit = max(
         (
@@ -347,6 +350,21 @@ def _memory(
         **parts,
     )
     return memory, tp_listed, units, local_numels
+
+
+def _meta_model(conf: dict, model: nn.Module | None, input_shapes):
+    """The model on the meta device (built from ``conf["model"]`` unless given), its type name
+    and the per-sample input shapes (given, or the model's input-shape rules)."""
+    if model is None:
+        model, model_type = build_meta_model(conf)
+    else:
+        model_type = str((conf.get("model") or {}).get("type", type(model).__name__))
+        model = copy.deepcopy(model).to("meta")
+    shapes = tuple(
+        tuple(int(v) for v in s)
+        for s in (input_shapes if input_shapes is not None else model_input_shapes(model))
+    )
+    return model, model_type, shapes
 
 
 def make_plan(
@@ -379,15 +397,8 @@ def make_plan(
     batch_size, amp, policy = _run_settings(conf, trainer, violations)
 
     # ---- the model, on meta, traced once
-    if model is None:
-        model, model_type = build_meta_model(conf)
-    else:
-        model_type = str((conf.get("model") or {}).get("type", type(model).__name__))
-        model = copy.deepcopy(model).to("meta")
-    shapes = tuple(
-        tuple(int(v) for v in s)
-        for s in (input_shapes if input_shapes is not None else model_input_shapes(model))
-    )
+    model, model_type, shapes = _meta_model(conf, model, input_shapes)
+    tp_partial_gradient_findings(model, shapes, tp, notes, violations)  # before the domain trace
     trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, layers, n, violations, notes)
@@ -396,6 +407,10 @@ def make_plan(
     memory, tp_listed, units, local_numels = _memory(
         model, trace, layers, shapes, levels, data=data, dp=dp, tp=tp, n=n, batch_size=batch_size, amp=amp,
         violations=violations, notes=notes,
+        min_unit_params=(
+            trainer.fsdp2_min_unit_params if trainer is not None
+            else trainer_option(conf, "fsdp2_min_unit_params")
+        ),
     )  # fmt: skip
     act_bytes = memory.activation_dtype_bytes
     halo_per_rank = tuple(

@@ -184,7 +184,8 @@ def _memory_section(plan: Plan) -> list[str]:
     if plan.fsdp_units:
         out.append(
             f"FSDP2 units: {len(plan.fsdp_units)} (largest unsharded while in use: "
-            f"{_human(m.fsdp_largest_unit_bytes)})"
+            f"{_human(m.fsdp_largest_unit_bytes)}): {', '.join(plan.fsdp_units)}; opted-in blocks "
+            "under trainer.fsdp2_min_unit_params parameters stay in their parent's unit"
         )
     return out
 

@@ -72,6 +72,12 @@ def _log_line(record: dict) -> str:
     return (
         f"step {record['step']} loss {record['loss']:.6g} grad_norm {record['grad_norm']:.6g} "
         f"lr {record['lr']:.6g} samples/s {record['samples_per_s']:.3g}"
+        + (
+            f" data_wait_ms {record['data_wait_ms']:.1f} "
+            f"data_wait_frac {record['data_wait_frac']:.2f}"
+            if "data_wait_ms" in record
+            else ""
+        )
     )
 
 

@@ -78,28 +78,33 @@ def rollout_loss(
 ) -> tuple[torch.Tensor, tuple]:
     """Mean loss share over ``forecast_len`` autoregressive steps, and the last step's outputs."""
     state = tuple(inputs)
-    total = 0.0
+    total = None
     outputs: tuple = ()
     for k in range(forecast_len):
         outputs = _as_tuple(model(*state))
         step_targets = tuple(
             t[:, k * o.shape[1] : (k + 1) * o.shape[1]] for t, o in zip(targets, outputs)
         )
-        total = total + loss_fn(outputs, step_targets)
+        loss = loss_fn(outputs, step_targets)
+        total = loss if total is None else total + loss
         if k + 1 < forecast_len:
             state = advance_state(state, outputs)
-    return total / forecast_len, outputs
+    # no kernel a plain loop would not run: x / 1 is x
+    return (total if forecast_len == 1 else total / forecast_len), outputs
 
 
 def latitude_weighted_loss(lat_weights_local: torch.Tensor, global_height: int) -> LossFn:
     """The trainer's loss: latitude-weighted MSE share, averaged over the model's outputs."""
 
     def loss_fn(outputs: tuple, targets: tuple) -> torch.Tensor:
-        shares = (
+        shares = [
             latitude_weighted_mse_share(o, t, lat_weights_local, global_height)
             for o, t in zip(outputs, targets)
-        )
-        return sum(shares) / len(outputs)
+        ]
+        total = shares[0]
+        for share in shares[1:]:
+            total = total + share
+        return total if len(shares) == 1 else total / len(shares)
 
     return loss_fn
 
@@ -176,7 +181,8 @@ class TrainStep:
             share, outputs = rollout_loss(
                 self._model_call(), inputs, targets, self.loss_fn, self.forecast_len
             )
-            share = share / divide_by
+            if divide_by != 1:
+                share = share / divide_by
         share.backward()
         return share.detach(), tuple(o.detach() for o in outputs)
 

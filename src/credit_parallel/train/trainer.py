@@ -24,6 +24,7 @@ The model, the batches and the loss weights live on :func:`device_for_process_gr
 from __future__ import annotations
 
 import math
+import time
 from functools import partial
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from ..checkpoint import (
 from ..composition import RecipeOptions, get_domain_manager, parallelize_dims
 from ..config import DataMode, has_process_group
 from ..data.loader import build_train_loader, register_row_batch
+from ..data.prefetch import DevicePrefetcher
 from ..device import autocast_for, batch_to_device, device_for_process_group
 from ..domain.guard import FunctionalCallGuard, guard_requested
 from ..model_init import build_parallel_model
@@ -173,7 +175,10 @@ class Trainer:
     def _start_loader(self) -> None:
         """(Re)start the training stream at micro-batch ``step * grad_accum`` (after a resume)."""
         self.loader = self._loader_for("train", self.step)
-        self._batches = iter(self.loader)
+        # the next data.device_prefetch batches are copied to the device while a step computes
+        self._batches = DevicePrefetcher(
+            self.loader, self.device, self.dtype, self.run_config.data.device_prefetch
+        )
 
     def _device_batch(self, host: dict) -> dict:
         """A host batch of this rank's rows on the trainer's device and dtype, its global shape
@@ -184,7 +189,9 @@ class Trainer:
 
     def _micro_batches(self):
         for _ in range(self.tc.grad_accum):
-            yield self._device_batch(next(self._batches))
+            batch = next(self._batches)  # already on the device, in the trainer's dtype
+            register_row_batch(batch, self.global_height, manager=self.manager)
+            yield batch
 
     def _check_rows_match_manager(self) -> None:
         if self.manager is not None and self.manager.domain_rank != self.domain_rank:
@@ -199,6 +206,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict:
+        started, waited = time.perf_counter(), self._batches.wait_s
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         result = self.step_fn(self._micro_batches(), grad_accum=self.tc.grad_accum)
@@ -211,6 +219,10 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "lr": self.optimizer.param_groups[0]["lr"],
         }
+        # host time blocked on the loader this step (the finite check above synchronised)
+        wait = self._batches.wait_s - waited
+        record["data_wait_ms"] = wait * 1e3
+        record["data_wait_frac"] = wait / max(time.perf_counter() - started, 1e-9)
         if not finite:
             record["nonfinite"] = True
             if self.tc.nonfinite == "stop":

@@ -24,7 +24,7 @@ from .report import (
 from .specs import Layout, default_layouts, default_models
 from .suite import _loadavg, _machine, run_suite
 
-__all__ = ["add_bench_arguments", "main", "parse_args", "run_bench", "run_profile"]
+__all__ = ["add_bench_arguments", "main", "parse_args", "run_bench", "run_loader", "run_profile"]
 
 
 def add_bench_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -45,7 +45,40 @@ def add_bench_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="per layer kind: compute, window assembly, blocked in communication, overhead",
     )
+    ap.add_argument(
+        "--loader",
+        metavar="STORE",
+        default=None,
+        help="loader only, no model: samples/s and MB/s of one rank's training loader over STORE",
+    )
+    ap.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers (--loader)")
+    ap.add_argument("--loader-domain", type=int, default=1, help="domain size (--loader)")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the node check instead of the layout suite: environment, trainer smoke, verify "
+        "float32/float64, plain vs library step time and peak memory (CUDA when --device allows, "
+        "else the same table on gloo CPU ranks at small sizes)",
+    )
+    ap.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="auto: CUDA when a GPU is visible (--gpu), else the CPU; the layout suite runs gloo "
+        "CPU ranks and refuses cuda",
+    )
     return ap
+
+
+def run_loader(args) -> int:
+    """``bench --loader STORE``: the loader-only number of the middle domain rank."""
+    from .loader import format_loader_line, loader_conf, measure_loader
+
+    conf = loader_conf(args.loader, args.loader_workers)
+    batches = getattr(args, "steps", None) or (2 if getattr(args, "quick", False) else 6)
+    result = measure_loader(conf, domain=args.loader_domain, batches=batches)
+    print(format_loader_line(args.loader, result))
+    return 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,6 +124,18 @@ def run_bench(args) -> int:
     output = getattr(args, "output", None) or "outputs/bench"
     memory = not getattr(args, "no_memory", False)
     rounds = getattr(args, "rounds", None) or 1
+    if getattr(args, "loader", None):
+        return run_loader(args)
+    device = getattr(args, "device", "auto") or "auto"
+    if getattr(args, "gpu", False):
+        from .node_check import run_node_check
+
+        return run_node_check(device=device, quick=quick)
+    if device == "cuda":
+        raise ValueError(
+            "bench --device cuda: the layout suite runs gloo ranks on the CPU; the GPU check is "
+            "`credit-parallel bench --gpu` (or drop --device)"
+        )
     models, layouts = _select(args)
     if getattr(args, "profile", False):
         return run_profile(models, layouts, steps=steps, warmup=warmup)

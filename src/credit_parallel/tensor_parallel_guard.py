@@ -1,0 +1,362 @@
+"""Replicated tensors that meet tp-sharded activations: found by tracing, made exact.
+
+Megatron's column layer all-reduces its input gradient over tp ("f"), so a replicated tensor
+that enters the tp region THROUGH a column layer gets its whole gradient on every tp rank.  A
+replicated tensor that meets the sharded activations any other way — CREDIT's dynamic position
+bias ``dpb(rel_pos)`` added to the local heads' attention scores — receives on each tp rank only
+the gradient of that rank's heads: its parameters train on a fraction of their gradient (and the
+tp ranks drift apart).  Nothing in a ``_tp_col``/``_tp_plan`` declaration says where that
+happens, so it is found, not declared:
+
+:class:`TensorParallelTrace` is a ``TorchFunctionMode`` active during one forward.  Column
+outputs are marked *sharded*; every tensor computed from a sharded one is sharded; a row output
+is replicated again.  Replicated tensors carry *labels*: the module paths (and parameters) they
+were computed from through replicated ops only.  A replicated tensor combined with a sharded one
+makes its labels *partial*; one that reaches the model's output or a column layer's input makes
+them *full*.  A module output that is partial and never full has a gradient that is exactly the
+sum over tp of the per-rank gradients, so Megatron's "f" on that output (identity forward,
+all-reduce of the gradient in backward) makes it, and everything computed before it, exact.
+
+:func:`install_partial_gradient_guard` (called by ``apply_tensor_parallel``) traces the first
+forward of the converted model, puts "f" on the gradient of the tensors it found in that forward
+and on the output of their modules in every later one.  A replicated parameter used directly on
+sharded activations (not through a submodule), or a module output whose gradient is partly
+partial and partly full, cannot be made exact this way: that raises, naming the path and the fix.
+:func:`find_partial_gradient_modules` runs the same trace on an unconverted model in one process
+(no process group; the column targets named by path), for ``plan`` and tests.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "CopyToTensorParallel",
+    "PartialGradientReport",
+    "ReduceFromTensorParallel",
+    "TensorParallelTrace",
+    "find_partial_gradient_modules",
+    "install_partial_gradient_guard",
+]
+
+SHARDED = "sharded"
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's "f": identity forward; backward all-reduces the gradient over ``group`` (each
+    tp rank holds only the contribution of its own features or heads)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's "g": forward all-reduces the partial sums of a row layer; backward is the
+    identity (the output gradient is already replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        total = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@dataclass
+class PartialGradientReport:
+    """What one traced forward found.
+
+    ``modules``: paths of the module outputs that get "f" (partial gradient, never full, not
+    inside another such output).  ``parameters``: the replicated parameters those cover.
+    ``unfixable``: ``(path, reason)`` for partial tensors "f" cannot make exact."""
+
+    modules: list[str] = field(default_factory=list)
+    parameters: list[str] = field(default_factory=list)
+    unfixable: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+class TensorParallelTrace(TorchFunctionMode):
+    """Marks tensors sharded / replicated-with-labels during one forward (see the module doc).
+
+    ``column`` / ``row``: the module paths of the tp targets; their internals are not traced.
+    Hooks are registered by :meth:`attach` and removed by :meth:`detach`."""
+
+    def __init__(self, model: nn.Module, column: set[str], row: set[str]):
+        super().__init__()
+        self.model = model
+        self.column, self.row = set(column), set(row)
+        # id(tensor) -> (weak reference, SHARDED or a frozenset of labels); the reference tells
+        # a live tensor from a new one that reuses a freed tensor's id
+        self.state: dict[int, tuple] = {}
+        self.partial: set[str] = set()
+        self.full: set[str] = set()
+        self.covers: dict[str, frozenset] = {}  # module path -> labels of its output
+        self.outputs: dict[str, list[torch.Tensor]] = {}  # module path -> its output tensors
+        self.param_names = {
+            id(p): n for n, p in model.named_parameters() if type(p) is nn.Parameter
+        }
+        self.depth = 0  # > 0 inside a tp target
+        self.handles: list = []
+
+    # ---- marks
+    def _mark(self, t: torch.Tensor, value) -> None:
+        self.state[id(t)] = (weakref.ref(t), value)
+
+    def _labels(self, t: torch.Tensor):
+        ref, value = self.state.get(id(t), (None, None))
+        if ref is not None and ref() is t:
+            return value
+        if id(t) in self.param_names:
+            return frozenset({"parameter " + self.param_names[id(t)]})
+        return frozenset()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.depth == 0:
+            inputs = _tensors((args, kwargs))
+            marks = [self._labels(t) for t in inputs]
+            if any(m is SHARDED for m in marks):
+                for m in marks:
+                    if m is not SHARDED:
+                        self.partial.update(m)
+                for t in _tensors(out):
+                    self._mark(t, SHARDED)
+            else:
+                labels = frozenset().union(*marks) if marks else frozenset()
+                for t in _tensors(out):
+                    self._mark(t, labels)
+        return out
+
+    # ---- module hooks
+    def attach(self) -> None:
+        for path, module in self.model.named_modules():
+            if path in self.column or path in self.row:
+                # first and last: the tp styles' own hooks redistribute inputs and outputs
+                self.handles.append(
+                    module.register_forward_pre_hook(self._enter_target(path), prepend=True)
+                )
+                self.handles.append(
+                    module.register_forward_hook(self._leave_target(path), always_call=True)
+                )
+            elif path:
+                self.handles.append(module.register_forward_hook(self._module_output(path)))
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _enter_target(self, path):
+        def hook(module, args):
+            if self.depth == 0 and path in self.column:
+                for t in _tensors(args):  # enters through "f": a full gradient
+                    labels = self._labels(t)
+                    if labels is not SHARDED:
+                        self.full.update(labels)
+            self.depth += 1
+
+        return hook
+
+    def _leave_target(self, path):
+        def hook(module, args, output):
+            self.depth -= 1
+            if self.depth == 0:
+                mark = SHARDED if path in self.column else frozenset()
+                for t in _tensors(output):
+                    self._mark(t, mark)
+
+        return hook
+
+    def _module_output(self, path):
+        def hook(module, args, output):
+            if self.depth:
+                return
+            for t in _tensors(output):
+                labels = self._labels(t)
+                if labels is SHARDED:
+                    continue
+                self._mark(t, labels | {path})
+                self.covers[path] = self.covers.get(path, frozenset()) | labels
+                self.outputs.setdefault(path, []).append(t)
+
+        return hook
+
+    def finish(self, output) -> PartialGradientReport:
+        """Mark the model's output full and decide (see the module doc)."""
+        for t in _tensors(output):
+            labels = self._labels(t)
+            if labels is not SHARDED:
+                self.full.update(labels)
+        only_partial = self.partial - self.full
+        candidates = [p for p in self.outputs if p in only_partial]
+        modules = [p for p in candidates if not any(p in self.covers[q] for q in candidates)]
+        covered = set(modules).union(*(self.covers[p] for p in modules))
+        report = PartialGradientReport(modules=modules)
+        report.parameters = sorted(
+            label.removeprefix("parameter ") for label in covered if label.startswith("parameter ")
+        )
+        for label in sorted(self.partial - covered):
+            if label in self.full:
+                why = (
+                    "its gradient is partly the local heads' share (it meets tp-sharded "
+                    "activations) and partly whole (it also reaches the output replicated)"
+                )
+            elif label.startswith("parameter "):
+                why = (
+                    "it is used directly on tp-sharded activations; compute it in a submodule "
+                    "(whose output then gets the all-reduce) or shard it with the heads"
+                )
+            else:
+                continue  # inside a module output that gets "f"
+            report.unfixable.append((label, why))
+        return report
+
+
+def _unfixable_error(report: PartialGradientReport) -> ValueError:
+    lines = "; ".join(f"{path}: {why}" for path, why in report.unfixable)
+    return ValueError(
+        "tensor parallelism cannot make these replicated tensors' gradients exact (each tp "
+        f"rank would hold only its heads' share): {lines}; or set trainer.parallelism.tensor: 1"
+    )
+
+
+def find_partial_gradient_modules(
+    model: nn.Module, column: set[str], row: set[str], *inputs, **kwargs
+) -> PartialGradientReport:
+    """Trace ``model(*inputs, **kwargs)`` in one process (no communication; unconverted model,
+    any device including meta) with ``column`` / ``row`` the tp target paths."""
+    trace = TensorParallelTrace(model, column, row)
+    trace.attach()
+    try:
+        with trace:
+            output = model(*inputs, **kwargs)
+    finally:
+        trace.detach()
+    return trace.finish(output)
+
+
+def install_partial_gradient_guard(
+    model: nn.Module, column: set[str], row: set[str], group
+) -> None:
+    """Trace the first forward of the converted ``model`` and make the partial gradients it
+    finds exact over ``group`` (the tp process group), in that forward and every later one.
+    The first forward runs eagerly (``torch.compiler`` stance ``force_eager``) while traced."""
+    state = {}
+
+    def before(module, args, kwargs):
+        trace = TensorParallelTrace(model, column, row)
+        trace.attach()
+        trace.__enter__()
+        state["trace"] = trace
+        state["stance"] = _set_stance("force_eager")
+
+    def after(module, args, kwargs, output):
+        trace = state.pop("trace", None)
+        if trace is None:
+            return None
+        trace.__exit__(None, None, None)
+        trace.detach()
+        _set_stance(state.pop("stance"))
+        for handle in state.pop("handles"):
+            handle.remove()
+        report = trace.finish(output)
+        model._tp_partial_gradient_report = report
+        if report.unfixable:
+            raise _unfixable_error(report)
+        for path in report.modules:
+            for t in trace.outputs[path]:
+                if t.requires_grad:
+                    t.register_hook(_all_reduce_hook(group))
+            model.get_submodule(path).register_forward_hook(_copy_output_hook(group))
+        return None
+
+    state["handles"] = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+    ]
+
+
+def _set_stance(stance: str) -> str:
+    """Set the compiler stance, returning the previous one (torch >= 2.6)."""
+    compiler = torch.compiler
+    if not hasattr(compiler, "set_stance"):
+        return stance
+    try:
+        from torch._dynamo.eval_frame import _stance
+
+        previous = _stance.stance
+    except (ImportError, AttributeError):
+        previous = "default"
+    compiler.set_stance(stance)
+    return previous
+
+
+def _all_reduce_hook(group):
+    def hook(grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return hook
+
+
+def _copy_output_hook(group):
+    def hook(module, args, output):
+        if isinstance(output, torch.Tensor):
+            return CopyToTensorParallel.apply(output, group)
+        flat = tree_flatten(output)
+        leaves = [
+            CopyToTensorParallel.apply(t, group) if isinstance(t, torch.Tensor) else t
+            for t in flat[0]
+        ]
+        return flat[1].unflatten(leaves)
+
+    return hook
+
+
+def replicated_gradient_spread(named_parameters, group) -> list[tuple[str, float, float]]:
+    """``(name, max |difference| across the tp ranks, max |gradient|)`` of each replicated
+    parameter's gradient (its local tensor under FSDP2: tp peers hold the same dp shard), the
+    maxima taken over every rank so that all ranks return the same rows.  Collective over the
+    default group: every rank calls it with the same parameters, in order."""
+    names, figures = [], []
+    for name, param in named_parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        high, low = local.detach().clone(), local.detach().clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        empty = high.numel() == 0
+        names.append(name)
+        figures.append(
+            (0.0, 0.0) if empty else ((high - low).abs().max().item(), high.abs().max().item())
+        )
+    if not names:
+        return []
+    table = torch.tensor(figures, dtype=torch.float64, device=local.device)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return [(n, float(d), float(r)) for n, (d, r) in zip(names, table.tolist())]
