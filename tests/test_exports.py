@@ -64,7 +64,8 @@ def _documented_names() -> dict[str, str]:
                 pass
             value = getattr(importlib.import_module(module), attr)
             assert not isinstance(value, types.ModuleType)
-            found.setdefault(attr, doc.name)
+            if callable(value):  # a constant is read where it lives, not called
+                found.setdefault(attr, doc.name)
     return found
 
 
@@ -96,6 +97,9 @@ MANAGER_POSITION_FIXED = {
     "sync_domain_gradients",
     "convert_to_domain_parallel",
     "domain_parity_errors",
+    # CREDIT 2026.2's own signatures (credit_api: gather_spatial(tensor, manager), ...)
+    "gather_spatial",
+    "shard_lat_weights",
 }
 # SPEC §3 names the sharded dimension `dim` in these; everywhere else it is `shard_dim`
 DIM_NAME_FIXED = {"HaloExchange", "shard_tensor", "gather_tensor"}

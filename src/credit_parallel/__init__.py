@@ -59,6 +59,9 @@ _EXPORTS = {
     "form_cost": "domain.attention.cost",
     "DomainGatherModule": "domain.gather",
     "FunctionalCallGuard": "domain.guard",
+    # data
+    "build_train_loader": "data.loader",
+    "DevicePrefetcher": "data.prefetch",
     # tensor parallel, data parallel, collectives, composition
     "apply_tensor_parallel": "tensor_parallel",
     "tp_replicated_parameters": "tensor_parallel",
