@@ -50,6 +50,7 @@ LAYER_OF = {
     "small_collectives": "library",
     "grad_overlap": "library",
     "checkpoint": "library",
+    "compile": "library",
     "composition": "composition",
     "model_init": "composition",
     "plan": "planner",

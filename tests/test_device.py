@@ -151,6 +151,7 @@ ALLOWED = {
     ("domain/interp_rows.py", ".cpu()"): "a kernel probe's weights handed to numpy on the host",
     ("model_init.py", 'device="cpu"'): "replays the plain build on the CPU (its RNG stream)",
     ("model_init.py", 'torch.device("cpu")'): "replays the plain build on the CPU (its RNG stream)",
+    ("tools/bench/loader.py", 'device="cpu"'): "the loader-only benchmark times host batches",
 }
 
 

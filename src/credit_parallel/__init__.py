@@ -64,6 +64,7 @@ _EXPORTS = {
     "DevicePrefetcher": "data.prefetch",
     # tensor parallel, data parallel, collectives, composition
     "apply_tensor_parallel": "tensor_parallel",
+    "compile_blocks": "compile",
     "tp_replicated_parameters": "tensor_parallel",
     "apply_fsdp2": "fsdp",
     "apply_ddp": "fsdp",

@@ -153,8 +153,13 @@ def _cmd_plan(args) -> int:
 
     if args.world_size < 1:
         raise CLIError(f"--world-size must be >= 1, got {args.world_size}")
-    plan = make_plan(load_config(resolve_config(args.config)), args.world_size)
+    conf = load_config(resolve_config(args.config))
+    plan = make_plan(conf, args.world_size)
     print(format_plan(plan))
+    if args.compile:
+        from .planner.compile_report import compile_breaks, format_compile_breaks
+
+        print(format_compile_breaks(compile_breaks(conf)))
     return 1 if plan.violations and args.strict else 0
 
 
@@ -263,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument("--world-size", type=int, required=True)
     p.add_argument("--strict", action="store_true", help="exit 1 when a constraint is violated")
+    p.add_argument(
+        "--compile", action="store_true", help="list the graph breaks per compiled block"
+    )
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser(

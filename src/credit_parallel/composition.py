@@ -12,7 +12,8 @@ reads the config:
 2. domain > 1: a :class:`DomainParallelManager` from the mesh's "domain"/"dp" axes, and
    ``convert_to_domain_parallel``.  The manager is attached to the model, never made the
    process-wide one (that stays solely ``initialize_domain_parallel``'s);
-3. tensor > 1: ``apply_tensor_parallel`` on the "tp" axis;
+3. tensor > 1: ``apply_tensor_parallel`` on the "tp" axis; ``trainer.compile``: ``compile_blocks``
+   (``torch.compile`` per block, before FSDP2, as torchtitan does);
 4. data "fsdp2": ``fully_shard_model`` over the flattened dp x domain axis when domain > 1
    (gradients summed over domain, averaged over dp), else over "dp"; "ddp": ``apply_ddp`` over
    "dp".
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .compile import compile_blocks
 from .config import DataMode, MeshAxis, ParallelDims, ParallelMesh, require_process_group
 from .device import device_for_process_group
 from .domain.convert import convert_to_domain_parallel
@@ -54,13 +56,14 @@ __all__ = [
 class RecipeOptions:
     """The ``trainer.*`` settings the recipe reads besides the layout, parsed as the run config
     parses them: ``trainer.amp``, ``trainer.activation_checkpoint``,
-    ``trainer.fsdp2_min_unit_params`` (FSDP2) and ``trainer.domain_nonlocal_policy`` (the
-    domain conversion)."""
+    ``trainer.fsdp2_min_unit_params`` (FSDP2), ``trainer.domain_nonlocal_policy`` (the
+    domain conversion) and ``trainer.compile`` (``compile_blocks`` before FSDP2)."""
 
     amp: bool = False
     activation_checkpoint: bool = False
     nonlocal_policy: str = "raise"
     fsdp2_min_unit_params: int = FSDP2_MIN_UNIT_PARAMS
+    compile: bool = False
 
     @classmethod
     def from_conf(cls, conf: dict) -> RecipeOptions:
@@ -70,6 +73,7 @@ class RecipeOptions:
             activation_checkpoint=trainer_option(conf, "activation_checkpoint"),
             nonlocal_policy=trainer_option(conf, "domain_nonlocal_policy"),
             fsdp2_min_unit_params=trainer_option(conf, "fsdp2_min_unit_params"),
+            compile=trainer_option(conf, "compile"),
         )
 
     @classmethod
@@ -80,6 +84,7 @@ class RecipeOptions:
             activation_checkpoint=trainer.activation_checkpoint,
             nonlocal_policy=trainer.domain_nonlocal_policy,
             fsdp2_min_unit_params=trainer.fsdp2_min_unit_params,
+            compile=trainer.compile,
         )
 
 
@@ -175,7 +180,8 @@ def parallelize(model: nn.Module, conf: dict) -> nn.Module:
     """Apply the configured parallelisms to ``model`` (in place where possible) and return it.
 
     A layout that does not change the model (``data: none``, tensor = domain = 1, on any number
-    of ranks) returns it untouched.  ``conf`` is parsed here, once; :func:`parallelize_dims`
+    of ranks) returns it untouched (compiled per block when ``trainer.compile`` is true).
+    ``conf`` is parsed here, once; :func:`parallelize_dims`
     runs the recipe.
     """
     return parallelize_dims(model, ParallelDims.from_conf(conf), RecipeOptions.from_conf(conf))
@@ -188,8 +194,12 @@ def parallelize_dims(
     FSDP2 / DDP (see the module docstring)."""
     meshes = layout_meshes(dims)
     if meshes is None:
+        if options.compile:
+            compile_blocks(model)
         return model
     model = apply_model_parallel(model, dims, meshes, nonlocal_policy=options.nonlocal_policy)
+    if options.compile:  # per block, after domain conversion and TP, before FSDP2 (torchtitan)
+        compile_blocks(model)
     return apply_data_parallel(
         model,
         dims,

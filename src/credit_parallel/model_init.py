@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .compile import compile_blocks
 from .composition import (
     RecipeOptions,
     apply_data_parallel,
@@ -316,6 +317,9 @@ def build_parallel_model(
         model = apply_model_parallel(
             model, dims, meshes, src_data_rank=None, nonlocal_policy=options.nonlocal_policy
         )
+    if options.compile:  # per block, before FSDP2 (as parallelize does)
+        compile_blocks(model)
+    if meshes is not None:
         if dims.data == DataMode.FSDP2:
             model = apply_data_parallel(model, dims, meshes, **data_options)
     materialize_(model, record, refs, device=torch.device(device))

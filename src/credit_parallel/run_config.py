@@ -156,6 +156,8 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "dtype": ("float32", _choice("trainer", "dtype", ("float32", "float64"))),
     "activation_checkpoint": (False, _flag("trainer", "activation_checkpoint")),
     "fsdp2_min_unit_params": (1_000_000, _number("trainer", "fsdp2_min_unit_params", int, 0)),
+    # torch.compile per block after domain conversion / TP, before FSDP2 (credit_parallel.compile)
+    "compile": (False, _flag("trainer", "compile")),
     "dist_timeout_s": (DEFAULT_DIST_TIMEOUT_S, _seconds),
     "save_dir": (None, _optional_path("trainer", "save_dir")),
     "resume": (False, _flag("trainer", "resume")),
@@ -292,6 +294,7 @@ class TrainerConfig:
     dtype: str = "float32"
     activation_checkpoint: bool = False
     fsdp2_min_unit_params: int = 1_000_000
+    compile: bool = False
     dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
     save_dir: str | None = None
     resume: bool = False

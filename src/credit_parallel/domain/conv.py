@@ -188,10 +188,13 @@ class _DomainParallelConvNd(DomainWrapper):
             return "transposed"
         if options.fused_pad is not None:
             return "fused_pad"
-        if options.shared_input is not None and options.shared_input.active:
+        # compiled: each conv exchanges alone and assembles its window (the shared window's
+        # bookkeeping and SplitConv's own backward are not traceable)
+        compiling = torch.compiler.is_compiling()
+        if options.shared_input is not None and options.shared_input.active and not compiling:
             return "shared"
         plan = call.plan
-        if call.split is not None and self._splits and (plan.sends or plan.recvs):
+        if call.split is not None and self._splits and (plan.sends or plan.recvs) and not compiling:
             return "split"
         # every rank takes part in the exchange, also one that owns no output row
         return "window"

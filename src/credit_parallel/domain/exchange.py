@@ -34,6 +34,7 @@ from torch import nn
 
 from ..launch import wait_all
 from .manager import require_manager, resolve_manager
+from .ops import EAGER_IMPLS, exchange_traced
 from .rows import compose_windows, edge_source_row, plan_exchange, shard_range
 from .streams import comm_stream_for
 from .traffic import ExchangeStats, active_recorder, exchange_stats, record_exchange_stats
@@ -402,6 +403,20 @@ def assemble_window(
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
 
 
+def _windows_now(xs, specs, peers, group) -> list[torch.Tensor]:
+    """The windows of :func:`exchange_planned`, not differentiable (the traced operator's body)."""
+    received = _post_forward(xs, specs, peers, group, False).wait()
+    return [assemble_window(x, r, p, d, f) for (p, d, f), x, r in zip(specs, xs, received)]
+
+
+def _window_grads_now(grads, specs, peers, group, x_shapes) -> list[torch.Tensor]:
+    """The shard gradients of :func:`_windows_now` from its window gradients ``grads``."""
+    return list(_post_backward(grads, specs, peers, group, x_shapes, False).wait())
+
+
+EAGER_IMPLS.update(exchange_rows=_windows_now, exchange_rows_backward=_window_grads_now)
+
+
 class _ExchangeRows(torch.autograd.Function):
     """Forward: every tensor's window in one batched call (one message per peer).  Backward: all
     gradient rows back to their owners in one batched call.  ``specs[k] = (plan, dim, fill)``."""
@@ -474,6 +489,8 @@ def exchange_planned(xs, specs, manager, *, side_stream: bool = False) -> list[t
     if all(not p.sends and not p.recvs for p, _, _ in specs):
         # nothing to move on any rank's side with us: own and fill rows only (a view if it can)
         return [assemble_window(x, [], p, d, f) for x, (p, d, f) in zip(xs, specs)]
+    if torch.compiler.is_compiling():  # one traced operator (ops.py)
+        return exchange_traced(xs, specs, manager.domain_group)
     stream = comm_stream_for(xs[0].device) if side_stream else None
     return list(
         _ExchangeRows.apply(tuple(specs), manager.domain_ranks, manager.domain_group, stream, *xs)

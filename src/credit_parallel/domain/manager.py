@@ -216,8 +216,10 @@ class DomainParallelManager:
         """
         if self.domain_world_size == 1:
             return local_length
+        if torch.compiler.is_compiling():
+            return self._traced_length(owner, local_length)
         if self._token is None or not cached:
-            return self._gather_length(owner, local_length)
+            return self._remember(owner, local_length, self._gather_length(owner, local_length))
         state = self._heights.get(owner)
         if state is None:
             state = self._heights[owner] = _HeightCache()
@@ -239,6 +241,33 @@ class DomainParallelManager:
         if len(state.cache) > 256:
             state.cache.clear()
         state.cache[key] = (local_length, length)
+        return self._remember(owner, local_length, length)
+
+    def _remember(self, owner, local_length: int, length: int) -> int:
+        """Note on ``owner`` the global length of ``local_length`` rows under this forward's
+        token, for :meth:`_traced_length` (a compiled forward cannot ask the group); a second,
+        different length for the same key is noted as ambiguous (-1)."""
+        heights = owner.__dict__.get("_domain_heights")
+        if heights is None:
+            heights = {}
+            object.__setattr__(owner, "_domain_heights", heights)
+        key = (self._token, local_length)
+        heights[key] = length if heights.get(key, length) == length else -1
+        return length
+
+    def _traced_length(self, owner, local_length: int) -> int:
+        """The global length under ``torch.compile``: what an eager forward of the same input
+        shapes (same token) noted on ``owner``; the compiled block's first call runs eagerly
+        for that (``credit_parallel.compile``)."""
+        heights = getattr(owner, "_domain_heights", None) or {}
+        length = heights.get((self._token, local_length), -1)
+        if length < 0:
+            raise RuntimeError(
+                f"{type(owner).__name__}: no single global height known for {local_length} local "
+                "rows of this input shape under torch.compile; compile the model with "
+                "credit_parallel.compile_blocks (its first call per input shape runs eagerly), "
+                "or call the layer eagerly once first"
+            )
         return length
 
     def _gather_length(self, owner, local_length: int) -> int:

@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 from ..compat import affine_per_channel
 from .collective_ops import all_gather_stacked, all_reduce_sum
 from .manager import resolve_manager
+from .ops import gather_stacked_traced
 from .wrap import DomainWrapper
 
 __all__ = [
@@ -116,6 +117,25 @@ def group_norm_input_grad_coefficients(rstd, offset, sum_g, sum_g_centred, count
     c = -rstd * sum_g / count + offset * k
     alpha = rstd.unsqueeze(-1) if weight is None else rstd.unsqueeze(-1) * weight
     return alpha, beta, c
+
+
+def _traced_group_norm(x, weight, bias, groups: int, eps: float, group):
+    """The forward of :class:`_DomainGroupNorm` in differentiable torch ops, the statistics
+    gathered by the traced operator of ``ops.py`` (for ``torch.compile``, which derives the
+    backward; the same function, to rounding)."""
+    stat = statistics_dtype(x.dtype)
+    t, hi = _centre(x, groups)
+    gathered = gather_stacked_traced(local_group_moments(t, hi, stat), group)
+    mean, m2 = merge_group_moments(gathered[:, 0], gathered[:, 1], gathered[:, 2])
+    rstd = torch.rsqrt(m2 / gathered[:, 0].sum(0) + eps)
+    y = ((t - (mean - hi.to(stat)).unsqueeze(-1)) * rstd.unsqueeze(-1)).to(t.dtype)
+    y = y.view(x.shape)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    return y.to(x.dtype)
 
 
 class _DomainGroupNorm(torch.autograd.Function):
@@ -245,6 +265,9 @@ class DomainParallelGroupNorm(DomainWrapper):
             weight = weight.float() if weight is not None else None
             bias = bias.float() if bias is not None else None
         with torch.autocast(device, enabled=False):
+            if torch.compiler.is_compiling():
+                args = (x, weight, bias, self.num_groups, self.eps, mgr.domain_group)
+                return _traced_group_norm(*args)
             return _DomainGroupNorm.apply(
                 x.contiguous(), weight, bias, self.num_groups, self.eps, mgr
             )

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..exchange import assemble_window, exchange_rows, post_gradient_return, post_rows
 from ..manager import resolve_manager
+from ..ops import return_rows_traced
 from ..rows import plan_exchange, shard_range
 from ..wrap import DomainWrapper
 from .layouts import (
@@ -66,6 +67,8 @@ def return_rows(y: torch.Tensor, layout: tuple, height: int, dim: int, manager) 
     dim = dim % y.dim()
     plan = plan_exchange(height, n, layout)[rank]
     start, stop = shard_range(height, n, rank)
+    if torch.compiler.is_compiling():  # one traced operator (domain/ops.py)
+        return return_rows_traced(y, plan, dim, stop - start, manager.domain_group)
     owned = list(y.shape)
     owned[dim] = stop - start
     return _ReturnRows.apply(

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ...launch import wait_all
 from ..manager import resolve_manager
+from ..ops import EAGER_IMPLS, all_to_all_traced
 from ..rows import shard_range
 from ..wrap import DomainWrapper
 from .layouts import head_split
@@ -47,6 +48,9 @@ def _exchange_parts(parts: list, recv_shapes: list, peers: list, rank: int, grou
     return recvs
 
 
+EAGER_IMPLS["all_to_all"] = _exchange_parts
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, recv_shapes, peers, rank, group, *parts):
@@ -65,6 +69,8 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all_parts(parts: list, recv_shapes: list, manager) -> list[torch.Tensor]:
     """Send ``parts[q]`` to domain rank q, receive a tensor of ``recv_shapes[q]`` from each;
     differentiable (the backward is the reverse all-to-all)."""
+    if torch.compiler.is_compiling():  # one traced operator (domain/ops.py)
+        return all_to_all_traced(parts, recv_shapes, manager.domain_group)
     return list(
         _AllToAll.apply(
             [torch.Size(s) for s in recv_shapes],

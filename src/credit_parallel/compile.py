@@ -1,0 +1,109 @@
+"""``torch.compile`` per block: :func:`compile_blocks` (``trainer.compile: true``).
+
+As torchtitan does, each block is compiled on its own after the domain conversion and tensor
+parallelism and before FSDP2 (``parallelize`` calls it between the two): the blocks are the
+modules that opt in to FSDP2 (``_fsdp2_shard = True``) and contain no other such block, or the
+whole model when none opts in.  Every block compiles to one graph (``fullgraph=True``): the
+library's communication inside a converted block (halo exchanges, GroupNorm statistics, attention
+all-to-alls) is traced as the custom operators of ``domain/ops.py``.  The block's ``forward`` is
+what is compiled (an instance attribute), so the hooks FSDP2 registers on the block later run
+eagerly around the graph, as around torchtitan's compiled blocks; the module keeps its class,
+parameter names and ``state_dict`` keys.
+
+A compiled block of a domain-parallel model cannot ask the domain group for the global height of
+a new input shape inside a graph: the first call of a block per input shape (the manager's
+forward token) runs eagerly and notes the heights; later calls run the compiled graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .fsdp import is_activation_checkpointed
+
+__all__ = ["compile_blocks", "compile_targets", "is_compiled"]
+
+
+def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of the blocks :func:`compile_blocks` compiles: the innermost modules
+    with ``_fsdp2_shard = True``, or ``("", model)`` when there is none."""
+    marked = [
+        (name, m) for name, m in model.named_modules() if getattr(m, "_fsdp2_shard", False) is True
+    ]
+    names = [name for name, _ in marked]
+    inner = [
+        (name, m)
+        for name, m in marked
+        if not any(o != name and o.startswith(f"{name}.") for o in names)
+        and not any(o == "" for o in names if name != "")
+    ]
+    return inner or [("", model)]
+
+
+def _manager_of(block: nn.Module):
+    from .domain.manager import get_domain_parallel_manager
+
+    for m in block.modules():
+        mgr = getattr(m, "manager", None)
+        if mgr is not None and hasattr(mgr, "begin_forward"):
+            return mgr
+    return get_domain_parallel_manager()
+
+
+class _CompiledForward:
+    """A block's compiled ``forward``, after one eager call per new input shape of a
+    domain-parallel block (see the module docstring)."""
+
+    def __init__(self, block, eager, compiled, manager):
+        self.eager, self._compiled, self._manager = eager, compiled, manager
+        self._block = block
+        self._seen: set = set()
+
+    def _run(self, fn, args, kwargs):
+        # trainer.activation_checkpoint swaps the block's class later (fsdp.py); this instance
+        # forward shadows the class's, so the checkpoint is applied here, around the graph
+        if is_activation_checkpointed(self._block) and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return fn(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        mgr = self._manager
+        if mgr is not None and mgr.domain_world_size > 1 and mgr._token not in self._seen:
+            self._seen.add(mgr._token)
+            return self._run(self.eager, args, kwargs)
+        return self._run(self._compiled, args, kwargs)
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether :func:`compile_blocks` compiled ``module``."""
+    return isinstance(module.__dict__.get("forward"), _CompiledForward)
+
+
+def compile_blocks(
+    model: nn.Module,
+    *,
+    backend: str = "inductor",
+    fullgraph: bool = True,
+    mode: str | None = None,
+    dynamic: bool | None = False,
+) -> list[str]:
+    """Compile every block of ``model`` (see :func:`compile_targets`) with ``torch.compile``, in
+    place; call it after domain conversion / tensor parallelism and before FSDP2.  Returns the
+    names of the compiled blocks ("" for the root).  ``backend``/``mode``/``dynamic`` are
+    ``torch.compile``'s; ``fullgraph=True`` makes a graph break inside a block an error."""
+    names = []
+    for name, block in compile_targets(model):
+        if is_compiled(block):
+            raise RuntimeError(
+                f"compile_blocks: block {name or type(model).__name__!r} is already compiled "
+                "(compile_blocks or trainer.compile applied twice)"
+            )
+        eager = block.forward
+        compiled = torch.compile(
+            eager, backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic
+        )
+        block.forward = _CompiledForward(block, eager, compiled, _manager_of(block))
+        names.append(name)
+    return names
