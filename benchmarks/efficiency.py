@@ -169,7 +169,7 @@ def _domain_worker(rank, world, w: Workload, steps: int, warmup: int, overlap: b
     model = parallelize(w.build(w.height), Layout(domain=world).conf(w.batch))
     manager = get_domain_manager(model)
     if overlap:
-        enable_overlapped_domain_grad_sync(get_raw_model(model), manager)
+        enable_overlapped_domain_grad_sync(get_raw_model(model), manager=manager)
     x, weights, shape = _inputs(w, shard_range(w.height, world, rank))
     token = ("efficiency", w, shape)
 

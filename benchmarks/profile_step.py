@@ -49,7 +49,7 @@ def profile_worker(rank, world, spec, steps: int, warmup: int, overlap: bool = F
     if overlap:
         from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
 
-        enable_overlapped_domain_grad_sync(get_raw_model(model), manager)
+        enable_overlapped_domain_grad_sync(get_raw_model(model), manager=manager)
     shape = (spec.batch, *spec.input_shape)
     gen = torch.Generator().manual_seed(1)
     x, weights = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)

@@ -73,7 +73,7 @@ def _step_worker(rank, world, w, overlap: bool):
     manager = get_domain_manager(model)
     raw = get_raw_model(model)
     if overlap:
-        enable_overlapped_domain_grad_sync(raw, manager)
+        enable_overlapped_domain_grad_sync(raw, manager=manager)
     a, b = shard_range(w.height, world, rank)
     x = torch.randn(
         w.batch, w.channels, w.height, w.width, generator=torch.Generator().manual_seed(1)

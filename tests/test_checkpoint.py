@@ -35,7 +35,7 @@ from credit_parallel.data import write_sample_dataset
 from credit_parallel.models import UNet
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.trainer import Trainer
-from sample_conf import tiny_unet, tiny_unet_conf
+from sample_conf import tiny_unet, unet_run_conf
 
 __all__: list[str] = []
 
@@ -56,16 +56,19 @@ def store(tmp_path_factory):
 
 
 def _conf(store, parallelism=None, batch_size=2):
-    trainer = {
-        "parallelism": parallelism or {"data": "none", "tensor": 1, "domain": 1},
-        "steps": 8,
-        "batch_size": batch_size,
-        "lr": 0.01,
-        "warmup_steps": 2,
-        "seed": 5,
-        "dtype": "float64",
-    }
-    return tiny_unet_conf(store, H, W, time_slice=[0, 33], trainer=trainer)
+    return unet_run_conf(
+        store,
+        H,
+        W,
+        time_slice=[0, 33],
+        parallelism=parallelism,
+        steps=8,
+        batch_size=batch_size,
+        lr=0.01,
+        warmup_steps=2,
+        seed=5,
+        dtype="float64",
+    )
 
 
 def _losses(trainer, steps):
@@ -182,7 +185,11 @@ def _crash_while_saving(trainer, directory, where):
     os._exit(0)
 
 
-@pytest.mark.parametrize("where", ["writing shards", "before rename", "before marker"])
+# "before rename": 25 s alone, 44 s in the whole suite on the loaded 2-core machine
+@pytest.mark.parametrize(
+    "where",
+    ["writing shards", pytest.param("before rename", marks=pytest.mark.slow), "before marker"],
+)
 def test_kill_during_save_leaves_previous_checkpoint_loadable(store, tmp_path, where):
     directory = tmp_path / "ckpt"
     trainer = Trainer(_conf(store))
@@ -346,6 +353,7 @@ def _fsdp2_tp2_domain2_resume(rank, world, store, path):
     return trainer.step, _losses(trainer, 2)
 
 
+@pytest.mark.slow  # 23 s alone, 30 s in the whole suite on the loaded 2-core machine
 def test_checkpoint_reshards_fsdp2_dp_x_domain_to_one_process_to_fsdp2_tp2_domain2(store, tmp_path):
     uninterrupted = _losses(Trainer(_conf(store)), K + 3)
     # {fsdp2, 1, 2} on 4 ranks (parameters and AdamW state sharded over dp x domain) saves

@@ -153,6 +153,7 @@ def test_sample_data_writes_a_readable_store(tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- end to end
+@pytest.mark.slow  # 25 s alone, 58 s in the whole suite on the loaded 2-core machine
 def test_train_nproc_2_domain_2_writes_metrics_and_loss_curve(tiny_config, tmp_path):
     out = tmp_path / "run"
     result = _subprocess(

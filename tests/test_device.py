@@ -21,7 +21,7 @@ from credit_parallel import device as device_mod
 from credit_parallel.data import write_sample_dataset
 from credit_parallel.device import autocast_for, batch_to_device, device_for_process_group
 from credit_parallel.testing import run_on_ranks
-from sample_conf import tiny_unet_conf
+from sample_conf import unet_run_conf
 
 __all__: list[str] = []
 
@@ -36,12 +36,7 @@ def store(tmp_path_factory):
 
 
 def _conf(store):
-    trainer = {
-        "parallelism": {"data": "none", "tensor": 1, "domain": 1},
-        "batch_size": 2,
-        "seed": 1,
-    }
-    return tiny_unet_conf(store, H, W, time_slice=[0, 10], trainer=trainer)
+    return unet_run_conf(store, H, W, time_slice=[0, 10], batch_size=2, seed=1)
 
 
 def _assert_all_on(device, tensors, what):

@@ -29,6 +29,7 @@ from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import shard_range
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
+from helpers import assert_parity_matrix, parity_matrix_worker, wrap_with
 
 __all__: list[str] = []
 
@@ -167,71 +168,53 @@ def _cases(family: str, world: int):
     return [c for c in out if c[2][-2] >= world]
 
 
-def _matrix_worker(rank, world, family, dtype):
-    torch.set_default_dtype(dtype)
-    mgr = DomainParallelManager(world, world)
-    results = {}
-    for i, (name, build, shape, wrapper) in enumerate(_cases(family, world)):
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(i))
-        results[name] = domain_parity_errors(
-            build, x, mgr, convert=lambda m, mgr, wrapper=wrapper: wrapper(m, manager=mgr)
-        )
-    return results
-
-
-def _assert_matrix(results, dtype=torch.float64, min_cases=1):
-    assert len(results[0]) >= min_cases
-    failures = []
-    for rank, per_rank in enumerate(results):
-        assert per_rank == results[0], "parity errors must be identical on every rank"
-        for name, errors in per_rank.items():
-            try:
-                assert_parity(errors, dtype)
-            except AssertionError as err:
-                failures.append(f"rank {rank} {name}: {err}")
-    assert not failures, "\n".join(failures)
+def _matrix(family, world):
+    """The family's cases for :func:`parity_matrix_worker`, each wrapped in its domain layer."""
+    return [(name, b, shape, wrap_with(w)) for name, b, shape, w in _cases(family, world)]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_conv2d_matrix_matches_single_process(world):
-    results = run_on_ranks(_matrix_worker, world, "conv2d", torch.float64)
-    _assert_matrix(results, min_cases=2 * len(CONV2D))
+    results = run_on_ranks(parity_matrix_worker, world, _matrix("conv2d", world), torch.float64)
+    assert_parity_matrix(results, min_cases=2 * len(CONV2D))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_conv_transpose2d_matrix_matches_single_process(world):
-    results = run_on_ranks(_matrix_worker, world, "conv_transpose2d", torch.float64)
-    _assert_matrix(results, min_cases=2 * len(CONV_TRANSPOSE2D) + 2)
+    results = run_on_ranks(
+        parity_matrix_worker, world, _matrix("conv_transpose2d", world), torch.float64
+    )
+    assert_parity_matrix(results, min_cases=2 * len(CONV_TRANSPOSE2D) + 2)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_conv3d_and_pangu_patch_embedding_match_single_process(world):
-    results = run_on_ranks(_matrix_worker, world, "conv3d", torch.float64)
-    _assert_matrix(results, min_cases=10)
+    results = run_on_ranks(parity_matrix_worker, world, _matrix("conv3d", world), torch.float64)
+    assert_parity_matrix(results, min_cases=10)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_conv_transpose3d_and_pangu_patch_recovery_match_single_process(world):
-    results = run_on_ranks(_matrix_worker, world, "conv_transpose3d", torch.float64)
-    _assert_matrix(results, min_cases=6)
+    results = run_on_ranks(
+        parity_matrix_worker, world, _matrix("conv_transpose3d", world), torch.float64
+    )
+    assert_parity_matrix(results, min_cases=6)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_periodic_conv_reflects_at_the_poles_like_single_process(world):
-    results = run_on_ranks(_matrix_worker, world, "periodic", torch.float64)
-    _assert_matrix(results, min_cases=6)
+    results = run_on_ranks(parity_matrix_worker, world, _matrix("periodic", world), torch.float64)
+    assert_parity_matrix(results, min_cases=6)
 
 
 def test_spectral_norm_conv_runs_its_pre_hook_and_matches_single_process():
     # training mode: the power iteration runs in both copies from the same state
-    results = run_on_ranks(_matrix_worker, 3, "spectral_norm", torch.float64)
-    _assert_matrix(results, min_cases=4)
+    results = run_on_ranks(parity_matrix_worker, 3, _matrix("spectral_norm", 3), torch.float64)
+    assert_parity_matrix(results, min_cases=4)
     assert any(k == "param:weight_orig" for k in results[0]["spectral_conv2d_k3p1_h13"])
 
 
-def _float32_worker(rank, world):
-    torch.set_default_dtype(torch.float32)
-    mgr = DomainParallelManager(world, world)
+def _float32_cases():
     cases = [
         (
             "conv2d_k3s1p1_h13",
@@ -264,17 +247,12 @@ def _float32_worker(rank, world):
             DomainParallelPeriodicConv2d,
         ),
     ]
-    results = {}
-    for i, (name, build, shape, wrapper) in enumerate(cases):
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(i))
-        results[name] = domain_parity_errors(
-            build, x, mgr, convert=lambda m, mgr, wrapper=wrapper: wrapper(m, manager=mgr)
-        )
-    return results
+    return [(name, b, shape, wrap_with(w)) for name, b, shape, w in cases]
 
 
 def test_float32_spot_checks_within_relative_tolerance():
-    _assert_matrix(run_on_ranks(_float32_worker, 3), torch.float32, min_cases=5)
+    results = run_on_ranks(parity_matrix_worker, 3, _float32_cases(), torch.float32)
+    assert_parity_matrix(results, torch.float32, min_cases=5)
 
 
 def _converted_sequential_worker(rank, world):

@@ -420,3 +420,20 @@ def test_whole_converted_model_matches_single_process(world, h):
 def test_whole_converted_model_float32():
     for errors, _ in run_on_ranks(_whole_model_worker, 3, 13, torch.float32):
         assert_parity(errors, torch.float32)
+
+
+def test_walk_domain_modules_returns_the_root_or_its_custom_replacement():
+    from credit_parallel.domain.convert import walk_domain_modules
+
+    seen = []
+
+    def candidate(parent, name, path, module):
+        seen.append(path)
+        return False
+
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ReLU())
+    assert walk_domain_modules(model, candidate) is model
+    assert seen == ["<root>", "0", "1"]
+    replacement = nn.Identity()
+    root = walk_domain_modules(model, candidate, custom={nn.Sequential: lambda m: replacement})
+    assert root is replacement and seen == ["<root>", "0", "1"]

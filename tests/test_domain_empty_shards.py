@@ -80,7 +80,7 @@ def _layers_worker(rank, world):
             from credit_parallel.domain.conv import DomainParallelConv3d
 
             convert = lambda m, mgr: DomainParallelConv3d(m, manager=mgr)  # noqa: E731
-        out[name] = domain_parity_errors(build, x, mgr, convert=convert, dim=dim)
+        out[name] = domain_parity_errors(build, x, mgr, convert=convert, shard_dim=dim)
     return out
 
 

@@ -13,6 +13,7 @@ from credit_parallel.domain.exchange import record_exchange_stats
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.models.crossformer import CrossScaleEmbedding
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
+from helpers import exchange_stats_worker
 
 
 def _pad_conv_cases():
@@ -125,20 +126,6 @@ def _plan_model():
     ).double()
 
 
-def _plan_worker(rank, world):
-    torch.set_default_dtype(torch.float64)
-    mgr = DomainParallelManager(world, world)
-    model = convert_to_domain_parallel(_plan_model(), mgr)
-    x = torch.randn(2, 3, 19, 8, generator=torch.Generator().manual_seed(0))
-    from credit_parallel.domain.rows import shard_range
-
-    a, b = shard_range(19, world, rank)
-    mgr.begin_forward(("plan-fusion", tuple(x.shape)))
-    with record_exchange_stats() as stats:
-        model(x[:, :, a:b].clone().requires_grad_()).square().sum().backward()
-    return stats.bytes_sent, stats.p2p_calls
-
-
 def test_planner_predicts_the_fused_exchanges_of_a_real_step():
     from credit_parallel.planner import make_plan, predicted_collectives, predicted_halo_bytes
 
@@ -149,7 +136,9 @@ def test_planner_predicts_the_fused_exchanges_of_a_real_step():
     # the fused pads and two of the three sibling convs move no rows of their own
     silent = [layer.path for layer in plan.layers if not layer.exchanges]
     assert {"0", "3", "2.convs.1", "2.convs.2"} <= set(silent)
-    for r, (bytes_sent, calls) in enumerate(run_on_ranks(_plan_worker, world)):
+    for r, (bytes_sent, calls) in enumerate(
+        run_on_ranks(exchange_stats_worker, world, _plan_model, (2, 3, 19, 8), "plan-fusion")
+    ):
         assert predicted_halo_bytes(plan.layers, batch_size=2, dtype_bytes=8, domain_rank=r) == (
             bytes_sent
         )

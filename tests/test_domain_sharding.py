@@ -108,14 +108,21 @@ def _batch_worker(rank, world):
     out = shard_batch(batch, manager=mgr)
     a, b = shard_range(9, world, rank)
     # a 5-D tensor sharded on its dim 2 instead
-    alt = shard_batch({"y": x5}, spatial_dims_5d=2, manager=mgr)["y"]
+    alt = shard_batch({"y": x5}, shard_dim_5d=2, manager=mgr)["y"]
     c, d = shard_range(2, world, rank)
+    # CREDIT's keyword names (SPEC §3) still work, with a DeprecationWarning
+    with pytest.warns(DeprecationWarning, match="spatial_dims_5d"):
+        old_5d = shard_batch({"y": x5}, spatial_dims_5d=2, manager=mgr)["y"]
+    with pytest.warns(DeprecationWarning, match="spatial_dims_4d"):
+        old_4d = shard_batch({"x": x4}, spatial_dims_4d=3, manager=mgr)["x"]
+    e, f = shard_range(5, world, rank)
     return (
         out is not batch and set(out) == set(batch),
         torch.equal(out["x"], x4[:, :, a:b]),
         torch.equal(out["y"], x5[:, :, :, a:b]),
         out["static"] is x3 and out["meta"] is meta and out["name"] == "era5",
         torch.equal(alt, x5[:, :, c:d]),
+        torch.equal(old_5d, alt) and torch.equal(old_4d, x4[..., e:f]),
         batch["x"] is x4 and batch["y"] is x5,  # the input dict is untouched
     )
 
@@ -309,3 +316,8 @@ def _gather_same_token_worker(rank, world):
 def test_gather_tensor_is_not_fooled_by_a_repeated_token():
     for ok in run_on_ranks(_gather_same_token_worker, 2):
         assert all(ok), ok
+
+
+def test_shard_batch_refuses_a_dim_under_both_its_new_and_its_deprecated_name():
+    with pytest.raises(TypeError, match="shard_dim_5d= only"):
+        shard_batch({}, shard_dim_5d=3, spatial_dims_5d=3)

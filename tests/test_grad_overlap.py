@@ -70,7 +70,7 @@ def _worker(rank, world, overlap: bool, micro: int, use_no_sync: bool, cap_mb: f
     raw = get_raw_model(model)
     reducer = None
     if overlap:
-        reducer = enable_overlapped_domain_grad_sync(raw, manager, bucket_cap_mb=cap_mb)
+        reducer = enable_overlapped_domain_grad_sync(raw, manager=manager, bucket_cap_mb=cap_mb)
     a, b = shard_range(H, world, rank)
     launched_during_backward = 0
     for step in range(2):  # two steps: the reducer is reusable
@@ -140,7 +140,7 @@ def _refusal_worker(rank, world):
     manager = get_domain_manager(model)
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2).double())
     try:
-        enable_overlapped_domain_grad_sync(ddp, manager)
+        enable_overlapped_domain_grad_sync(ddp, manager=manager)
     except ValueError as err:
         return str(err)
     return "no error"
@@ -163,7 +163,7 @@ def _count_worker(rank, world, overlap: bool):
     model = parallelize(_model(), conf)
     manager, raw = get_domain_manager(model), get_raw_model(model)
     if overlap:
-        enable_overlapped_domain_grad_sync(raw, manager)
+        enable_overlapped_domain_grad_sync(raw, manager=manager)
     a, b = shard_range(H, world, rank)
     (x, w), counts = _batches(1)[0], []
     for step in range(2):
@@ -214,7 +214,7 @@ def _dp_refusal_worker(rank, world):
     conf = {"trainer": {"parallelism": {"data": "ddp", "tensor": 1, "domain": 2}}}
     model = parallelize(_model(), conf)
     try:
-        enable_overlapped_domain_grad_sync(get_raw_model(model), get_domain_manager(model))
+        enable_overlapped_domain_grad_sync(get_raw_model(model), manager=get_domain_manager(model))
     except ValueError as err:
         return str(err)
     return "no error"

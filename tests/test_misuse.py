@@ -34,21 +34,12 @@ from credit_parallel.run_config import TrainerConfig
 from credit_parallel.tensor_parallel import build_tensor_parallel_plan
 from credit_parallel.testing import fake_process_group
 from credit_parallel.tools.launcher import launch_local
+from sample_conf import tiny_unet
 
 __all__: list[str] = []
 
 H, W = 9, 8
-UNET = {
-    "type": "unet",
-    "in_channels": 2,
-    "out_channels": 2,
-    "image_height": H,
-    "image_width": W,
-    "base_channels": 4,
-    "channel_mults": [1, 2],
-    "norm_groups": 2,
-    "mlp_ratio": 2,
-}
+UNET = tiny_unet(H, W, 2, mlp_ratio=2)
 
 
 class CommandFailed(Exception):

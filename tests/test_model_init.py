@@ -17,18 +17,10 @@ from credit_parallel import gather_tensor, get_domain_manager, shard_tensor
 from credit_parallel.model_init import build_parallel_model, record_meta_build
 from credit_parallel.models import build_model
 from credit_parallel.testing import run_on_ranks
+from sample_conf import tiny_unet
 
 SEED = 11
-UNET = {
-    "type": "unet",
-    "in_channels": 4,
-    "out_channels": 4,
-    "image_height": 13,
-    "image_width": 8,
-    "base_channels": 4,
-    "channel_mults": [1, 2],
-    "norm_groups": 2,
-}
+UNET = tiny_unet(13, 8, 4)
 
 
 def unet():

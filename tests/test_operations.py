@@ -28,7 +28,7 @@ from credit_parallel.data import write_sample_dataset
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train import main as train_main
 from credit_parallel.train.trainer import Trainer
-from sample_conf import tiny_unet_conf
+from sample_conf import unet_run_conf
 
 __all__: list[str] = []
 
@@ -48,16 +48,10 @@ def store(tmp_path_factory):
 
 
 def _conf(store, parallelism=None, **trainer):
-    base = {
-        "parallelism": parallelism or {"data": "none", "tensor": 1, "domain": 1},
-        "steps": 4,
-        "batch_size": 2,
-        "lr": 0.01,
-        "seed": 3,
-        "dtype": "float64",
-    }
-    base.update(trainer)
-    return tiny_unet_conf(store, H, W, time_slice=[0, 28], trainer=base)
+    base = {"steps": 4, "batch_size": 2, "lr": 0.01, "seed": 3, "dtype": "float64"}
+    return unet_run_conf(
+        store, H, W, time_slice=[0, 28], parallelism=parallelism, **{**base, **trainer}
+    )
 
 
 class _Terminal(io.StringIO):

@@ -36,6 +36,7 @@ from credit_parallel.domain.overlap import overlap_enabled, set_model_overlap
 from credit_parallel.domain.rows import FILL, conv_window, edge_source_row, shard_range
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
+from helpers import parity_matrix_worker
 from test_domain_conv import CONV2D
 
 __all__: list[str] = []
@@ -345,19 +346,10 @@ def _convert_overlapped(model, mgr):
     return model
 
 
-def _parity_worker(rank, world, dtype):
-    torch.set_default_dtype(dtype)
-    mgr = DomainParallelManager(world, world)
-    errors = {}
-    for i, (name, build, shape) in enumerate(_conv_cases()[::3]):
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(i))
-        errors[name] = domain_parity_errors(build, x, mgr, convert=_convert_overlapped)
-    return errors
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_overlapped_convs_match_the_single_process(dtype):
-    for per_rank in run_on_ranks(_parity_worker, 3, dtype):
+    cases = [(name, b, shape, _convert_overlapped) for name, b, shape in _conv_cases()[::3]]
+    for per_rank in run_on_ranks(parity_matrix_worker, 3, cases, dtype):
         for name, errs in per_rank.items():
             try:
                 assert_parity(errs, dtype)

@@ -10,9 +10,6 @@ import torch
 from torch import nn
 
 from credit_parallel.domain.conv_geometry import ConvGeometry, conv_transpose_windows, conv_windows
-from credit_parallel.domain.convert import convert_to_domain_parallel
-from credit_parallel.domain.exchange import record_exchange_stats
-from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import plan_exchange, shard_range, shard_sizes
 from credit_parallel.models import PeriodicConv2d, UNet
 from credit_parallel.planner import (
@@ -22,18 +19,10 @@ from credit_parallel.planner import (
     predicted_halo_bytes,
 )
 from credit_parallel.testing import run_on_ranks
+from helpers import exchange_stats_worker
+from sample_conf import tiny_unet
 
-_UNET = {
-    "type": "unet",
-    "in_channels": 4,
-    "out_channels": 4,
-    "image_height": 33,
-    "image_width": 16,
-    "base_channels": 4,
-    "channel_mults": [1, 2, 2],
-    "norm_groups": 2,
-    "mlp_ratio": 2,
-}
+_UNET = tiny_unet(33, 16, 4, channel_mults=[1, 2, 2], mlp_ratio=2)
 
 
 def _conf(data="none", tensor=1, domain=1, model=None, **trainer):
@@ -464,24 +453,11 @@ def _halo_model() -> nn.Module:
     ).double()
 
 
-def _halo_worker(rank, world):
-    torch.set_default_dtype(torch.float64)
-    mgr = DomainParallelManager(world, world)
-    model = convert_to_domain_parallel(_halo_model(), mgr)
-    x = torch.randn(2, 2, 19, 6, generator=torch.Generator().manual_seed(0))
-    a, b = shard_range(19, world, rank)
-    mgr.begin_forward(("plan-test", tuple(x.shape)))
-    local = x[:, :, a:b].clone().requires_grad_()
-    with record_exchange_stats() as stats:
-        model(local).square().sum().backward()
-    return stats.bytes_sent, stats.p2p_calls
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_predicted_halo_bytes_and_p2p_calls_equal_the_exchange_counters_of_a_real_step(world):
     plan = make_plan(_conf(domain=world), world, model=_halo_model(), input_shapes=[(2, 19, 6)])
     assert plan.violations == []
-    measured = run_on_ranks(_halo_worker, world)
+    measured = run_on_ranks(exchange_stats_worker, world, _halo_model, (2, 2, 19, 6), "plan-test")
     for r, (bytes_sent, p2p_calls) in enumerate(measured):
         predicted = predicted_halo_bytes(plan.layers, batch_size=2, dtype_bytes=8, domain_rank=r)
         assert predicted == bytes_sent > 0

@@ -24,7 +24,7 @@ from credit_parallel.planner import make_plan
 from credit_parallel.preflight import validate_run
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.trainer import Trainer
-from sample_conf import tiny_unet, tiny_unet_conf
+from sample_conf import tiny_unet, unet_run_conf
 
 __all__: list[str] = []
 
@@ -39,8 +39,17 @@ def store(tmp_path_factory):
 
 
 def _conf(store, parallelism):
-    trainer = {"parallelism": parallelism, "steps": 1, "batch_size": 2, "dtype": "float64"}
-    return tiny_unet_conf(store, H, W, time_slice=[0, 12], trainer=trainer, num_workers=0)
+    return unet_run_conf(
+        store,
+        H,
+        W,
+        time_slice=[0, 12],
+        parallelism=parallelism,
+        data={"num_workers": 0},
+        steps=1,
+        batch_size=2,
+        dtype="float64",
+    )
 
 
 @contextlib.contextmanager

@@ -162,9 +162,11 @@ SPEC_SIGNATURES = [
     ),
     ("shard_tensor", [("x", REQUIRED), ("dim", -2), ("manager", None)]),
     ("gather_tensor", [("x", REQUIRED), ("dim", -2), ("manager", None)]),
+    # SPEC's spatial_dims_5d/_4d are named shard_dim_5d/_4d (issue 17); the old names stay
+    # accepted as deprecated keywords (tests/test_domain_sharding.py)
     (
         "shard_batch",
-        [("batch", REQUIRED), ("spatial_dims_5d", -2), ("spatial_dims_4d", -2), ("manager", None)],
+        [("batch", REQUIRED), ("shard_dim_5d", -2), ("shard_dim_4d", -2), ("manager", None)],
     ),
     ("apply_tensor_parallel", [("model", REQUIRED), ("tp_mesh", REQUIRED)]),
     ("apply_fsdp2", [("model", REQUIRED), ("dp_mesh", REQUIRED), ("conf", REQUIRED)]),
@@ -510,7 +512,7 @@ def _process_wide_worker(rank, world):
     errors = {}
     for name, (build, convert, x, dim) in cases.items():
         mgr.__dict__.pop("_cp_gather_owner", None)
-        errors[name] = domain_parity_errors(build, x, mgr, convert=convert, dim=dim)
+        errors[name] = domain_parity_errors(build, x, mgr, convert=convert, shard_dim=dim)
         assert_parity(errors[name])
     # HaloExchange(halo_width) without manager=: this rank's rows of the globe padded with
     # 2 zero rows at each pole

@@ -142,7 +142,7 @@ def _build(kind: str, rows: int, shifted: bool):
 def _exact_on_ranks(rank, world_size, kind, rows, shifted):
     module, x, dim = _build(kind, rows, shifted)
     manager = DomainParallelManager(world_size, world_size)
-    errors = domain_parity_errors(lambda: copy.deepcopy(module), x, manager, dim=dim)
+    errors = domain_parity_errors(lambda: copy.deepcopy(module), x, manager, shard_dim=dim)
     converted = convert_to_domain_parallel(copy.deepcopy(module), manager)
     forms = sorted({type(m).__name__ for m in converted.modules() if hasattr(m, "domain_form")})
     keys_equal = list(converted.state_dict()) == list(module.state_dict())
@@ -254,7 +254,7 @@ def _gathered_on_ranks(rank, world_size):
             return convert_to_domain_parallel(model, mgr, nonlocal_policy="gather")
 
     errors = domain_parity_errors(
-        lambda: copy.deepcopy(holder), x, manager, convert=convert, dim=-3
+        lambda: copy.deepcopy(holder), x, manager, convert=convert, shard_dim=-3
     )
     converted = convert(copy.deepcopy(holder), manager)
     return errors, type(converted.swin).__name__, converted.swin.shard_dim

@@ -19,7 +19,7 @@ import torch.distributed.tensor  # noqa: F401
 from credit_parallel.data import ERA5Dataset, write_sample_dataset
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.trainer import NonFiniteError, Trainer
-from sample_conf import tiny_unet_conf
+from sample_conf import unet_run_conf
 
 __all__: list[str] = []
 
@@ -37,7 +37,6 @@ def store(tmp_path_factory):
 
 def _conf(store, *, parallelism=None, forecast_len=1, **trainer):
     base = {
-        "parallelism": parallelism or {"data": "none", "tensor": 1, "domain": 1},
         "steps": 10,
         "batch_size": 2,
         "lr": 0.01,
@@ -48,15 +47,9 @@ def _conf(store, *, parallelism=None, forecast_len=1, **trainer):
         "validate_every": 5,
         "val_batches": 2,
     }
-    base.update(trainer)
-    return tiny_unet_conf(
-        store,
-        H,
-        W,
-        time_slice=[0, 33],
-        trainer=base,
-        forecast_len=forecast_len,
-        valid_time_slice=[33, 40],
+    data = {"forecast_len": forecast_len, "valid_time_slice": [33, 40]}
+    return unet_run_conf(
+        store, H, W, time_slice=[0, 33], parallelism=parallelism, data=data, **{**base, **trainer}
     )
 
 

@@ -2,6 +2,11 @@
 
 Every public name is importable from here.  Names are resolved lazily (PEP 562) so that
 ``import credit_parallel`` stays cheap and the layers below never import the layers above.
+``_EXPORTS`` maps each name to its home module, the module that defines it
+(``tests/test_exports.py`` checks both, and that every name the docs tell users to call is
+here).  Conventions of the public API (``manager`` keyword-only where the SPEC does not fix
+its position, ``shard_dim`` for the sharded dimension, options beyond the SPEC's positional
+parameters keyword-only): the docstring of :mod:`credit_parallel.domain`.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ _EXPORTS = {
     "load_config": "config",
     "ParallelDims": "config",
     "ParallelMesh": "config",
+    "DataMode": "config",
+    "MeshAxis": "config",
     "RankLayout": "layout",
     "build_device_mesh": "mesh",
     "dp_world_size": "mesh",
     "data_parallel_coords": "mesh",
+    "device_for_process_group": "device",
     # domain parallelism
     "DomainParallelManager": "domain.manager",
     "initialize_domain_parallel": "domain.manager",
@@ -32,22 +40,28 @@ _EXPORTS = {
     "DomainParallelPeriodicConv2d": "domain.conv",
     "DomainParallelGroupNorm": "domain.norm",
     "DomainParallelInterpolate": "domain.resample",
-    "DomainParallelPixelShuffle": "domain.resample",
-    "DomainParallelPixelUnshuffle": "domain.resample",
+    "DomainParallelPixelShuffle": "domain.pixel_shuffle",
+    "DomainParallelPixelUnshuffle": "domain.pixel_shuffle",
     "DomainParallelPad": "domain.padding",
+    "set_model_overlap": "domain.overlap",
     "convert_to_domain_parallel": "domain.convert",
+    "register_domain_rule": "domain.convert",
     "validate_sharding_constraints": "domain.convert",
     "shard_tensor": "domain.sharding",
     "gather_tensor": "domain.sharding",
     "shard_batch": "domain.sharding",
     "shard_spatial": "domain.sharding",
     "unpad_shard_interp": "domain.sharding",
-    "DomainRowGroupAttention": "domain.attention",
-    "DomainSequenceAttention": "domain.attention",
-    "DomainTokenAttention": "domain.attention",
-    "sequence_parallel_attention": "domain.attention",
+    "DomainRowGroupAttention": "domain.attention.relayout",
+    "DomainSequenceAttention": "domain.attention.sequence",
+    "DomainTokenAttention": "domain.attention.tokens",
+    "sequence_parallel_attention": "domain.attention.tokens",
+    "form_cost": "domain.attention.cost",
     "DomainGatherModule": "domain.gather",
     "FunctionalCallGuard": "domain.guard",
+    # data
+    "build_train_loader": "data.loader",
+    "DevicePrefetcher": "data.prefetch",
     # tensor parallel, data parallel, collectives, composition
     "apply_tensor_parallel": "tensor_parallel",
     "compile_blocks": "compile",
@@ -57,10 +71,23 @@ _EXPORTS = {
     "allreduce_grads_avg": "collectives",
     "sync_domain_gradients": "collectives",
     "clip_grad_norm_": "collectives",
+    "enable_overlapped_domain_grad_sync": "grad_overlap",
     "parallelize": "composition",
     "build_parallel_model": "model_init",
     "get_domain_manager": "composition",
     "get_raw_model": "composition",
+    # planning (no processes)
+    "project_step": "planner.projection",
+    # training
+    "TrainStep": "train.step",
+    "latitude_weighted_loss": "train.step",
+    "Trainer": "train.trainer",
+    # multi-rank test harness
+    "run_on_ranks": "testing",
+    "RankFailure": "testing",
+    "domain_parity_errors": "testing",
+    "assert_parity": "testing",
+    "fake_process_group": "testing",
     # CREDIT 2026.2's names (credit.parallel.*), thin entry points onto the above
     "supports_native_tp": "credit_api",
     "apply_native_tensor_parallel": "credit_api",

@@ -181,11 +181,30 @@ def apply_fsdp2(
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
 
-    The SPEC's config-taking entry point: it parses ``trainer.amp`` of the full config ``conf``
-    (true -> bf16 parameters/compute with fp32 gradient reduction; false/absent -> fp32) and
-    ``trainer.activation_checkpoint`` (true -> the opted-in blocks recompute their
-    activations in backward; state_dict keys unchanged), parsed as the run config parses them,
-    and calls :func:`fully_shard_model`, which the library itself uses.
+    The SPEC's config-taking entry point: it parses ``trainer.amp``,
+    ``trainer.activation_checkpoint`` and ``trainer.fsdp2_min_unit_params`` of the full config as
+    the run config parses them and calls :func:`fully_shard_model`, which the library itself uses.
+
+    Args:
+        model: the model (after domain conversion and tensor parallelism, if any); every
+            submodule with ``_fsdp2_shard = True`` holding at least
+            ``trainer.fsdp2_min_unit_params`` parameters of its own becomes an FSDP2 unit
+            (:func:`fsdp2_units`), then the root.
+        dp_mesh: the 1-D mesh to shard over (dp, or the flattened dp x domain axis); None: the
+            whole world.
+        conf: the full config; ``trainer.amp`` true -> bf16 parameters/compute with fp32
+            gradient reduction (false/absent -> fp32); ``trainer.activation_checkpoint`` true ->
+            the opted-in blocks recompute their activations in backward (state_dict keys
+            unchanged).
+        gradient_divide_factor: over dp x domain pass dp, so that the reduce-scatter sums over
+            the domain ranks and averages over dp only.
+
+    Returns:
+        ``model`` itself, sharded (its class becomes an ``FSDPModule`` subclass).
+
+    Example::
+
+        model = apply_fsdp2(model, sub.get("dp"), {"trainer": {"amp": True}})
     """
     amp = _trainer_flag(conf, "amp")
     activation_checkpoint = _trainer_flag(conf, "activation_checkpoint")
@@ -264,10 +283,23 @@ def _set_gradient_divide_factor(model: nn.Module, dp_mesh: DeviceMesh, factor: f
 def apply_ddp(
     model: nn.Module, dp_mesh: DeviceMesh | None, **ddp_kwargs
 ) -> DistributedDataParallel:
-    """Wrap ``model`` in DistributedDataParallel over the dp group (``None`` -> default group).
+    """Wrap ``model`` in DistributedDataParallel over the data-parallel group.
 
-    ``device_ids`` is passed only for a model on CUDA (it must be ``None`` on CPU).  Extra
-    keyword arguments go to DistributedDataParallel.
+    ``device_ids`` is passed only for a model on CUDA (it must be ``None`` on CPU).
+
+    Args:
+        model: the model (after domain conversion, if any; tensor parallelism excludes DDP).
+        dp_mesh: the 1-D data-parallel mesh; None: the default process group.
+        **ddp_kwargs: keyword arguments for ``DistributedDataParallel``.
+
+    Returns:
+        The ``DistributedDataParallel`` wrapping ``model`` (a new module, unlike
+        :func:`apply_fsdp2` and :func:`~credit_parallel.tensor_parallel.apply_tensor_parallel`,
+        which convert in place; :func:`~credit_parallel.composition.get_raw_model` unwraps it).
+
+    Example::
+
+        model = apply_ddp(model, sub.get("dp"))
     """
     group = None
     if dp_mesh is not None:

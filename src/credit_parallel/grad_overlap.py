@@ -235,7 +235,7 @@ def _pack(params: list[nn.Parameter], cap_bytes: int) -> list[_Bucket]:
 
 
 def enable_overlapped_domain_grad_sync(
-    model: nn.Module, manager, *, bucket_cap_mb: float = 25.0
+    model: nn.Module, *, manager, bucket_cap_mb: float = 25.0
 ) -> OverlappedDomainGradSync | None:
     """Attach an :class:`OverlappedDomainGradSync` to ``model`` (the raw model, the one passed
     to ``sync_domain_gradients``) for ``manager``'s domain group; every rank of the world must

@@ -520,17 +520,28 @@ def build_tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, Para
 def apply_tensor_parallel(
     model: nn.Module, tp_mesh: DeviceMesh | None, *, src_data_rank: int | None = 0
 ) -> nn.Module:
-    """Split the declared layers of ``model`` over the 1-D ``tp_mesh``, in place; returns it.
+    """Split the layers ``model`` declares (``_tp_col`` / ``_tp_row``) over ``tp_mesh``; in place.
 
-    ``tp_mesh`` None or of size 1: the model is returned untouched.  Every target is checked
-    before anything changes (no half-converted model).  Weights are taken from tp rank 0 of the
-    mesh (``src_data_rank=0``), so the converted model equals rank 0's original;
-    ``src_data_rank=None`` takes each rank's own copy without communication (a model on the
-    meta device, materialised afterwards).  Call it before
+    Every target is checked before anything changes (no half-converted model).  Call it before
     FSDP2: parameters become ``nn.Parameter`` s wrapping DTensors on ``tp_mesh`` (a 1-D submesh of
     the full mesh), which ``fully_shard`` shards further over dp.  The first forward is traced
     (``tensor_parallel_guard``): replicated tensors meeting sharded activations get their
     gradient all-reduced over tp from then on.
+
+    Args:
+        model: the model to convert (its opted-in blocks name their column/row layers).
+        tp_mesh: the 1-D tensor-parallel mesh (``mesh["tp"]``); None or of size 1: untouched.
+        src_data_rank: the tp rank whose weights every rank takes (0: the converted model equals
+            rank 0's original); None takes each rank's own copy without communication (a model
+            on the meta device, materialised afterwards).
+
+    Returns:
+        ``model`` itself, converted.
+
+    Example::
+
+        mesh, sub = build_device_mesh(conf["trainer"]["parallelism"])
+        model = apply_tensor_parallel(model, sub.get("tp"))
     """
     if tp_mesh is None:
         return model

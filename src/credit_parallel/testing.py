@@ -186,7 +186,14 @@ def _as_tuple(v):
 
 
 def domain_parity_errors(
-    build, inputs, manager, *, convert=None, dim: int = -2, seed: int = 0, grad_seed: int = 1234
+    build,
+    inputs,
+    manager,
+    *,
+    convert=None,
+    shard_dim: int = -2,
+    seed: int = 0,
+    grad_seed: int = 1234,
 ):
     """Compare a domain-parallel copy of ``build()`` with the single-process module, on this rank.
 
@@ -196,7 +203,8 @@ def domain_parity_errors(
     ``sum(output * G)`` over this rank's rows for a fixed random ``G``, so input and parameter
     gradients are the sharded/summed versions of the reference ones.  Returns a dict of
     ``{"output": err, "input_grad": err, "param:<name>": err, ...}`` where each err is
-    ``(max_abs_error, max_abs_reference)`` — identical on every rank.
+    ``(max_abs_error, max_abs_reference)`` — identical on every rank.  ``shard_dim``: the
+    dimension of every input and output sharded over the domain ranks.
     """
     import copy
 
@@ -221,7 +229,7 @@ def domain_parity_errors(
     n, r = manager.domain_world_size, manager.domain_rank
 
     def local(t):
-        d = dim % t.dim()
+        d = shard_dim % t.dim()
         a, b = shard_range(t.shape[d], n, r)
         return t.narrow(d, a, b - a)
 
@@ -233,7 +241,7 @@ def domain_parity_errors(
 
     errors = {}
     for i, (yp, yr) in enumerate(zip(y_par, y_ref)):
-        full = gather_tensor(yp.detach(), dim, manager)
+        full = gather_tensor(yp.detach(), shard_dim, manager)
         if full.shape != yr.shape:
             raise AssertionError(
                 f"output {i}: gathered shape {tuple(full.shape)} != reference {tuple(yr.shape)}"
@@ -242,7 +250,7 @@ def domain_parity_errors(
     for i, (xp, xr) in enumerate(zip(xl, xs)):
         if xr.grad is None:
             continue
-        full = gather_tensor(xp.grad, dim, manager)
+        full = gather_tensor(xp.grad, shard_dim, manager)
         errors[f"input_grad{i}" if len(xs) > 1 else "input_grad"] = _err(full, xr.grad)
     ref_params = dict(ref.named_parameters())
     for name, p in par.named_parameters():

@@ -168,8 +168,8 @@ def register_row_batch(
     global_height: int,
     *,
     manager,
-    spatial_dims_5d: int = -2,
-    spatial_dims_4d: int = -2,
+    shard_dim_5d: int = -2,
+    shard_dim_4d: int = -2,
 ) -> None:
     """Register with ``manager`` the forward token ``shard_batch`` registers for the global batch.
 
@@ -186,7 +186,7 @@ def register_row_batch(
     placeholders = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() in (4, 5):
-            dim = (spatial_dims_5d if value.dim() == 5 else spatial_dims_4d) % value.dim()
+            dim = (shard_dim_5d if value.dim() == 5 else shard_dim_4d) % value.dim()
             if value.shape[dim] != local:
                 raise ValueError(
                     f"register_row_batch: batch[{key!r}] has {value.shape[dim]} rows along dim "
@@ -199,7 +199,7 @@ def register_row_batch(
         placeholders[key] = value
     shard_batch(
         placeholders,
-        spatial_dims_5d=spatial_dims_5d,
-        spatial_dims_4d=spatial_dims_4d,
+        shard_dim_5d=shard_dim_5d,
+        shard_dim_4d=shard_dim_4d,
         manager=manager,
     )

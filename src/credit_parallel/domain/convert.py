@@ -249,9 +249,14 @@ def apply_domain_rule(module: nn.Module, manager, shard_dim: int):
 
 
 def walk_domain_modules(
-    model: nn.Module, on_candidate, on_unsafe=None, custom=None, shard_dim: int = -2
-) -> None:
-    """Walk ``model`` (the root included) exactly as the converter's rule stage does.
+    model: nn.Module,
+    on_candidate: Callable[[nn.Module, str, str, nn.Module], bool],
+    on_unsafe: Callable[[str, str], None] | None = None,
+    custom: dict[type, Callable[[nn.Module], nn.Module | None]] | None = None,
+    shard_dim: int = -2,
+) -> nn.Module:
+    """Walk ``model`` (the root included) exactly as the converter's rule stage does; returns the
+    root, which is a custom replacement when ``model`` itself is of a ``custom`` type.
 
     Already domain-parallel modules and ``_domain_local = True`` modules are skipped (not
     descended into); a module of a ``custom`` type is replaced, in place, by the custom

@@ -320,11 +320,11 @@ class FunctionalCallGuard(TorchFunctionMode):
         self._stack: list[nn.Module] = []
         self._handles = []
 
-    def mark(self, *tensors, dim: int = -2) -> None:
-        """Mark 4-D / 5-D tensors as sharded along ``dim`` (counted from the end)."""
+    def mark(self, *tensors, shard_dim: int = -2) -> None:
+        """Mark 4-D / 5-D tensors as sharded along ``shard_dim`` (counted from the end)."""
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.dim() in (4, 5):
-                setattr(t, _MARK, dim)
+                setattr(t, _MARK, shard_dim)
 
     def __enter__(self):
         from torch.nn.modules.module import (

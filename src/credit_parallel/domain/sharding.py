@@ -8,6 +8,7 @@ steady state (see ``manager.py``).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -77,23 +78,61 @@ def gather_tensor(x: torch.Tensor, dim: int = -2, manager=None) -> torch.Tensor:
 
 
 def shard_batch(
-    batch: dict, spatial_dims_5d: int = -2, spatial_dims_4d: int = -2, manager=None
+    batch: dict,
+    shard_dim_5d: int = -2,
+    shard_dim_4d: int = -2,
+    manager=None,
+    *,
+    spatial_dims_5d: int | None = None,
+    spatial_dims_4d: int | None = None,
 ) -> dict:
-    """A new dict with every 4-D and 5-D tensor sharded (5-D along ``spatial_dims_5d``, 4-D along
-    ``spatial_dims_4d``); everything else is passed through untouched."""
+    """A new dict with every 4-D and 5-D tensor sharded (5-D along ``shard_dim_5d``, 4-D along
+    ``shard_dim_4d``); everything else is passed through untouched.
+
+    Args:
+        batch: the global batch, ``{name: tensor or anything}``.
+        shard_dim_5d: the dimension sharded in 5-D tensors (B, C, T, H, W): -2, latitude.
+        shard_dim_4d: the dimension sharded in 4-D tensors (B, C, H, W): -2, latitude.
+        manager: the domain manager; without one (or at domain size 1) a shallow copy.
+        spatial_dims_5d, spatial_dims_4d: CREDIT's (and SPEC §3's) names of ``shard_dim_5d`` /
+            ``shard_dim_4d``; deprecated, still accepted with a ``DeprecationWarning``.
+
+    Returns:
+        A new dict: this rank's rows of every 4-D and 5-D tensor, the other values as given.
+
+    Example::
+
+        local = shard_batch(batch, manager=get_domain_manager(model))
+    """
+    shard_dim_5d = _renamed("spatial_dims_5d", spatial_dims_5d, "shard_dim_5d", shard_dim_5d)
+    shard_dim_4d = _renamed("spatial_dims_4d", spatial_dims_4d, "shard_dim_4d", shard_dim_4d)
     mgr = _manager_or_none(manager)
     if mgr is None:
         return dict(batch)
     out, token = {}, []
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() in (4, 5):
-            d = spatial_dims_5d if value.dim() == 5 else spatial_dims_4d
+            d = shard_dim_5d if value.dim() == 5 else shard_dim_4d
             out[key] = shard_tensor(value, d, mgr, register=False)
             token.append((str(key), tuple(value.shape), d % value.dim()))
         else:
             out[key] = value
     mgr.begin_forward(("shard_batch", tuple(token)))
     return out
+
+
+def _renamed(old: str, old_value, new: str, value: int) -> int:
+    """``value``, or ``old_value`` given under the deprecated keyword ``old`` (with a warning)."""
+    if old_value is None:
+        return value
+    if value != -2:
+        raise TypeError(f"shard_batch: pass {new}= only (got both {new}= and its old name {old}=)")
+    warnings.warn(
+        f"shard_batch({old}=...) is deprecated; pass {new}= (the same dimension)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old_value
 
 
 def shard_spatial(tensor: torch.Tensor, manager) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
@@ -147,6 +147,7 @@ class TrainStep:
 
     model: torch.nn.Module
     loss_fn: LossFn
+    _: KW_ONLY
     manager: object = None
     forecast_len: int = 1
     max_norm: float | None = None

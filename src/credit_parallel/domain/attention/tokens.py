@@ -54,8 +54,9 @@ class SequenceParallelAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def sequence_parallel_attention(manager, name: str = "attention") -> SequenceParallelAttention:
-    """The mode: ``with sequence_parallel_attention(manager, "blocks.3.attn"): y = module(x)``."""
+def sequence_parallel_attention(name: str = "attention", *, manager) -> SequenceParallelAttention:
+    """The mode: ``with sequence_parallel_attention("blocks.3.attn", manager=mgr): y = module(x)``;
+    ``name`` (the module's path) appears in its errors."""
     return SequenceParallelAttention(manager, name)
 
 
