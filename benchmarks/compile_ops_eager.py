@@ -1,4 +1,4 @@
-"""The traced row exchange (``domain/ops.py``) called eagerly vs the eager exchange path.
+"""The traced row exchange (``domain/exchange/ops.py``) called eagerly vs the eager exchange path.
 
 Why the eager path stays the default: this times forward + backward of one halo exchange
 (halo 1 each side) at domain 2 on gloo, through ``exchange_planned`` (autograd Function) and
@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from credit_parallel.domain.exchange import exchange_planned, halo_window
+from credit_parallel.domain.exchange.halo import exchange_planned, halo_window
+from credit_parallel.domain.exchange.ops import exchange_traced
 from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.ops import exchange_traced
 from credit_parallel.domain.rows import plan_exchange, shard_range
 from credit_parallel.testing import run_on_ranks
 

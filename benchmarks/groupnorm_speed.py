@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from credit_parallel.domain.layers.norm import DomainParallelGroupNorm
 from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.norm import DomainParallelGroupNorm
 from credit_parallel.domain.rows import shard_range
 from credit_parallel.testing import run_on_ranks
 

@@ -11,7 +11,7 @@ rank) for three forms of every domain convolution:
   halo-extended buffers, no window (``overlap.SplitConv``), waiting for the halo rows first;
 * ``split+late`` — the same, waiting for the halo rows after the shard's own work (overlap on);
 * ``default`` — what a converted model does when nothing is set (``split_halo = None``,
-  ``overlap = None``: the rules of ``domain/conv.py`` and ``overlap.overlap_enabled``).
+  ``overlap = None``: the rules of ``domain/layers/conv.py`` and ``overlap.overlap_enabled``).
 
     .venv/bin/python benchmarks/halo_paths.py --workloads conv_stack/large,conv_stack/small \\
         --rounds 3 --steps 3 --warmup 1

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
+from credit_parallel.domain.exchange.traffic import record_exchange_stats
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import shard_range
-from credit_parallel.domain.traffic import record_exchange_stats
 from credit_parallel.testing import assert_parity, domain_parity_errors
 
 __all__ = ["assert_parity_matrix", "exchange_stats_worker", "parity_matrix_worker", "wrap_with"]

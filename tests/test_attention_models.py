@@ -15,7 +15,7 @@ from credit_parallel import parallelize
 from credit_parallel.cli import resolve_config
 from credit_parallel.composition import RecipeOptions
 from credit_parallel.config import load_config
-from credit_parallel.domain.gather import DomainGatherModule
+from credit_parallel.domain.layers.gather import DomainGatherModule
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.models import CrossFormer, SwinNet
 from credit_parallel.models.swin import ShiftedWindowAttention, row_segments

@@ -63,7 +63,7 @@ def test_simulation_removes_what_2_11_lacks():
 
 
 def _gather_worker(rank, world):
-    from credit_parallel.domain.collective_ops import all_gather_rows
+    from credit_parallel.domain.exchange.collectives import all_gather_rows
     from credit_parallel.domain.manager import DomainParallelManager
     from credit_parallel.domain.rows import shard_range
     from credit_parallel.small_collectives import gather_small

@@ -1,4 +1,4 @@
-"""torch.compile through the library (``credit_parallel.compile``, ``domain/ops.py``): a compiled
+"""torch.compile through the library (``credit_parallel.compile``, ``domain/exchange/ops.py``): a compiled
 converted block computes the single-process function (float64, 1e-10: forward, input gradient,
 every parameter gradient) with the backends ``aot_eager`` and ``inductor`` at domain 2 and 3 on
 uneven rows — conv / GroupNorm, CREDIT's head-split attention, nn.MultiheadAttention and SDPA
@@ -18,8 +18,8 @@ from torch._dynamo.utils import counters
 from credit_parallel import compile_blocks, parallelize
 from credit_parallel.compile import compile_targets, is_compiled
 from credit_parallel.domain.convert import convert_to_domain_parallel
+from credit_parallel.domain.exchange.ops import decode_plans, encode_plan
 from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.ops import decode_plans, encode_plan
 from credit_parallel.domain.rows import plan_exchange, shard_range
 from credit_parallel.models.crossformer import CrossFormer
 from credit_parallel.models.unet import UNet, UNetResBlock

@@ -273,7 +273,7 @@ def test_attention_layer_memory_per_rank_at_most_1_2_over_d(kind, domain):
 # ------------------------------------------------------------------ what the planner reports
 def test_form_cost_relayout_regroup_sequence_and_gather():
     from credit_parallel.domain.attention import form_cost
-    from credit_parallel.domain.gather import DomainGatherModule
+    from credit_parallel.domain.layers.gather import DomainGatherModule
 
     net, _, _ = build_credit_model("crossformer_long")
     short, long_ = net.layers[0][1].layers[0][0], net.layers[0][1].layers[0][2]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from credit_parallel.domain.conv import (
+from credit_parallel.domain.layers.conv import (
     DomainParallelConv2d,
     DomainParallelConv3d,
     DomainParallelConvTranspose2d,

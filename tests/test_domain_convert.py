@@ -17,15 +17,15 @@ import pytest
 import torch
 from torch import nn
 
-from credit_parallel.domain.conv import (
+from credit_parallel.domain.convert import (
+    convert_to_domain_parallel,
+    validate_sharding_constraints,
+)
+from credit_parallel.domain.layers.conv import (
     DomainParallelConv2d,
     DomainParallelConv3d,
     DomainParallelConvTranspose2d,
     DomainParallelPeriodicConv2d,
-)
-from credit_parallel.domain.convert import (
-    convert_to_domain_parallel,
-    validate_sharding_constraints,
 )
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.models import PeriodicConv2d
@@ -132,9 +132,9 @@ def test_layer_options_are_given_at_construction_and_replaced_only_by_configure(
 
 
 def test_convert_replaces_norm_resampling_and_padding_over_h():
-    from credit_parallel.domain.norm import DomainParallelGroupNorm
-    from credit_parallel.domain.padding import DomainParallelPad
-    from credit_parallel.domain.resample import (
+    from credit_parallel.domain.layers.norm import DomainParallelGroupNorm
+    from credit_parallel.domain.layers.padding import DomainParallelPad
+    from credit_parallel.domain.layers.resample import (
         DomainParallelInterpolate,
         DomainParallelPixelShuffle,
         DomainParallelPixelUnshuffle,

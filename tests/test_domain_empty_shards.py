@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from credit_parallel.domain.exchange import HaloExchange
+from credit_parallel.domain.exchange.halo import HaloExchange
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import plan_exchange, shard_range, shard_sizes
 from credit_parallel.domain.sharding import gather_tensor, shard_tensor
@@ -77,7 +77,7 @@ def _layers_worker(rank, world):
         dim = 3 if len(shape) == 5 else -2
         convert = None
         if len(shape) == 5:
-            from credit_parallel.domain.conv import DomainParallelConv3d
+            from credit_parallel.domain.layers.conv import DomainParallelConv3d
 
             convert = lambda m, mgr: DomainParallelConv3d(m, manager=mgr)  # noqa: E731
         out[name] = domain_parity_errors(build, x, mgr, convert=convert, shard_dim=dim)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from credit_parallel.domain.exchange import (
+from credit_parallel.domain.exchange.halo import (
     HaloExchange,
     exchange_rows,
     exchange_stats,
@@ -305,7 +305,7 @@ def _side_stream_worker(rank, world):
 
 
 def test_side_stream_exchange_degrades_to_the_same_path_on_cpu():
-    from credit_parallel.domain.streams import comm_stream_for
+    from credit_parallel.domain.exchange.streams import comm_stream_for
 
     stream = comm_stream_for("cpu")
     assert not stream.active and stream is comm_stream_for(torch.device("cpu"))

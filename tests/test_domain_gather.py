@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from credit_parallel import convert_to_domain_parallel
-from credit_parallel.domain.gather import DomainGatherModule
+from credit_parallel.domain.layers.gather import DomainGatherModule
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.testing import run_on_ranks
 from test_domain_attention import TOL, exactness_errors

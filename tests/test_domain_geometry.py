@@ -13,7 +13,7 @@ from credit_parallel.domain.convert import (
     domain_rule_for,
     register_domain_rule,
 )
-from credit_parallel.domain.exchange import HaloExchange
+from credit_parallel.domain.exchange.halo import HaloExchange
 from credit_parallel.domain.geometry import (
     FILL,
     FORMS,

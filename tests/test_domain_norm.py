@@ -15,13 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 from credit_parallel import small_collectives
-from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.norm import (
+from credit_parallel.domain.layers.norm import (
     DomainParallelGroupNorm,
     group_norm_input_grad_coefficients,
     local_group_moments,
     merge_group_moments,
 )
+from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import shard_range
 from credit_parallel.domain.sharding import gather_tensor
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks

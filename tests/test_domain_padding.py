@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
+from credit_parallel.domain.layers.padding import DomainParallelPad, pad_windows
 from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.padding import DomainParallelPad, pad_windows
 from credit_parallel.domain.rows import FILL
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
 

@@ -9,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.resample import (
+from credit_parallel.domain.layers.resample import (
     DomainParallelInterpolate,
     DomainParallelPixelShuffle,
     DomainParallelPixelUnshuffle,
@@ -22,6 +21,7 @@ from credit_parallel.domain.resample import (
     kernel_traits,
     weight_matrix,
 )
+from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import interp_source_rows
 from credit_parallel.domain.sharding import gather_tensor, shard_tensor, unpad_shard_interp
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from credit_parallel.domain.conv import DomainParallelConv2d
 from credit_parallel.domain.convert import convert_to_domain_parallel
+from credit_parallel.domain.layers.conv import DomainParallelConv2d
 from credit_parallel.domain.manager import (
     DomainParallelManager,
     get_domain_parallel_manager,

@@ -480,7 +480,7 @@ def _p2p_wait_worker(rank, world, what):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from credit_parallel.domain.exchange import HaloExchange
+    from credit_parallel.domain.exchange.halo import HaloExchange
     from credit_parallel.domain.manager import DomainParallelManager
     from credit_parallel.launch import set_subgroup_timeout
     from credit_parallel.mesh import build_device_mesh

@@ -21,14 +21,14 @@ from credit_parallel import (
     shard_batch,
     sync_domain_gradients,
 )
-from credit_parallel.domain.attention import DomainSwinBlock
-from credit_parallel.domain.fuxi import (
+from credit_parallel.domain.adapters.fuxi import (
     DomainFuxi,
     fuxi_geometry,
     pair_layout,
     tensor_padding_rows,
     tensor_unpadding_rows,
 )
+from credit_parallel.domain.adapters.swin import DomainSwinBlock
 from credit_parallel.domain.guard import FunctionalCallGuard
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import shard_range

@@ -21,18 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from credit_parallel.domain.conv import DomainParallelConv2d, _DomainParallelConvNd
-from credit_parallel.domain.conv_geometry import ConvGeometry, conv_windows, overlap_split
 from credit_parallel.domain.convert import convert_to_domain_parallel
-from credit_parallel.domain.exchange import (
+from credit_parallel.domain.exchange.halo import (
     HaloExchange,
     exchange_rows,
     exchange_rows_batched,
     exchange_stats,
     record_exchange_stats,
 )
+from credit_parallel.domain.layers.conv import DomainParallelConv2d, _DomainParallelConvNd
+from credit_parallel.domain.layers.conv_geometry import ConvGeometry, conv_windows, overlap_split
+from credit_parallel.domain.layers.split_conv import overlap_enabled, set_model_overlap
 from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.overlap import overlap_enabled, set_model_overlap
 from credit_parallel.domain.rows import FILL, conv_window, edge_source_row, shard_range
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
@@ -469,7 +469,7 @@ def _batched_worker(rank, world):
 
 
 def _halo(h, n, before, after, mode):
-    from credit_parallel.domain.exchange import halo_window
+    from credit_parallel.domain.exchange.halo import halo_window
 
     return tuple(halo_window(h, n, r, before, after, mode) for r in range(n))
 
@@ -519,7 +519,7 @@ def _unfused_convert(model, mgr):
 
 
 def _shared_convert(model, mgr):
-    from credit_parallel.domain.shared_input import share_input_exchange
+    from credit_parallel.domain.exchange.shared_input import share_input_exchange
 
     _unfused_convert(model, mgr)
     share_input_exchange(*model.convs)
@@ -566,8 +566,8 @@ def test_convs_sharing_an_input_exchange_once_and_stay_exact():
 
 
 def test_share_input_exchange_rejects_mismatched_layers():
-    from credit_parallel.domain.conv import DomainParallelConvTranspose2d
-    from credit_parallel.domain.shared_input import share_input_exchange
+    from credit_parallel.domain.exchange.shared_input import share_input_exchange
+    from credit_parallel.domain.layers.conv import DomainParallelConvTranspose2d
 
     a = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1))
     b = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"))
@@ -614,8 +614,8 @@ def test_overlap_under_fsdp2_with_activation_checkpointing_is_bitwise_unchanged(
 
 # --------------------------------------------------------------------------- composed windows
 def _compose_worker(rank, world):
-    from credit_parallel.domain.exchange import compose_windows
-    from credit_parallel.domain.padding import pad_windows
+    from credit_parallel.domain.exchange.halo import compose_windows
+    from credit_parallel.domain.layers.padding import pad_windows
 
     torch.set_default_dtype(torch.float64)
     mgr = DomainParallelManager(world, world)
@@ -659,7 +659,7 @@ def test_composed_windows_turn_pad_then_conv_into_one_exchange():
 
 
 def test_compose_windows_checks_its_arguments():
-    from credit_parallel.domain.exchange import compose_windows
+    from credit_parallel.domain.exchange.halo import compose_windows
 
     with pytest.raises(ValueError, match="one per rank"):
         compose_windows(((0,), (1,)), 2, ((0,),))
@@ -671,7 +671,7 @@ def test_compose_windows_checks_its_arguments():
 def test_shared_layers_survive_deepcopy_and_pickling_mid_forward():
     import io
 
-    from credit_parallel.domain.shared_input import share_input_exchange
+    from credit_parallel.domain.exchange.shared_input import share_input_exchange
 
     model = _CrossScale()
     for i, conv in enumerate(model.convs):
@@ -693,7 +693,7 @@ def test_shared_layers_survive_deepcopy_and_pickling_mid_forward():
 
 # --------------------------------------------------------------------------- path choice
 def test_default_path_is_split_except_for_explicitly_padded_convs_and_the_side_stream():
-    from credit_parallel.domain.conv import DomainParallelPeriodicConv2d
+    from credit_parallel.domain.layers.conv import DomainParallelPeriodicConv2d
 
     plain = DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1))
     periodic = DomainParallelPeriodicConv2d(PeriodicConv2d(2, 2, 3, padding=1))

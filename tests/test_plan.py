@@ -9,7 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from credit_parallel.domain.conv_geometry import ConvGeometry, conv_transpose_windows, conv_windows
+from credit_parallel.domain.layers.conv_geometry import (
+    ConvGeometry,
+    conv_transpose_windows,
+    conv_windows,
+)
 from credit_parallel.domain.rows import plan_exchange, shard_range, shard_sizes
 from credit_parallel.models import PeriodicConv2d, UNet
 from credit_parallel.planner import (

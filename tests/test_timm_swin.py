@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from credit_parallel import convert_to_domain_parallel, shard_tensor
-from credit_parallel.domain.attention import DomainSwinBlock, form_cost, recognised_attention_form
+from credit_parallel.domain.adapters.recognise import recognised_attention_form
+from credit_parallel.domain.adapters.swin import DomainSwinBlock
+from credit_parallel.domain.attention import form_cost
 from credit_parallel.domain.convert import find_unsafe_modules
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.testing import domain_parity_errors, run_on_ranks

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from credit_parallel import convert_to_domain_parallel, shard_tensor
-from credit_parallel.domain.attention import DomainTokenAttention, recognised_attention_form
+from credit_parallel.domain.adapters.recognise import recognised_attention_form
+from credit_parallel.domain.attention import DomainTokenAttention
 from credit_parallel.domain.convert import find_unsafe_modules
 from credit_parallel.domain.guard import FunctionalCallGuard
 from credit_parallel.domain.manager import DomainParallelManager

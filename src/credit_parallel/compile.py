@@ -5,7 +5,7 @@ parallelism and before FSDP2 (``parallelize`` calls it between the two): the blo
 modules that opt in to FSDP2 (``_fsdp2_shard = True``) and contain no other such block, or the
 whole model when none opts in.  Every block compiles to one graph (``fullgraph=True``): the
 library's communication inside a converted block (halo exchanges, GroupNorm statistics, attention
-all-to-alls) is traced as the custom operators of ``domain/ops.py``.  The block's ``forward`` is
+all-to-alls) is traced as the custom operators of ``domain/exchange/ops.py``.  The block's ``forward`` is
 what is compiled (an instance attribute), so the hooks FSDP2 registers on the block later run
 eagerly around the graph, as around torchtitan's compiled blocks; the module keeps its class,
 parameter names and ``state_dict`` keys.

@@ -1,4 +1,31 @@
-"""Domain (latitude) parallelism: row algebra, exchange, layers, conversion and sharding.
+"""Domain (latitude) parallelism: what a user of it imports, and where everything lives.
+
+    from credit_parallel.domain import (
+        DomainParallelManager, convert_to_domain_parallel, shard_batch, gather_tensor,
+    )
+
+The package, lowest first (a module imports only its own level or lower ones):
+
+* ``rows`` — pure row algebra: which rows each rank owns, which rows a layer's output rows read,
+  exchange plans (no processes); ``geometry`` — the protocol every layer answers (form, output
+  height, windows), which the planner, the cost model and the fusions ask;
+* ``manager`` — :class:`DomainParallelManager`: the domain / data-parallel process groups and the
+  global-height bookkeeping; ``options`` — a layer's construction-time options;
+* ``exchange/`` — where domain ranks talk: ``halo`` (halo rows and their gradients, one batched
+  point-to-point call per layer and direction; :class:`HaloExchange`), ``collectives`` (rows
+  gathered / scattered), ``ops`` (the same communication as ``torch.library`` custom ops, traced by
+  ``torch.compile``), ``shared_input`` (one exchange for sibling convolutions), ``streams``,
+  ``traffic`` (opt-in counters);
+* ``layers/`` — one file per layer family: ``conv`` (+ ``conv_geometry``, ``split_conv``),
+  ``norm``, ``padding``, ``resample`` (+ ``interp_rows``), ``pixel_shuffle``, ``gather``
+  (``nonlocal_policy="gather"``);
+* ``attention/`` — attention made exact under latitude sharding (row groups, sequence parallel,
+  token attention);
+* ``adapters/`` — model-specific recognition and wrappers of client classes (miles-credit's and
+  timm's attention and Swin blocks, FuXi), recognised by qualified class name;
+* ``plan``, ``fusion``, ``convert`` — the converter: one :class:`ConversionPlan` decided per model,
+  then applied; ``guard`` — functional calls that mix rows; ``sharding`` — shard / gather / whole
+  batches; ``wrap`` — wrapping a module without renaming its parameters.
 
 Naming convention (the whole library keeps it):
 
@@ -18,3 +45,58 @@ Naming convention (the whole library keeps it):
   ``convert_to_domain_parallel(model, manager, ...)``,
   ``collectives.sync_domain_gradients(model, manager, op)``.
 """
+
+from __future__ import annotations
+
+import importlib
+
+# the names a user of domain parallelism imports -> their home modules (resolved lazily, PEP 562)
+_EXPORTS = {
+    "DomainParallelManager": "manager",
+    "initialize_domain_parallel": "manager",
+    "get_domain_parallel_manager": "manager",
+    "HaloExchange": "exchange.halo",
+    "DomainParallelConv2d": "layers.conv",
+    "DomainParallelConv3d": "layers.conv",
+    "DomainParallelConvTranspose2d": "layers.conv",
+    "DomainParallelConvTranspose3d": "layers.conv",
+    "DomainParallelPeriodicConv2d": "layers.conv",
+    "DomainParallelGroupNorm": "layers.norm",
+    "DomainParallelInterpolate": "layers.resample",
+    "DomainParallelPixelShuffle": "layers.pixel_shuffle",
+    "DomainParallelPixelUnshuffle": "layers.pixel_shuffle",
+    "DomainParallelPad": "layers.padding",
+    "DomainGatherModule": "layers.gather",
+    "set_model_overlap": "layers.split_conv",
+    "DomainRowGroupAttention": "attention.relayout",
+    "DomainSequenceAttention": "attention.sequence",
+    "DomainTokenAttention": "attention.tokens",
+    "sequence_parallel_attention": "attention.tokens",
+    "ConversionPlan": "plan",
+    "LayerOptions": "options",
+    "convert_to_domain_parallel": "convert",
+    "plan_conversion": "convert",
+    "register_domain_rule": "convert",
+    "validate_sharding_constraints": "convert",
+    "FunctionalCallGuard": "guard",
+    "shard_tensor": "sharding",
+    "gather_tensor": "sharding",
+    "shard_batch": "sharding",
+    "shard_spatial": "sharding",
+    "unpad_shard_interp": "sharding",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'credit_parallel.domain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__ + ["adapters", "attention", "exchange", "layers"]

@@ -27,10 +27,11 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .attention import recognised_attention_form
-from .attention.recognise import known_attention_decision
-from .attention.swin_blocks import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
-from .conv import (
+from .adapters.fuxi import credit_model_decision
+from .adapters.recognise import known_attention_decision, recognised_attention_form
+from .adapters.swin import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
+from .fusion import apply_fusions, find_fusions
+from .layers.conv import (
     DomainParallelConv2d,
     DomainParallelConv3d,
     DomainParallelConvTranspose2d,
@@ -38,15 +39,13 @@ from .conv import (
     DomainParallelPeriodicConv2d,
     conv_needs_domain_wrapper,
 )
-from .fusion import apply_fusions, find_fusions
-from .fuxi import credit_model_decision
-from .gather import NONLOCAL_POLICIES, DomainGatherModule, gather_cost_note
-from .norm import DomainParallelGroupNorm
+from .layers.gather import NONLOCAL_POLICIES, DomainGatherModule, gather_cost_note
+from .layers.norm import DomainParallelGroupNorm
+from .layers.padding import DomainParallelPad
+from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
+from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
-from .padding import DomainParallelPad
-from .pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
 from .plan import ConversionPlan, PadConvFusion, PlannedModule, SharedInputGroup
-from .resample import DomainParallelInterpolate
 from .wrap import converted_tree, visit_outermost
 
 __all__ = [
@@ -346,7 +345,7 @@ def plan_conversion(
     """DECIDE what :func:`convert_to_domain_parallel` does to ``model``, replacing nothing:
     the :class:`~credit_parallel.domain.plan.ConversionPlan` (see ``plan.py``).  Its stages, in
     order, each on the tree the earlier ones decided: whole CREDIT models whose forwards read
-    the global grid (FuXi, ``fuxi.py``), attention of a known structure (``attention/``), then
+    the global grid (FuXi, ``adapters/fuxi.py``), attention of a known structure (``attention/``), then
     the rule walk (``custom_converters`` first, then the registered rule of each type;
     refusing unsafe modules), under ``nonlocal_policy="gather"`` the refused modules wrapped to
     run on the whole globe, and last the exchange fusions (``fusion.py``).
@@ -486,8 +485,8 @@ def convert_to_domain_parallel(
     Modules that would be silently wrong under H-sharding raise ``ValueError`` listing their
     paths, unless ``allow_unsafe=True`` (then a warning lists them).  Attention of a known
     structure is made exact first (``domain/attention``; before it, whole CREDIT models whose
-    forwards read the global grid, FuXi: ``domain/fuxi.py``); ``nonlocal_policy="gather"``
-    runs every module that would be reported on the whole globe instead (``domain/gather.py``).
+    forwards read the global grid, FuXi: ``domain/adapters/fuxi.py``); ``nonlocal_policy="gather"``
+    runs every module that would be reported on the whole globe instead (``domain/layers/gather.py``).
     ``fuse_exchanges``: let a padding layer and the conv after it, and sibling convs on one
     input, share exchanges (``fusion.py``; the results are the same).
 

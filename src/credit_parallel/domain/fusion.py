@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .conv import _DomainParallelConvNd
-from .padding import DomainParallelPad
-from .shared_input import share_input_exchange
+from .exchange.shared_input import share_input_exchange
+from .layers.conv import _DomainParallelConvNd
+from .layers.padding import DomainParallelPad
 
 __all__ = ["apply_fusions", "find_fusions", "fuse_exchanges"]
 

@@ -3,7 +3,7 @@
 A layer is configured once, when it is built (``options=`` on its constructor; the converter
 builds every layer with the options its plan decided, ``convert.py`` / ``plan.py``), and not
 poked from outside afterwards.  Where an API must change an option of a built layer
-(:func:`~credit_parallel.domain.overlap.set_model_overlap`, a benchmark choosing the halo path),
+(:func:`~credit_parallel.domain.layers.split_conv.set_model_overlap`, a benchmark choosing the halo path),
 it goes through ONE method, :meth:`OptionsMixin.configure`, which replaces the layer's options
 object as a whole (checked like at construction).
 
@@ -34,12 +34,12 @@ class LayerOptions:
     * ``overlap``: wait for the halo rows after the shard's own computation (split conv only);
       None follows ``overlap.overlap_enabled``'s measured default.
     * ``split_halo``: convolve around the halo without assembling the window
-      (``overlap.SplitConv``); False: the window path; None: the default rule (``conv.py``).
+      (``split_conv.SplitConv``); False: the window path; None: the default rule (``conv.py``).
     * ``side_stream``: pack and post the exchange on the device's exchange stream (CUDA only;
       takes the window path).
     * ``fused_pad``: (a conv) the padding layer whose exchange this conv does (``fusion.py``).
     * ``fused_into``: (a padding layer) the conv that exchanges for it; the pad passes through.
-    * ``shared_input``: (a conv) the :class:`~credit_parallel.domain.shared_input.SharedInputExchange`
+    * ``shared_input``: (a conv) the :class:`~credit_parallel.domain.exchange.shared_input.SharedInputExchange`
       of the sibling convolutions it shares its input exchange with.
     """
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .conv import fused_pad_windows
-from .shared_input import sharing_step, union_windows
+from .exchange.shared_input import sharing_step, union_windows
+from .layers.conv import fused_pad_windows
 
 __all__ = [
     "STAGES",

@@ -14,7 +14,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .collective_ops import all_gather_rows, scatter_rows
+from .exchange.collectives import all_gather_rows, scatter_rows
 from .manager import get_domain_parallel_manager
 from .rows import shard_range
 
@@ -166,8 +166,8 @@ def unpad_shard_interp(
     global output (uneven shards included).  If the un-padded grid still differs from
     ``image_h`` x ``image_w``, it is bilinearly interpolated to it (domain-parallel, exact).
     """
-    from .exchange import exchange_rows
-    from .resample import DomainParallelInterpolate
+    from .exchange.halo import exchange_rows
+    from .layers.resample import DomainParallelInterpolate
 
     pad_n = pad_s = pad_w = pad_e = 0
     if padding_opt is not None:

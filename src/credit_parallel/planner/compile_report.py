@@ -4,7 +4,7 @@ Without processes the planner cannot convert the model, so this looks at what ``
 compiles on one process: the model of the config, built on the meta device, run once to record
 each block's inputs, then ``torch._dynamo.explain`` on every block (meta tensors: nothing is
 computed).  A converted block adds the library's communication, which is traced as operators
-(``domain/ops.py``) for every domain form (:data:`TRACED_FORMS`, which the report states), so
+(``domain/exchange/ops.py``) for every domain form (:data:`TRACED_FORMS`, which the report states), so
 a block without breaks here has none at domain > 1 either.
 """
 
@@ -20,7 +20,7 @@ from .trace import build_meta_model, model_input_shapes
 
 __all__ = ["TRACED_FORMS", "BlockBreaks", "compile_breaks", "format_compile_breaks"]
 
-# the domain layers whose communication a compiled block traces as operators (domain/ops.py);
+# the domain layers whose communication a compiled block traces as operators (domain/exchange/ops.py);
 # none is left that breaks the graph
 TRACED_FORMS = (
     "halo exchanges (every exchange_rows caller: convolutions, padding, resampling, ...)",

@@ -4,7 +4,7 @@
 :func:`layer_call_plan` from the layer's own geometry (``domain/geometry.py``: its form, output
 height and input windows) and ``rows.plan_exchange``; :func:`predicted_halo_bytes` and
 :func:`predicted_collectives` are public so the benchmarks can compare them with what a run
-measures (``credit_parallel.domain.exchange.record_exchange_stats``).  The memory helpers read
+measures (``credit_parallel.domain.exchange.halo.record_exchange_stats``).  The memory helpers read
 the tensor-parallel and FSDP2 declarations of a (meta) model.  Pure: no processes.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..config import DataMode
-from ..domain.attention import form_cost
+from ..domain.attention.cost import form_cost
 from ..domain.geometry import FILL, domain_form_of, domain_kind_of, input_windows_of
 from ..domain.rows import plan_exchange, shard_range, shard_sizes
 from ..fsdp import FSDP2_MIN_UNIT_PARAMS, fsdp2_units

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..config import DataMode, ParallelDims, parse_parallelism_conf
 from ..domain.convert import validate_sharding_constraints
-from ..domain.gather import gather_cost_note
+from ..domain.layers.gather import gather_cost_note
 from ..domain.plan import sharing_step
 from ..domain.rows import shard_sizes
 from ..fsdp import FSDP2_MIN_UNIT_PARAMS

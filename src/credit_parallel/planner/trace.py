@@ -115,7 +115,7 @@ def plan_targets(plan: ConversionPlan) -> list:
 def domain_targets(model: nn.Module, nonlocal_policy: str = "raise"):
     """``(targets, unsafe)`` of :func:`conversion_plan`: :func:`plan_targets` and the modules
     the converter refuses (empty under ``nonlocal_policy="gather"``: they are wrapped in
-    :class:`~credit_parallel.domain.gather.DomainGatherModule`)."""
+    :class:`~credit_parallel.domain.layers.gather.DomainGatherModule`)."""
     plan = conversion_plan(model, nonlocal_policy)
     return plan_targets(plan), list(plan.unsafe)
 

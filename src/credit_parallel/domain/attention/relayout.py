@@ -4,7 +4,7 @@
 ``attn_type="short"`` or ``"long"``, or any module declaring the same structure) and runs it on
 whole groups: one exchange brings every rank the rows of its groups (a no-op when the shard
 boundaries already fall on group boundaries), the module runs, and one exchange returns every
-output row to its owner in the balanced layout.  Both exchanges are ``exchange.py``'s: the way
+output row to its owner in the balanced layout.  Both exchanges are ``exchange/halo.py``'s: the way
 in is :func:`exchange_rows`; the way back is the gradient-return half of the same plan (the
 layout is a permutation, so "accumulate the rows back to their owners" IS the inverse exchange),
 and its backward is the way in again.
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..exchange import assemble_window, exchange_rows, post_gradient_return, post_rows
+from ..exchange.halo import assemble_window, exchange_rows, post_gradient_return, post_rows
+from ..exchange.ops import return_rows_traced
 from ..manager import resolve_manager
-from ..ops import return_rows_traced
 from ..rows import plan_exchange, shard_range
 from ..wrap import DomainWrapper
 from .layouts import (
@@ -67,7 +67,7 @@ def return_rows(y: torch.Tensor, layout: tuple, height: int, dim: int, manager) 
     dim = dim % y.dim()
     plan = plan_exchange(height, n, layout)[rank]
     start, stop = shard_range(height, n, rank)
-    if torch.compiler.is_compiling():  # one traced operator (domain/ops.py)
+    if torch.compiler.is_compiling():  # one traced operator (domain/exchange/ops.py)
         return return_rows_traced(y, plan, dim, stop - start, manager.domain_group)
     owned = list(y.shape)
     owned[dim] = stop - start

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ...launch import wait_all
+from ..exchange.ops import EAGER_IMPLS, all_to_all_traced
 from ..manager import resolve_manager
-from ..ops import EAGER_IMPLS, all_to_all_traced
 from ..rows import shard_range
 from ..wrap import DomainWrapper
 from .layouts import head_split
@@ -69,7 +69,7 @@ class _AllToAll(torch.autograd.Function):
 def all_to_all_parts(parts: list, recv_shapes: list, manager) -> list[torch.Tensor]:
     """Send ``parts[q]`` to domain rank q, receive a tensor of ``recv_shapes[q]`` from each;
     differentiable (the backward is the reverse all-to-all)."""
-    if torch.compiler.is_compiling():  # one traced operator (domain/ops.py)
+    if torch.compiler.is_compiling():  # one traced operator (domain/exchange/ops.py)
         return all_to_all_traced(parts, recv_shapes, manager.domain_group)
     return list(
         _AllToAll.apply(

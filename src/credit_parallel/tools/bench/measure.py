@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from ...composition import get_domain_manager, parallelize
 from ...device import device_for_process_group, synchronize
-from ...domain.overlap import set_model_overlap
+from ...domain.exchange.traffic import record_exchange_stats
+from ...domain.layers.split_conv import set_model_overlap
 from ...domain.rows import shard_range
-from ...domain.traffic import record_exchange_stats
 from ...planner import make_plan
 from ...small_collectives import record_small_collectives
 from ...testing import run_on_ranks

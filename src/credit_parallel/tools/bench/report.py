@@ -115,14 +115,14 @@ LEGEND = (
 
 
 NOTES = (
-    "Split convolution and overlap (domain/overlap.py): a convolution convolves straight from "
+    "Split convolution and overlap (domain/layers/split_conv.py): a convolution convolves straight from "
     "its shard (one zero-padded call for stride-1 'same' convs) and redoes only the boundary "
     "rows from small halo strips, forward and backward, without assembling a window; its "
     "backward sends the halo gradients before the shard's call.  Overlap only moves the "
     "forward's wait for the halo rows after the shard's call (bitwise the same results).  "
     "Default: on for CUDA, off on CPU (gloo's transfer threads compete with the convolution "
     "for the cores; measured slower on this 2-core machine); set it with "
-    "credit_parallel.domain.overlap.set_model_overlap(model, True/False).",
+    "credit_parallel.domain.layers.split_conv.set_model_overlap(model, True/False).",
     "Efficiency is measured against ONE process using as many intra-op threads as the layout "
     "has ranks, on the same global batch: 1.0 means domain/tensor/data parallelism over N "
     "processes is as fast as N threads in one process.  tp layouts replicate every layer that "

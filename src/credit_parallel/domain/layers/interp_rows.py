@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .rows import interp_source_rows, shard_range
+from ..rows import interp_source_rows, shard_range
 
 __all__ = [
     "InterpRowPlan",

@@ -39,11 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..compat import affine_per_channel
-from .collective_ops import all_gather_stacked, all_reduce_sum
-from .manager import resolve_manager
-from .ops import gather_stacked_traced
-from .wrap import DomainWrapper
+from ...compat import affine_per_channel
+from ..exchange.collectives import all_gather_stacked, all_reduce_sum
+from ..exchange.ops import gather_stacked_traced
+from ..manager import resolve_manager
+from ..wrap import DomainWrapper
 
 __all__ = [
     "DomainParallelGroupNorm",

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .exchange import exchange_rows
-from .manager import resolve_manager
-from .rows import shard_range
-from .wrap import DomainWrapper
+from ..exchange.halo import exchange_rows
+from ..manager import resolve_manager
+from ..rows import shard_range
+from ..wrap import DomainWrapper
 
 __all__ = [
     "DomainParallelPixelShuffle",

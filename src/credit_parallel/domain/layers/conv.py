@@ -5,13 +5,13 @@ convolution of the reference models.
 Each rank computes exactly the output rows the balanced layout assigns to it from the input rows
 those outputs read (own rows, rows of other ranks, and rows beyond the poles mapped by the
 layer's padding rule), fetched with one exchange.  Non-transposed convolutions convolve straight
-from the shard and only the boundary rows from small halo strips (``overlap.SplitConv``, no copy
+from the shard and only the boundary rows from small halo strips (``split_conv.SplitConv``, no copy
 of the shard); transposed, fused-pad and shared-input convolutions, shards too thin for an
 interior row and the option ``split_halo=False`` assemble the window and run the plain op with
 no padding along the sharded dim.  Nothing is padded inside the globe and nothing is trimmed
 approximately.  The pure geometry lives in ``conv_geometry.py``, the split conv and halo
-overlap in ``overlap.py`` and the exchange shared by sibling convolutions in
-``shared_input.py``.
+overlap in ``layers/split_conv.py`` and the exchange shared by sibling convolutions in
+``exchange/shared_input.py``.
 
 A layer's options (``options.py``: overlap, split halo, side stream, fused pad, shared input,
 module path) are given at construction (``options=``; ``overlap=`` alone as a keyword) and
@@ -26,6 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..exchange.halo import exchange_planned
+from ..exchange.shared_input import SharedInputExchange
+from ..manager import resolve_manager
+from ..options import LayerOptions, check_overlap
+from ..rows import FILL, RankExchangePlan, compose_windows, plan_exchange, shard_range
+from ..wrap import DomainWrapper, run_forward_pre_hooks
 from .conv_geometry import (
     ConvGeometry,
     ConvOp,
@@ -35,14 +41,8 @@ from .conv_geometry import (
     conv_windows,
     overlap_split,
 )
-from .exchange import exchange_planned
-from .manager import resolve_manager
-from .options import LayerOptions, check_overlap
-from .overlap import SplitConv, overlap_enabled
 from .padding import DomainParallelPad
-from .rows import FILL, RankExchangePlan, compose_windows, plan_exchange, shard_range
-from .shared_input import SharedInputExchange
-from .wrap import DomainWrapper, run_forward_pre_hooks
+from .split_conv import SplitConv, overlap_enabled
 
 __all__ = [
     "ConvGeometry",
@@ -129,12 +129,12 @@ class _DomainParallelConvNd(DomainWrapper):
 
     @property
     def split_halo(self) -> bool | None:
-        """Convolve around the halo (``overlap.SplitConv``); False: assemble the window."""
+        """Convolve around the halo (``split_conv.SplitConv``); False: assemble the window."""
         return self._options.split_halo
 
     @property
     def side_stream(self) -> bool:
-        """Pack and post the exchange on the device's exchange stream (``streams.py``)."""
+        """Pack and post the exchange on the device's exchange stream (``exchange/streams.py``)."""
         return self._options.side_stream
 
     @property
@@ -144,7 +144,7 @@ class _DomainParallelConvNd(DomainWrapper):
 
     @property
     def shared_input(self) -> SharedInputExchange | None:
-        """The exchange this conv shares with its siblings (``shared_input.py``), or None."""
+        """The exchange this conv shares with its siblings (``exchange/shared_input.py``), or None."""
         return self._options.shared_input
 
     @property
@@ -181,7 +181,7 @@ class _DomainParallelConvNd(DomainWrapper):
     def _path(self, call: _ConvCall) -> str:
         """The one place this conv's forward path is picked, from its options and this call's
         geometry: "transposed", "fused_pad" (exchange the pad's input once for both), "shared"
-        (take the rows from the siblings' shared exchange), "split" (``overlap.SplitConv``: no
+        (take the rows from the siblings' shared exchange), "split" (``split_conv.SplitConv``: no
         window assembled) or "window" (assemble the window, run the plain op)."""
         options = self._options
         if self.geometry.transposed:
@@ -220,7 +220,7 @@ class _DomainParallelConvNd(DomainWrapper):
         manager.  The layer itself exchanges exactly the rows of its per-rank window (one
         planned exchange, ``exchange.exchange_planned``); this object is that exchange's
         fixed-width equivalent, for inspection and for code written against the seed."""
-        from .exchange import HaloExchange
+        from ..exchange.halo import HaloExchange
 
         before, after = _halo_of(self)
         mode = self.geometry.edge_mode
@@ -288,7 +288,7 @@ class _DomainParallelConvNd(DomainWrapper):
         """``(op, shard positions)`` when the conv with its own zero padding along the sharded
         dim, run on the shard alone (the other dims padded as the op pads them), gives exactly
         this rank's output rows (stride 1, symmetric padding, output rows = shard rows): then
-        only the boundary rows need the halo (``overlap.SplitConv``).  Else None."""
+        only the boundary rows need the halo (``split_conv.SplitConv``).  Else None."""
         geo, i = self.geometry, self.spatial_index
         pb, pa = geo.pads[i]
         s, e = shard_range(length, n, rank)

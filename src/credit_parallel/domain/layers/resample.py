@@ -3,7 +3,7 @@
 These layers change the global height, and (SPEC §3) their output is again in the balanced
 layout of its own global height.  Each rank therefore works out which output rows it owns, which
 input rows those rows read (with the index arithmetic of the kernels themselves, see below),
-assembles exactly those input rows with one :func:`~credit_parallel.domain.exchange.exchange_rows`,
+assembles exactly those input rows with one :func:`~credit_parallel.domain.exchange.halo.exchange_rows`,
 and computes its rows locally.
 
 Interpolation is separable for both supported modes: each rank gathers the source rows it needs,
@@ -25,7 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .exchange import exchange_rows
+from ..exchange.halo import exchange_rows
+from ..manager import resolve_manager
+from ..options import OptionsMixin
 from .interp_rows import (  # noqa: F401 - re-exported names
     _MODES,
     InterpRowPlan,
@@ -38,8 +40,6 @@ from .interp_rows import (  # noqa: F401 - re-exported names
     kernel_traits,
     weight_matrix,
 )
-from .manager import resolve_manager
-from .options import OptionsMixin
 from .pixel_shuffle import (
     DomainParallelPixelShuffle,
     DomainParallelPixelUnshuffle,

@@ -1,5 +1,5 @@
 """Differentiable collectives over the domain group (the only domain code, besides
-``exchange.py``, that communicates).
+``exchange/halo.py``, that communicates).
 
 * :func:`all_gather_rows` — uneven all-gather along a dim; backward = all-reduce of the full
   gradient, then each rank keeps its rows (so each rank gets the sum over ranks of the
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..compat import all_gather_single
-from ..small_collectives import gather_small, sum_small_
+from ...compat import all_gather_single
+from ...small_collectives import gather_small, sum_small_
+from ..rows import shard_range, shard_sizes
 from .ops import EAGER_IMPLS, gather_rows_traced, scatter_rows_traced
-from .rows import shard_range, shard_sizes
 
 __all__ = ["all_gather_rows", "all_gather_stacked", "all_reduce_sum", "scatter_rows"]
 
@@ -92,14 +92,14 @@ class _AllGatherStacked(torch.autograd.Function):
 
 
 def all_gather_rows(x: torch.Tensor, dim: int, length: int, manager) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # one traced operator (domain/ops.py)
+    if torch.compiler.is_compiling():  # one traced operator (domain/exchange/ops.py)
         sizes = shard_sizes(length, manager.domain_world_size)
         return gather_rows_traced(x, dim, sizes, manager.domain_group)
     return _AllGatherRows.apply(x, dim, length, manager.domain_rank, manager.domain_group)
 
 
 def scatter_rows(x: torch.Tensor, dim: int, manager) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # one traced operator (domain/ops.py)
+    if torch.compiler.is_compiling():  # one traced operator (domain/exchange/ops.py)
         sizes = shard_sizes(x.shape[dim], manager.domain_world_size)
         return scatter_rows_traced(x, dim, sizes, manager.domain_rank, manager.domain_group)
     return _ScatterRows.apply(x, dim, manager.domain_rank, manager.domain_group)

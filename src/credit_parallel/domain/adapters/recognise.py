@@ -29,17 +29,17 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..attention.relayout import DomainRowGroupAttention
+from ..attention.sequence import SEQUENCE_CORES, DomainSequenceAttention
+from ..attention.tokens import DomainTokenAttention
 from ..wrap import replace_outermost
-from .relayout import DomainRowGroupAttention
-from .sequence import SEQUENCE_CORES, DomainSequenceAttention
-from .swin_blocks import (
+from .swin import (
     DomainSwinBlock,
     DomainSwinPatchMerging,
     is_swin_patch_merging,
     swin_family,
     swin_unshardable_reason,
 )
-from .tokens import DomainTokenAttention
 
 __all__ = [
     "attention_replacement",

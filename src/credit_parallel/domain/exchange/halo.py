@@ -10,7 +10,7 @@ height, both ends of every message agree on its size without talking, halos wide
 neighbour's shard simply come from further ranks, and exactly the rows needed are sent.
 
 The two halves of the path are public for layers with their own backward (the split
-convolution of ``domain/overlap.py``): :func:`post_rows` posts the forward messages and returns a
+convolution of ``domain/layers/split_conv.py``): :func:`post_rows` posts the forward messages and returns a
 :class:`PendingExchange` at once, :func:`assemble_window` builds any range of the window from the
 shard and the received rows, and :func:`post_gradient_return` posts the gradient return.  The
 autograd path is built from the same pieces, so the messages, the arithmetic and the order in
@@ -19,9 +19,9 @@ which gradient rows are accumulated are the same whichever way a layer calls it.
 :func:`~credit_parallel.domain.rows.compose_windows` (pure, in ``rows.py``) fuses two
 back-to-back row maps into one window, so one exchange replaces two (``fusion.py``).
 
-Statistics are opt-in (``traffic.py``): inside ``with record_exchange_stats() as stats:`` this
+Statistics are opt-in (``exchange/traffic.py``): inside ``with record_exchange_stats() as stats:`` this
 rank's calls, messages, bytes and seconds blocked are counted; outside, nothing is counted or
-timed.  ``side_stream=True`` packs and posts on the device's exchange stream (``streams.py``).
+timed.  ``side_stream=True`` packs and posts on the device's exchange stream (``exchange/streams.py``).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..launch import wait_all
-from .manager import require_manager, resolve_manager
+from ...launch import wait_all
+from ..manager import require_manager, resolve_manager
+from ..rows import compose_windows, edge_source_row, plan_exchange, shard_range
 from .ops import EAGER_IMPLS, exchange_traced
-from .rows import compose_windows, edge_source_row, plan_exchange, shard_range
 from .streams import comm_stream_for
 from .traffic import ExchangeStats, active_recorder, exchange_stats, record_exchange_stats
 
@@ -96,7 +96,7 @@ class PendingExchange:
 
     def posted_on(self, stream) -> PendingExchange:
         """Mark this exchange as posted on ``stream`` (a
-        :class:`~credit_parallel.domain.streams.CommStream`): :meth:`wait` joins it and hands the
+        :class:`~credit_parallel.domain.exchange.streams.CommStream`): :meth:`wait` joins it and hands the
         result over to the compute stream.  Returns self."""
         self._stream = stream
         return self
@@ -211,7 +211,7 @@ def _receive_buffers(ref: torch.Tensor, shapes_by_peer: dict):
 def _post_forward(xs, specs, peers, group, overlapped: bool, stream=None) -> PendingExchange:
     """Post the forward messages of every ``(plan, dim, fill)`` spec for its shard in ``xs``;
     ``wait()`` gives, per spec, the received buffers (one per ``plan.recvs`` entry).
-    ``stream``: a :class:`~credit_parallel.domain.streams.CommStream` to pack and post on."""
+    ``stream``: a :class:`~credit_parallel.domain.exchange.streams.CommStream` to pack and post on."""
     if stream is not None and stream.active:
         with stream.posting():
             pending = _post_forward(xs, specs, peers, group, overlapped)
@@ -364,7 +364,7 @@ def halo_gradient_buffers(like: torch.Tensor, plan, dim: int) -> list[torch.Tens
 def post_halo_gradients(grad_recv, plan, dim: int, peers, group, like, *, overlapped=True):
     """Send the gradients ``grad_recv`` of the received rows back to their owners; ``wait()``
     gives a function adding, into a shard gradient, what other ranks return for the rows this
-    rank sent them.  For layers that split their window gradient (``overlap.py``)."""
+    rank sent them.  For layers that split their window gradient (``layers/split_conv.py``)."""
     back_shapes = {}
     for q, runs in plan.sends:
         back_shapes.setdefault(peers[q], []).append(_shape_with(like, dim, sum(c for _, c in runs)))
@@ -452,7 +452,7 @@ def exchange_rows_batched(requests, manager, *, side_stream: bool = False) -> li
     assembles, every rank's being given so that each rank knows what to send.  All tensors must
     share dtype and device (their rows to a peer travel as one flat message).  Returns the
     windows, in order.  ``side_stream``: pack and post on the device's exchange stream
-    (``streams.py``; nothing changes on CPU).
+    (``exchange/streams.py``; nothing changes on CPU).
     """
     requests = list(requests)
     if not requests:

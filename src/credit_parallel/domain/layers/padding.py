@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .exchange import exchange_rows
-from .manager import resolve_manager
-from .options import LayerOptions
-from .rows import FILL, edge_source_row, shard_range
-from .wrap import DomainWrapper
+from ..exchange.halo import exchange_rows
+from ..manager import resolve_manager
+from ..options import LayerOptions
+from ..rows import FILL, edge_source_row, shard_range
+from ..wrap import DomainWrapper
 
 __all__ = ["DomainParallelPad", "checked_pad_windows", "pad_mode_of", "pad_windows"]
 

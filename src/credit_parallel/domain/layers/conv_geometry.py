@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch.nn.functional as F
 from torch import nn
 
-from .rows import (
+from ..rows import (
     ceil_div,
     conv_output_length,
     conv_transpose_input_range,

@@ -34,7 +34,7 @@ Refused at conversion (``ValueError`` naming the module): a ``padding_conf.mode`
 "earth" / "mirror", ``post_conf.activate`` (the post block), ``use_noise`` (per-pixel noise
 drawn on each shard's rows) and a ``shard_dim`` other than -2; under
 ``nonlocal_policy="gather"`` the first three run whole on the globe instead
-(:class:`~credit_parallel.domain.gather.DomainGatherModule`, with a warning).
+(:class:`~credit_parallel.domain.layers.gather.DomainGatherModule`, with a warning).
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention.relayout import return_rows
-from .exchange import exchange_rows
-from .gather import DomainGatherModule, gather_cost_note
-from .manager import resolve_manager
-from .resample import DomainParallelInterpolate
-from .rows import conv_output_length, conv_transpose_output_length, edge_source_row, shard_range
-from .wrap import DomainWrapper, replace_outermost
+from ..attention.relayout import return_rows
+from ..exchange.halo import exchange_rows
+from ..layers.gather import DomainGatherModule, gather_cost_note
+from ..layers.resample import DomainParallelInterpolate
+from ..manager import resolve_manager
+from ..rows import conv_output_length, conv_transpose_output_length, edge_source_row, shard_range
+from ..wrap import DomainWrapper, replace_outermost
 
 __all__ = [
     "FUXI_MODELS",

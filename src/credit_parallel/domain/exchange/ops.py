@@ -1,6 +1,6 @@
 """The domain layers' communication as operators ``torch.compile`` traces (``credit_parallel::``).
 
-In eager mode the layers call ``exchange.py``, ``collective_ops.py`` and the attention
+In eager mode the layers call ``exchange/halo.py``, ``exchange/collectives.py`` and the attention
 all-to-all through autograd Functions that post point-to-point messages; Dynamo cannot trace
 those (a graph break at every layer).  Under ``torch.compile`` (``torch.compiler.is_compiling()``
 at the call site) the same communication goes through the custom operators of this module
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ..small_collectives import gather_small, sum_small_
-from .rows import RankExchangePlan
+from ...small_collectives import gather_small, sum_small_
+from ..rows import RankExchangePlan
 
 __all__ = [
     "EAGER_IMPLS",
@@ -193,7 +193,7 @@ torch.library.register_autograd(
 
 
 def exchange_traced(xs, specs, group) -> list[torch.Tensor]:
-    """:func:`~credit_parallel.domain.exchange.exchange_planned` as one traced operator:
+    """:func:`~credit_parallel.domain.exchange.halo.exchange_planned` as one traced operator:
     ``specs[k] = (plan, dim, fill_value)`` for the shard ``xs[k]``."""
     code: list[int] = []
     for plan, _, _ in specs:
@@ -330,7 +330,7 @@ def all_to_all_traced(parts, recv_shapes, group) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- rows gathered
-# (``collective_ops.py``: the nonlocal gather policy and ``gather_tensor`` / ``shard_tensor``)
+# (``exchange/collectives.py``: the nonlocal gather policy and ``gather_tensor`` / ``shard_tensor``)
 @torch.library.custom_op("credit_parallel::gather_rows", mutates_args=())
 def _gather_rows(x: torch.Tensor, dim: int, sizes: list[int], group: str) -> torch.Tensor:
     return _owned(EAGER_IMPLS["gather_rows"](x, dim, list(sizes), _resolve_process_group(group)))

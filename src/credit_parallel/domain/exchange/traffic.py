@@ -1,6 +1,6 @@
 """Counters of this rank's domain exchange traffic, opt-in: what the benchmarks read.
 
-Inside ``with record_exchange_stats() as stats:`` every exchange (``exchange.py``) adds its
+Inside ``with record_exchange_stats() as stats:`` every exchange (``exchange/halo.py``) adds its
 calls, messages, bytes and seconds blocked to ``stats``; outside any such block nothing is
 counted or timed, so production steps pay nothing for the counters.
 """

@@ -15,9 +15,9 @@ import copy
 import weakref
 from functools import lru_cache
 
-from .conv_geometry import ConvGeometry
-from .exchange import exchange_rows
-from .rows import conv_window, edge_source_row, shard_range
+from ..layers.conv_geometry import ConvGeometry
+from ..rows import conv_window, edge_source_row, shard_range
+from .halo import exchange_rows
 
 __all__ = ["SharedInputExchange", "share_input_exchange", "sharing_step", "union_windows"]
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .collective_ops import all_gather_rows
-from .manager import resolve_manager
-from .rows import shard_range
-from .wrap import DomainWrapper
+from ..exchange.collectives import all_gather_rows
+from ..manager import resolve_manager
+from ..rows import shard_range
+from ..wrap import DomainWrapper
 
 __all__ = [
     "NONLOCAL_POLICIES",

@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..exchange import exchange_rows
+from ..attention.relayout import DomainRowGroupAttention, _no_rows, return_rows
+from ..exchange.halo import exchange_rows
 from ..manager import resolve_manager
 from ..rows import shard_range
 from ..wrap import DomainWrapper
-from .relayout import DomainRowGroupAttention, _no_rows, return_rows
 
 __all__ = [
     "SWIN_BLOCKS",

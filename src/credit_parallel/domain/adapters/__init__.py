@@ -1,0 +1,9 @@
+"""Model-specific adapters: client classes recognised by qualified class name (the library
+imports none of them) and made exact under latitude sharding.
+
+* :mod:`.recognise` — which attention module gets which form of :mod:`..attention`
+  (miles-credit's and timm's classes by name, or a user's ``_domain_attention`` declaration);
+* :mod:`.swin` — timm's and miles-credit's Swin-V2 blocks and patch merging on (B, H, W, C)
+  shards, the cyclic shift over H as a row exchange;
+* :mod:`.fuxi` — miles-credit's FuXi, its forward run unmodified on the rank's rows.
+"""
