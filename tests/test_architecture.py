@@ -48,6 +48,7 @@ LAYER_OF = {
     "fsdp": "library",
     "collectives": "library",
     "small_collectives": "library",
+    "lazy": "library",
     "grad_overlap": "library",
     "checkpoint": "library",
     "compile": "library",

@@ -48,7 +48,7 @@ Naming convention (the whole library keeps it):
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_exports
 
 # the names a user of domain parallelism imports -> their home modules (resolved lazily, PEP 562)
 _EXPORTS = {
@@ -89,14 +89,6 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'credit_parallel.domain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__ + ["adapters", "attention", "exchange", "layers"]
+__getattr__, __dir__ = lazy_exports(
+    __name__, _EXPORTS, globals(), ("adapters", "attention", "exchange", "layers")
+)
