@@ -38,14 +38,20 @@ from .conv import (
     DomainParallelPeriodicConv2d,
     conv_needs_domain_wrapper,
 )
-from .fusion import apply_fusions, find_fusions
+from .fusion import apply_fusions, apply_norm_conv, find_fusions, find_norm_conv
 from .fuxi import credit_model_decision
 from .gather import NONLOCAL_POLICIES, DomainGatherModule, gather_cost_note
 from .norm import DomainParallelGroupNorm
 from .options import OptionsMixin
 from .padding import DomainParallelPad
 from .pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
-from .plan import ConversionPlan, PadConvFusion, PlannedModule, SharedInputGroup
+from .plan import (
+    ConversionPlan,
+    NormConvFusion,
+    PadConvFusion,
+    PlannedModule,
+    SharedInputGroup,
+)
 from .resample import DomainParallelInterpolate
 from .wrap import converted_tree, visit_outermost
 
@@ -439,6 +445,10 @@ def _plan_fusions(plan: ConversionPlan, tree: list) -> None:
         plan.shared_inputs.append(
             SharedInputGroup(tuple(path_of[id(c)] for c in group), tuple(group))
         )
+    taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g}
+    for norm, act, conv in find_norm_conv(None, tree=tree, taken=taken):
+        paths = (path_of[id(norm)], path_of[id(conv)])
+        plan.norm_conv.append(NormConvFusion(*paths, norm, act, conv))
 
 
 def apply_conversion_plan(model: nn.Module, plan: ConversionPlan) -> nn.Module:
@@ -460,6 +470,7 @@ def apply_conversion_plan(model: nn.Module, plan: ConversionPlan) -> nn.Module:
     apply_fusions(
         [(f.pad, f.conv) for f in plan.pad_conv], [list(g.layers) for g in plan.shared_inputs]
     )
+    apply_norm_conv([(f.norm, f.activation, f.conv) for f in plan.norm_conv])
     return root
 
 

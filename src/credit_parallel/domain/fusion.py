@@ -11,6 +11,11 @@
   their windows (``shared_input.share_input_exchange``).  Sharing never changes results: a layer
   called on another tensor exchanges again, and a group seen used as a stack (each layer on a
   new tensor) stops sharing after its first call.
+* A GroupNorm, an optional elementwise activation (``norm_halo.ELEMENTWISE_ACTIVATIONS``) and a
+  convolution in an ``nn.Sequential``: the norm's statistics travel with the conv's halo
+  exchange, one call per direction for both (``norm_halo.NormConvLink``).  Fused only where the
+  norm module is used once, no hook sits on the norm or the activation, and the conv is a plain
+  (non-transposed, not pad-fused, not shared, no side stream) conv on the same manager.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from __future__ import annotations
 from torch import nn
 
 from .conv import _DomainParallelConvNd
+from .norm import DomainParallelGroupNorm
+from .norm_halo import ELEMENTWISE_ACTIVATIONS, NormConvLink
 from .padding import DomainParallelPad
 from .shared_input import share_input_exchange
 
-__all__ = ["apply_fusions", "find_fusions", "fuse_exchanges"]
+__all__ = ["apply_fusions", "apply_norm_conv", "find_fusions", "find_norm_conv", "fuse_exchanges"]
 
 
 def _plain_conv(module) -> bool:
@@ -59,6 +66,36 @@ def _pad_conv_pairs(children: list, uses: dict, layer_of) -> list:
     return pairs
 
 
+def _no_hooks(module) -> bool:
+    return not module._forward_hooks and not module._forward_pre_hooks
+
+
+def _norm_conv_triples(children: list, uses: dict, layer_of) -> list:
+    """``(norm, activation or None, conv)`` modules of one Sequential's children, in order."""
+    found = []
+    for i, first in enumerate(children):
+        norm = layer_of(first)
+        if not isinstance(norm, DomainParallelGroupNorm) or uses.get(id(first), 0) != 1:
+            continue
+        act, k = None, i + 1
+        if k < len(children) and type(children[k]) in ELEMENTWISE_ACTIVATIONS:
+            act, k = children[k], k + 1
+        if k >= len(children):
+            continue
+        conv = layer_of(children[k])
+        if (
+            _plain_conv(conv)
+            and not conv.side_stream
+            and conv.options.fused_norm is None
+            and norm.options.fused_norm is None
+            and conv.manager is norm.manager
+            and _no_hooks(first)
+            and (act is None or _no_hooks(act))
+        ):
+            found.append((first, act, children[k]))
+    return found
+
+
 def _sibling_groups(modules: list, layer_of) -> list[list]:
     groups: dict = {}
     for child in modules:
@@ -71,6 +108,26 @@ def _sibling_groups(modules: list, layer_of) -> list[list]:
     return [g for g in groups.values() if len(g) >= 2]
 
 
+def _sequences(tree: list):
+    """``(container, children in order, uses)`` of every Sequential / ModuleList of ``tree``
+    (the ``(path, module)`` of every module, duplicates included)."""
+    at = dict(tree)
+    uses: dict[int, int] = {}
+    containers: dict[int, tuple] = {}  # first occurrences, in order (as model.modules())
+    for path, module in tree:
+        uses[id(module)] = uses.get(id(module), 0) + 1
+        containers.setdefault(id(module), (path, module))
+    for path, module in containers.values():
+        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
+            continue
+        children = {}  # as module.children(): each child once, in order
+        for name, child in module._modules.items():
+            if child is not None:
+                child = at[f"{path}.{name}" if path else name]
+                children.setdefault(id(child), child)
+        yield module, list(children.values()), uses
+
+
 def find_fusions(model: nn.Module | None, layer_of=None, *, tree=None) -> tuple[list, list]:
     """``(pad_conv_pairs, sibling_groups)`` of ``model``: pairs ``(pad module, conv module)`` and
     lists of sibling conv modules, as modules of ``model``.  ``layer_of(module)`` gives the
@@ -81,29 +138,40 @@ def find_fusions(model: nn.Module | None, layer_of=None, *, tree=None) -> tuple[
     layer_of = layer_of or (lambda m: m)
     if tree is None:
         tree = list(model.named_modules(remove_duplicate=False))
-    at = dict(tree)
-    uses: dict[int, int] = {}
-    containers: dict[int, tuple] = {}  # first occurrences, in order (as model.modules())
-    for path, module in tree:
-        uses[id(module)] = uses.get(id(module), 0) + 1
-        containers.setdefault(id(module), (path, module))
     pairs, groups = [], []
-    for path, module in containers.values():
-        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
-            continue
-        children = {}  # as module.children(): each child once, in order
-        for name, child in module._modules.items():
-            if child is not None:
-                child = at[f"{path}.{name}" if path else name]
-                children.setdefault(id(child), child)
+    for module, children, uses in _sequences(tree):
         if isinstance(module, nn.Sequential):
-            pairs += _pad_conv_pairs(list(children.values()), uses, layer_of)
+            pairs += _pad_conv_pairs(children, uses, layer_of)
         if isinstance(module, nn.ModuleList):
-            groups += _sibling_groups(list(children.values()), layer_of)
+            groups += _sibling_groups(children, layer_of)
     # a conv that exchanges for its pad does not also share its input
     paired = {id(conv) for _, conv in pairs}
-    groups = [g for g in ([c for c in g if id(c) not in paired] for g in groups) if len(g) >= 2]
+    groups = [g for g in ((c for c in g if id(c) not in paired) for g in groups)]
+    groups = [g for g in (list(g) for g in groups) if len(g) >= 2]
     return pairs, groups
+
+
+def find_norm_conv(model: nn.Module | None, layer_of=None, *, tree=None, taken=()) -> list:
+    """``(norm, activation or None, conv)`` module triples of ``model`` (or ``tree``, as
+    :func:`find_fusions`) whose norm statistics can travel with the conv's exchange; convs in
+    ``taken`` (ids: fused with a pad or sharing their input) are left out."""
+    layer_of = layer_of or (lambda m: m)
+    if tree is None:
+        tree = list(model.named_modules(remove_duplicate=False))
+    found = []
+    for module, children, uses in _sequences(tree):
+        if isinstance(module, nn.Sequential):
+            found += _norm_conv_triples(children, uses, layer_of)
+    return [f for f in found if id(f[2]) not in set(taken)]
+
+
+def apply_norm_conv(triples) -> None:
+    """Link each ``(norm layer, activation or None, conv layer)`` (domain layers): both get the
+    same :class:`~credit_parallel.domain.norm_halo.NormConvLink` as their ``fused_norm``."""
+    for norm, act, conv in triples:
+        link = NormConvLink(norm, act, conv)
+        norm.configure(fused_norm=link)
+        conv.configure(fused_norm=link)
 
 
 def apply_fusions(pairs, groups) -> None:
@@ -123,4 +191,7 @@ def fuse_exchanges(model: nn.Module) -> dict[str, int]:
     returns how many ``pad_conv`` pairs and ``sibling_convs`` groups were fused."""
     pairs, groups = find_fusions(model)
     apply_fusions(pairs, groups)
-    return {"pad_conv": len(pairs), "sibling_convs": len(groups)}
+    taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g}
+    triples = find_norm_conv(model, taken=taken)
+    apply_norm_conv(triples)
+    return {"pad_conv": len(pairs), "sibling_convs": len(groups), "norm_conv": len(triples)}
