@@ -45,6 +45,7 @@ from .norm import (
     merge_group_moments,
     statistics_dtype,
 )
+from .traffic import active_recorder
 
 __all__ = ["ELEMENTWISE_ACTIVATIONS", "NormConvLink"]
 
@@ -70,10 +71,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _exchange_bytes(sends: dict, layouts: dict, ref, peers, group, direction: str) -> dict:
-    """ONE batched call: ``sends[q]`` (tensors) to domain rank ``q`` as one byte message,
-    ``layouts[q]`` ((dtype, shape) per part) received from ``q``; returns, per ``q``, the
-    received parts (views of one byte buffer per peer), after the one wait."""
+    """ONE batched call: ``sends[q]`` (tensors, the statistics first) to domain rank ``q`` as
+    one byte message, ``layouts[q]`` ((dtype, shape) per part) received from ``q``; returns, per
+    ``q``, the received parts (views of one byte buffer per peer), after the one wait."""
     send_msgs = [(peers[q], torch.cat([_as_bytes(t) for t in parts])) for q, parts in sends.items()]
+    recorder = active_recorder()
+    if recorder is not None:  # the statistics are not halo bytes (traffic.py)
+        statistics = sum(parts[0].numel() * parts[0].element_size() for parts in sends.values())
+        recorder.bytes_sent -= statistics
+        recorder.by_direction[direction] -= statistics
+        recorder.statistics_bytes += statistics
     flat, recv_msgs = {}, []
     for q, layout in layouts.items():
         sizes = [
