@@ -1,5 +1,6 @@
 """GroupNorm statistics with the next conv's halo exchange (``domain/norm_halo.py``): the
-converter links [GroupNorm, activation, conv] in a Sequential; results (forward, input and
+converter links [GroupNorm, activation, conv] in a Sequential (or declared by a block, the
+bundled U-Net's residual block); results (forward, input and
 every parameter gradient) equal the single process in float64 at domains 2 and 3 with uneven
 rows, and the step issues one batched P2P call per direction for norm + conv where the unfused
 layers issue two (and no statistics collective at all)."""
@@ -13,6 +14,7 @@ from torch import nn
 from credit_parallel.domain.convert import convert_to_domain_parallel, plan_conversion
 from credit_parallel.domain.exchange import record_exchange_stats
 from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.models.unet import UNetResBlock
 from credit_parallel.small_collectives import record_small_collectives
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
 
@@ -35,6 +37,8 @@ def _cases():
         ("rank_without_rows", lambda: nn.Sequential(
             nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv2d(4, 4, 3, padding=1),
         ), 2, 1),
+        # declared by the block (_domain_norm_act_conv): both norms linked, periodic convs
+        ("unet_res_block", lambda: UNetResBlock(4, 8, 2), 11, 2),
         # the activation is not elementwise-known: not linked
         ("softmax_between", lambda: nn.Sequential(
             nn.GroupNorm(2, 4), nn.Softmax(dim=1), nn.Conv2d(4, 4, 3, padding=1),
@@ -70,7 +74,10 @@ def _worker(rank, world):
 
 
 def _in_channels(build) -> int:
-    first = build()[0]
+    model = build()
+    if isinstance(model, UNetResBlock):
+        return model.norm1.num_channels
+    first = model[0]
     return first.num_channels if isinstance(first, nn.GroupNorm) else first.in_channels
 
 

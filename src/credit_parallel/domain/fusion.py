@@ -12,7 +12,7 @@
   called on another tensor exchanges again, and a group seen used as a stack (each layer on a
   new tensor) stops sharing after its first call.
 * A GroupNorm, an optional elementwise activation (``norm_halo.ELEMENTWISE_ACTIVATIONS``) and a
-  convolution in an ``nn.Sequential``: the norm's statistics travel with the conv's halo
+  convolution in an ``nn.Sequential`` (or declared by their parent in ``_domain_norm_act_conv``): the norm's statistics travel with the conv's halo
   exchange, one call per direction for both (``norm_halo.NormConvLink``).  Fused only where the
   norm module is used once, no hook sits on the norm or the activation, and the conv is a plain
   (non-transposed, not pad-fused, not shared, no side stream) conv on the same manager.
@@ -70,29 +70,51 @@ def _no_hooks(module) -> bool:
     return not module._forward_hooks and not module._forward_pre_hooks
 
 
+def _linkable(first, act, second, uses: dict, layer_of) -> bool:
+    """Whether the modules ``first`` (a norm), ``act`` (None or an activation) and ``second``
+    (a conv) may be linked (module docstring)."""
+    norm, conv = layer_of(first), layer_of(second)
+    return (
+        isinstance(norm, DomainParallelGroupNorm)
+        and uses.get(id(first), 0) == 1
+        and (act is None or (type(act) in ELEMENTWISE_ACTIVATIONS and _no_hooks(act)))
+        and _plain_conv(conv)
+        and not conv.side_stream
+        and conv.options.fused_norm is None
+        and norm.options.fused_norm is None
+        and conv.manager is norm.manager
+        and _no_hooks(first)
+    )
+
+
 def _norm_conv_triples(children: list, uses: dict, layer_of) -> list:
     """``(norm, activation or None, conv)`` modules of one Sequential's children, in order."""
     found = []
     for i, first in enumerate(children):
-        norm = layer_of(first)
-        if not isinstance(norm, DomainParallelGroupNorm) or uses.get(id(first), 0) != 1:
-            continue
         act, k = None, i + 1
         if k < len(children) and type(children[k]) in ELEMENTWISE_ACTIVATIONS:
             act, k = children[k], k + 1
-        if k >= len(children):
-            continue
-        conv = layer_of(children[k])
-        if (
-            _plain_conv(conv)
-            and not conv.side_stream
-            and conv.options.fused_norm is None
-            and norm.options.fused_norm is None
-            and conv.manager is norm.manager
-            and _no_hooks(first)
-            and (act is None or _no_hooks(act))
-        ):
+        if k < len(children) and _linkable(first, act, children[k], uses, layer_of):
             found.append((first, act, children[k]))
+    return found
+
+
+def _declared_triples(tree: list, uses: dict, layer_of) -> list:
+    """The triples a module declares in ``_domain_norm_act_conv`` (names of its children
+    ``(norm, activation or None, conv)`` where its forward feeds the conv exactly the activation
+    of the norm's output, e.g. ``models.unet.UNetResBlock``)."""
+    at, found, seen = dict(tree), [], set()
+    for path, module in tree:
+        declared = getattr(type(module), "_domain_norm_act_conv", ())
+        if not declared or id(module) in seen:
+            continue
+        seen.add(id(module))
+        for names in declared:
+            parts = [None if n is None else at.get(f"{path}.{n}" if path else n) for n in names]
+            first, act, second = parts
+            if first is not None and second is not None:
+                if _linkable(first, act, second, uses, layer_of):
+                    found.append((first, act, second))
     return found
 
 
@@ -158,11 +180,20 @@ def find_norm_conv(model: nn.Module | None, layer_of=None, *, tree=None, taken=(
     layer_of = layer_of or (lambda m: m)
     if tree is None:
         tree = list(model.named_modules(remove_duplicate=False))
+    uses: dict[int, int] = {}
+    for _, module in tree:
+        uses[id(module)] = uses.get(id(module), 0) + 1
     found = []
-    for module, children, uses in _sequences(tree):
+    for module, children, _ in _sequences(tree):
         if isinstance(module, nn.Sequential):
             found += _norm_conv_triples(children, uses, layer_of)
-    return [f for f in found if id(f[2]) not in set(taken)]
+    found += _declared_triples(tree, uses, layer_of)
+    taken, out = set(taken), []
+    for triple in found:  # each norm and each conv in one link at most
+        if id(triple[0]) not in taken and id(triple[2]) not in taken:
+            taken |= {id(triple[0]), id(triple[2])}
+            out.append(triple)
+    return out
 
 
 def apply_norm_conv(triples) -> None:
