@@ -68,10 +68,11 @@ def test_collectives_by_kind_equal_the_cost_model(rows):
     for r in rows:
         for kind in KINDS:
             assert r.collectives[kind] == r.collectives_predicted[kind], (r.model, r.layout, kind)
-    # one statistics all-gather per GroupNorm call in forward (its adjoint all-reduce backward)
+    # one statistics all-gather per GroupNorm call in forward (its adjoint all-reduce backward),
+    # except for a norm followed by a conv: its statistics travel with the conv's exchange
     conv = next(r for r in rows if r.model == "conv_stack/tiny" and r.domain == 2)
-    assert conv.collectives["all_gather"] == 2  # 2 blocks
-    assert conv.collectives["all_reduce"] == 2 + 1  # norm adjoints + one gradient bucket
+    assert conv.collectives["all_gather"] == 1  # 2 blocks, the first norm linked to conv 2
+    assert conv.collectives["all_reduce"] == 1 + 1  # norm adjoint + one gradient bucket
 
 
 def test_saved_activation_bytes_agree_with_the_cost_model(rows):

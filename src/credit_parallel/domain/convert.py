@@ -30,7 +30,7 @@ from torch import nn
 from .adapters.fuxi import credit_model_decision
 from .adapters.recognise import known_attention_decision, recognised_attention_form
 from .adapters.swin import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
-from .fusion import apply_fusions, find_fusions
+from .fusion import apply_fusions, apply_norm_conv, find_fusions, find_norm_conv
 from .layers.conv import (
     DomainParallelConv2d,
     DomainParallelConv3d,
@@ -45,7 +45,7 @@ from .layers.padding import DomainParallelPad
 from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
 from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
-from .plan import ConversionPlan, PadConvFusion, PlannedModule, SharedInputGroup
+from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
 from .wrap import converted_tree, visit_outermost
 
 __all__ = [
@@ -443,6 +443,10 @@ def _plan_fusions(plan: ConversionPlan, tree: list) -> None:
         plan.shared_inputs.append(
             SharedInputGroup(tuple(path_of[id(c)] for c in group), tuple(group))
         )
+    taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g}
+    for norm, act, conv in find_norm_conv(None, tree=tree, taken=taken):
+        paths = (path_of[id(norm)], path_of[id(conv)])
+        plan.norm_conv.append(NormConvFusion(*paths, norm, act, conv))
 
 
 def apply_conversion_plan(model: nn.Module, plan: ConversionPlan) -> nn.Module:
@@ -464,6 +468,7 @@ def apply_conversion_plan(model: nn.Module, plan: ConversionPlan) -> nn.Module:
     apply_fusions(
         [(f.pad, f.conv) for f in plan.pad_conv], [list(g.layers) for g in plan.shared_inputs]
     )
+    apply_norm_conv([(f.norm, f.activation, f.conv) for f in plan.norm_conv])
     return root
 
 

@@ -11,6 +11,11 @@
   their windows (``shared_input.share_input_exchange``).  Sharing never changes results: a layer
   called on another tensor exchanges again, and a group seen used as a stack (each layer on a
   new tensor) stops sharing after its first call.
+* A GroupNorm, an optional elementwise activation (``norm_halo.ELEMENTWISE_ACTIVATIONS``) and a
+  convolution in an ``nn.Sequential`` (or declared by their parent in ``_domain_norm_act_conv``): the norm's statistics travel with the conv's halo
+  exchange, one call per direction for both (``norm_halo.NormConvLink``).  Fused only where the
+  norm module is used once, no hook sits on the norm or the activation, and the conv is a plain
+  (non-transposed, not pad-fused, not shared, no side stream) conv on the same manager.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from torch import nn
 
 from .exchange.shared_input import share_input_exchange
 from .layers.conv import _DomainParallelConvNd
+from .layers.norm import DomainParallelGroupNorm
+from .layers.norm_halo import ELEMENTWISE_ACTIVATIONS, NormConvLink
 from .layers.padding import DomainParallelPad
 
-__all__ = ["apply_fusions", "find_fusions", "fuse_exchanges"]
+__all__ = ["apply_fusions", "apply_norm_conv", "find_fusions", "find_norm_conv", "fuse_exchanges"]
 
 
 def _plain_conv(module) -> bool:
@@ -59,6 +66,58 @@ def _pad_conv_pairs(children: list, uses: dict, layer_of) -> list:
     return pairs
 
 
+def _no_hooks(module) -> bool:
+    return not module._forward_hooks and not module._forward_pre_hooks
+
+
+def _linkable(first, act, second, uses: dict, layer_of) -> bool:
+    """Whether the modules ``first`` (a norm), ``act`` (None or an activation) and ``second``
+    (a conv) may be linked (module docstring)."""
+    norm, conv = layer_of(first), layer_of(second)
+    return (
+        isinstance(norm, DomainParallelGroupNorm)
+        and uses.get(id(first), 0) == 1
+        and (act is None or (type(act) in ELEMENTWISE_ACTIVATIONS and _no_hooks(act)))
+        and _plain_conv(conv)
+        and not conv.side_stream
+        and conv.options.fused_norm is None
+        and norm.options.fused_norm is None
+        and conv.manager is norm.manager
+        and _no_hooks(first)
+    )
+
+
+def _norm_conv_triples(children: list, uses: dict, layer_of) -> list:
+    """``(norm, activation or None, conv)`` modules of one Sequential's children, in order."""
+    found = []
+    for i, first in enumerate(children):
+        act, k = None, i + 1
+        if k < len(children) and type(children[k]) in ELEMENTWISE_ACTIVATIONS:
+            act, k = children[k], k + 1
+        if k < len(children) and _linkable(first, act, children[k], uses, layer_of):
+            found.append((first, act, children[k]))
+    return found
+
+
+def _declared_triples(tree: list, uses: dict, layer_of) -> list:
+    """The triples a module declares in ``_domain_norm_act_conv`` (names of its children
+    ``(norm, activation or None, conv)`` where its forward feeds the conv exactly the activation
+    of the norm's output, e.g. ``models.unet.UNetResBlock``)."""
+    at, found, seen = dict(tree), [], set()
+    for path, module in tree:
+        declared = getattr(type(module), "_domain_norm_act_conv", ())
+        if not declared or id(module) in seen:
+            continue
+        seen.add(id(module))
+        for names in declared:
+            parts = [None if n is None else at.get(f"{path}.{n}" if path else n) for n in names]
+            first, act, second = parts
+            if first is not None and second is not None:
+                if _linkable(first, act, second, uses, layer_of):
+                    found.append((first, act, second))
+    return found
+
+
 def _sibling_groups(modules: list, layer_of) -> list[list]:
     groups: dict = {}
     for child in modules:
@@ -71,6 +130,26 @@ def _sibling_groups(modules: list, layer_of) -> list[list]:
     return [g for g in groups.values() if len(g) >= 2]
 
 
+def _sequences(tree: list):
+    """``(container, children in order, uses)`` of every Sequential / ModuleList of ``tree``
+    (the ``(path, module)`` of every module, duplicates included)."""
+    at = dict(tree)
+    uses: dict[int, int] = {}
+    containers: dict[int, tuple] = {}  # first occurrences, in order (as model.modules())
+    for path, module in tree:
+        uses[id(module)] = uses.get(id(module), 0) + 1
+        containers.setdefault(id(module), (path, module))
+    for path, module in containers.values():
+        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
+            continue
+        children = {}  # as module.children(): each child once, in order
+        for name, child in module._modules.items():
+            if child is not None:
+                child = at[f"{path}.{name}" if path else name]
+                children.setdefault(id(child), child)
+        yield module, list(children.values()), uses
+
+
 def find_fusions(model: nn.Module | None, layer_of=None, *, tree=None) -> tuple[list, list]:
     """``(pad_conv_pairs, sibling_groups)`` of ``model``: pairs ``(pad module, conv module)`` and
     lists of sibling conv modules, as modules of ``model``.  ``layer_of(module)`` gives the
@@ -81,29 +160,49 @@ def find_fusions(model: nn.Module | None, layer_of=None, *, tree=None) -> tuple[
     layer_of = layer_of or (lambda m: m)
     if tree is None:
         tree = list(model.named_modules(remove_duplicate=False))
-    at = dict(tree)
-    uses: dict[int, int] = {}
-    containers: dict[int, tuple] = {}  # first occurrences, in order (as model.modules())
-    for path, module in tree:
-        uses[id(module)] = uses.get(id(module), 0) + 1
-        containers.setdefault(id(module), (path, module))
     pairs, groups = [], []
-    for path, module in containers.values():
-        if not isinstance(module, (nn.Sequential, nn.ModuleList)):
-            continue
-        children = {}  # as module.children(): each child once, in order
-        for name, child in module._modules.items():
-            if child is not None:
-                child = at[f"{path}.{name}" if path else name]
-                children.setdefault(id(child), child)
+    for module, children, uses in _sequences(tree):
         if isinstance(module, nn.Sequential):
-            pairs += _pad_conv_pairs(list(children.values()), uses, layer_of)
+            pairs += _pad_conv_pairs(children, uses, layer_of)
         if isinstance(module, nn.ModuleList):
-            groups += _sibling_groups(list(children.values()), layer_of)
+            groups += _sibling_groups(children, layer_of)
     # a conv that exchanges for its pad does not also share its input
     paired = {id(conv) for _, conv in pairs}
-    groups = [g for g in ([c for c in g if id(c) not in paired] for g in groups) if len(g) >= 2]
+    groups = [g for g in ((c for c in g if id(c) not in paired) for g in groups)]
+    groups = [g for g in (list(g) for g in groups) if len(g) >= 2]
     return pairs, groups
+
+
+def find_norm_conv(model: nn.Module | None, layer_of=None, *, tree=None, taken=()) -> list:
+    """``(norm, activation or None, conv)`` module triples of ``model`` (or ``tree``, as
+    :func:`find_fusions`) whose norm statistics can travel with the conv's exchange; convs in
+    ``taken`` (ids: fused with a pad or sharing their input) are left out."""
+    layer_of = layer_of or (lambda m: m)
+    if tree is None:
+        tree = list(model.named_modules(remove_duplicate=False))
+    uses: dict[int, int] = {}
+    for _, module in tree:
+        uses[id(module)] = uses.get(id(module), 0) + 1
+    found = []
+    for module, children, _ in _sequences(tree):
+        if isinstance(module, nn.Sequential):
+            found += _norm_conv_triples(children, uses, layer_of)
+    found += _declared_triples(tree, uses, layer_of)
+    taken, out = set(taken), []
+    for triple in found:  # each norm and each conv in one link at most
+        if id(triple[0]) not in taken and id(triple[2]) not in taken:
+            taken |= {id(triple[0]), id(triple[2])}
+            out.append(triple)
+    return out
+
+
+def apply_norm_conv(triples) -> None:
+    """Link each ``(norm layer, activation or None, conv layer)`` (domain layers): both get the
+    same :class:`~credit_parallel.domain.layers.norm_halo.NormConvLink` as their ``fused_norm``."""
+    for norm, act, conv in triples:
+        link = NormConvLink(norm, act, conv)
+        norm.configure(fused_norm=link)
+        conv.configure(fused_norm=link)
 
 
 def apply_fusions(pairs, groups) -> None:
@@ -123,4 +222,7 @@ def fuse_exchanges(model: nn.Module) -> dict[str, int]:
     returns how many ``pad_conv`` pairs and ``sibling_convs`` groups were fused."""
     pairs, groups = find_fusions(model)
     apply_fusions(pairs, groups)
-    return {"pad_conv": len(pairs), "sibling_convs": len(groups)}
+    taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g}
+    triples = find_norm_conv(model, taken=taken)
+    apply_norm_conv(triples)
+    return {"pad_conv": len(pairs), "sibling_convs": len(groups), "norm_conv": len(triples)}

@@ -41,6 +41,9 @@ class LayerOptions:
     * ``fused_into``: (a padding layer) the conv that exchanges for it; the pad passes through.
     * ``shared_input``: (a conv) the :class:`~credit_parallel.domain.exchange.shared_input.SharedInputExchange`
       of the sibling convolutions it shares its input exchange with.
+    * ``fused_norm``: (a GroupNorm and the conv after it) the
+      :class:`~credit_parallel.domain.layers.norm_halo.NormConvLink` through which the norm's
+      statistics travel with the conv's halo exchange (one call per direction for both).
     """
 
     module_path: str | None = None
@@ -50,6 +53,7 @@ class LayerOptions:
     fused_pad: object | None = field(default=None, repr=False, compare=False)
     fused_into: object | None = field(default=None, repr=False, compare=False)
     shared_input: object | None = field(default=None, repr=False, compare=False)
+    fused_norm: object | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         check_overlap(self.overlap)

@@ -15,7 +15,8 @@ in the order they were decided:
 * the modules refused as unsafe (``unsafe``; empty under the gather policy);
 * the exchange fusions (``fusion.py``): :class:`PadConvFusion` (a padding layer and the conv
   after it exchange once) and :class:`SharedInputGroup` (sibling convs on one input share one
-  exchange of the union of their windows).
+  exchange of the union of their windows); :class:`NormConvFusion` (a GroupNorm's statistics
+  travel with the halo exchange of the conv after it, ``norm_halo.py``).
 
 ``str(plan)`` prints one line per decision.
 """
@@ -32,6 +33,7 @@ from .layers.conv import fused_pad_windows
 __all__ = [
     "STAGES",
     "ConversionPlan",
+    "NormConvFusion",
     "PadConvFusion",
     "PlannedModule",
     "SharedInputGroup",
@@ -100,6 +102,21 @@ class SharedInputGroup:
         return f"share one input exchange: {', '.join(self.paths)}"
 
 
+@dataclass(frozen=True)
+class NormConvFusion:
+    """A GroupNorm, an optional elementwise activation and the conv after them: the norm's
+    statistics travel with the conv's halo exchange, one call per direction for both."""
+
+    norm_path: str
+    conv_path: str
+    norm: nn.Module = field(repr=False, compare=False)
+    activation: nn.Module | None = field(repr=False, compare=False)
+    conv: nn.Module = field(repr=False, compare=False)
+
+    def __str__(self) -> str:
+        return f"norm {self.norm_path} statistics with the exchange of conv {self.conv_path}"
+
+
 @dataclass
 class ConversionPlan:
     """Everything the converter decided for one model (see the module docstring)."""
@@ -111,6 +128,7 @@ class ConversionPlan:
     gathered: list[tuple[str, str]] = field(default_factory=list)  # (path, why), gather policy
     pad_conv: list[PadConvFusion] = field(default_factory=list)
     shared_inputs: list[SharedInputGroup] = field(default_factory=list)
+    norm_conv: list[NormConvFusion] = field(default_factory=list)
 
     @property
     def errors(self) -> list[PlannedModule]:
@@ -124,5 +142,5 @@ class ConversionPlan:
         lines = [f"conversion plan (shard_dim={self.shard_dim}, nonlocal={self.nonlocal_policy})"]
         lines += [f"  {m}" for m in self.modules]
         lines += [f"  {path}: refused: {reason}" for path, reason in self.unsafe]
-        lines += [f"  {f}" for f in (*self.pad_conv, *self.shared_inputs)]
+        lines += [f"  {f}" for f in (*self.pad_conv, *self.shared_inputs, *self.norm_conv)]
         return "\n".join(lines)

@@ -36,6 +36,9 @@ class UNetResBlock(nn.Module):
     """GroupNorm-SiLU-PeriodicConv x2 with a residual (1x1 conv when channels change)."""
 
     _fsdp2_shard = True
+    # each conv's input is exactly the activation of the norm's output (forward below): the
+    # domain converter sends the norm's statistics with the conv's halo exchange
+    _domain_norm_act_conv = (("norm1", "act", "conv1"), ("norm2", "act", "conv2"))
 
     def __init__(self, dim_in: int, dim_out: int, norm_groups: int) -> None:
         super().__init__()

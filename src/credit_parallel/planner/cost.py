@@ -74,6 +74,9 @@ class DomainLayerPlan:
     # the busiest rank holds while it runs; 0 for layers that do not report them
     communication_bytes: int = 0
     activation_bytes: int = 0
+    # a GroupNorm whose statistics travel with the next conv's halo exchange
+    # (``domain/layers/norm_halo.py``): no statistics collective of its own
+    stats_with_exchange: bool = False
 
     @property
     def exchanges(self) -> bool:
@@ -199,7 +202,8 @@ def predicted_collectives(
     * ``domain_p2p``: ``batch_isend_irecv`` calls, 2 per domain layer this rank exchanges in
       (forward rows + backward gradients);
     * ``domain_all_gather`` / ``domain_all_reduce_norm``: per GroupNorm call one all-gather of the
-      statistics in forward and its adjoint all-reduce in backward; per gathered module
+      statistics in forward and its adjoint all-reduce in backward (none for a norm whose
+      statistics travel with the next conv's exchange, ``stats_with_exchange``); per gathered module
       (``nonlocal_policy="gather"``) one all-gather of its input rows;
     * ``domain_grad_all_reduce``: buckets of ``sync_domain_gradients`` (domain > 1);
     * ``tp_all_reduce``: one per row-parallel layer (forward) plus one per column layer (backward);
@@ -231,7 +235,9 @@ def predicted_collectives(
         counts["domain_p2p"] = 2 * max(
             sum(1 for layer in layers if layer.rank_exchanges(r)) for r in ranks
         )
-        norms = sum(1 for layer in layers if layer.kind == "group_norm")
+        norms = sum(
+            1 for layer in layers if layer.kind == "group_norm" and not layer.stats_with_exchange
+        )
         gathers = sum(1 for layer in layers if layer.form == "gather")
         counts["domain_all_gather"] = norms + gathers
         counts["domain_all_reduce_norm"] = norms

@@ -20,6 +20,7 @@ are GLOBAL row counts along the sharded dim (latitude: dim -2 of B,C,H,W and of 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -184,16 +185,18 @@ def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: li
                 "trainer.parallelism.domain: 1)"
             )
     exchanges = _fused_exchanges(plan, trace, n)
+    linked_norms = {id(f.norm) for f in plan.norm_conv}  # statistics with the conv's exchange
     layers = []
     seen_calls: dict[str, int] = {}
     for index, (path, _, replacement, in_shape, out_shape, _) in enumerate(trace.calls):
         seen_calls[path] = seen_calls.get(path, 0) + 1
         label = path if seen_calls[path] == 1 else f"{path} (call {seen_calls[path]})"
-        layers.append(
-            layer_call_plan(
-                label, replacement, in_shape, out_shape, n, double, exchanges.get(index), itemsize
-            )
+        layer = layer_call_plan(
+            label, replacement, in_shape, out_shape, n, double, exchanges.get(index), itemsize
         )
+        if id(replacement) in linked_norms:
+            layer = dataclasses.replace(layer, stats_with_exchange=True)
+        layers.append(layer)
     gathered = [layer.path for layer in layers if layer.form == "gather"]
     if gathered and n > 1:
         notes.append(

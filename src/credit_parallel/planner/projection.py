@@ -226,7 +226,7 @@ def project_step(
         if layer.rows_received:
             rows = max(max(s, r) for s, r in zip(layer.rows_sent, layer.rows_received))
             halo += 2 * link.message(rows * layer.row_elements * batch_size * dtype_bytes)
-        if layer.kind == "group_norm":
+        if layer.kind == "group_norm" and not layer.stats_with_exchange:
             norm += gather_time(norm_stat_bytes * domain, domain, link)
             norm += allreduce_time(norm_stat_bytes, domain, link)
         if layer.communication_bytes:

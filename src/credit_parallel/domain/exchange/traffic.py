@@ -24,7 +24,9 @@ class ExchangeStats:
 
     ``p2p_calls``: ``batch_isend_irecv`` calls; ``messages``: sends; ``bytes_sent`` (also split
     ``by_direction``); ``seconds``: time blocked in exchanges by direction (posting + waiting);
-    ``overlapped_calls``: calls whose wait was deferred behind computation.
+    ``overlapped_calls``: calls whose wait was deferred behind computation;
+    ``statistics_bytes``: GroupNorm statistics sent inside halo exchanges (``norm_halo.py``),
+    not counted in ``bytes_sent`` (which stays the halo rows).
     """
 
     p2p_calls: int = 0
@@ -33,9 +35,11 @@ class ExchangeStats:
     by_direction: dict = field(default_factory=lambda: _directions(0))
     seconds: dict = field(default_factory=lambda: _directions(0.0))
     overlapped_calls: int = 0
+    statistics_bytes: int = 0
 
     def reset(self) -> None:
         self.p2p_calls = self.messages = self.bytes_sent = self.overlapped_calls = 0
+        self.statistics_bytes = 0
         self.by_direction = _directions(0)
         self.seconds = _directions(0.0)
 

@@ -14,7 +14,7 @@ overlap in ``layers/split_conv.py`` and the exchange shared by sibling convoluti
 ``exchange/shared_input.py``.
 
 A layer's options (``options.py``: overlap, split halo, side stream, fused pad, shared input,
-module path) are given at construction (``options=``; ``overlap=`` alone as a keyword) and
+fused norm, module path) are given at construction (``options=``; ``overlap=`` alone as a keyword) and
 changed only through ``configure(...)``; ``_path`` picks the forward's path from them.
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..exchange.halo import exchange_planned
+from ..exchange.halo import assemble_window, exchange_planned
 from ..exchange.shared_input import SharedInputExchange
 from ..manager import resolve_manager
 from ..options import LayerOptions, check_overlap
@@ -239,6 +239,14 @@ class _DomainParallelConvNd(DomainWrapper):
         length = mgr.global_length(self, x.shape[dim])
         fused = self._options.fused_pad is not None
         call = self._call_geometry(length, n, mgr.domain_rank, fused=fused)
+        link = self._options.fused_norm
+        if link is not None and not torch.compiler.is_compiling():
+            halos = link.take_halos(x)  # the norm before it exchanged for it (norm_halo.py)
+            if halos is not None:
+                window = assemble_window(x, halos, call.plan, dim, 0.0)
+                if call.owns_no_output:
+                    return self._bias_only(x, window, weight, bias, 0)
+                return self.op(window, weight, bias)
         path = self._path(call)
         if path == "transposed":
             return self._forward_transposed(x, weight, bias, call, mgr, dim)

@@ -268,6 +268,9 @@ class DomainParallelGroupNorm(DomainWrapper):
             if torch.compiler.is_compiling():
                 args = (x, weight, bias, self.num_groups, self.eps, mgr.domain_group)
                 return _traced_group_norm(*args)
+            link = self._options.fused_norm  # statistics with the next conv's exchange
+            if link is not None and link.applies_to(x):
+                return link.norm_forward(x.contiguous(), weight, bias, mgr)
             return _DomainGroupNorm.apply(
                 x.contiguous(), weight, bias, self.num_groups, self.eps, mgr
             )
