@@ -17,7 +17,7 @@ The package, lowest first (a module imports only its own level or lower ones):
   ``torch.compile``), ``shared_input`` (one exchange for sibling convolutions), ``streams``,
   ``traffic`` (opt-in counters);
 * ``layers/`` — one file per layer family: ``conv`` (+ ``conv_geometry``, ``split_conv``),
-  ``norm``, ``padding``, ``resample`` (+ ``interp_rows``), ``pixel_shuffle``, ``gather``
+  ``norm`` (+ ``norm_halo``), ``padding``, ``resample`` (+ ``interp_rows``), ``pixel_shuffle``, ``gather``
   (``nonlocal_policy="gather"``);
 * ``attention/`` — attention made exact under latitude sharding (row groups, sequence parallel,
   token attention);
