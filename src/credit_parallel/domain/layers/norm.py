@@ -47,6 +47,7 @@ from ..wrap import DomainWrapper
 
 __all__ = [
     "DomainParallelGroupNorm",
+    "affine_from_moments",
     "group_norm_input_grad_coefficients",
     "local_group_moments",
     "merge_group_moments",
@@ -98,6 +99,25 @@ def merge_group_moments(counts, means, m2s):
     return mean, m2
 
 
+def affine_from_moments(gathered, hi, weight, bias, eps: float, groups: int, cg: int):
+    """The per-(sample, channel) affine of a GroupNorm from every rank's moments ``gathered``
+    (ranks, 3, B, G) stacked in rank order: merged in that order (so every rank gets bitwise
+    the same statistics), ``(rstd, offset, count, scale, shift)`` with ``offset`` the mean
+    relative to the centring value ``hi``; biased variance, like ``nn.GroupNorm``."""
+    stat = gathered.dtype
+    mean, m2 = merge_group_moments(gathered[:, 0], gathered[:, 1], gathered[:, 2])
+    count = gathered[:, 0].sum(0)
+    rstd = torch.rsqrt(m2 / count + eps)
+    offset = mean - hi.to(stat)
+    scale = rstd.unsqueeze(-1).expand(rstd.shape[0], groups, cg)
+    if weight is not None:
+        scale = scale * weight.to(stat).view(1, groups, cg)
+    shift = -offset.unsqueeze(-1) * scale
+    if bias is not None:
+        shift = shift + bias.to(stat).view(1, groups, cg)
+    return rstd, offset, count, scale, shift
+
+
 def _affine_per_channel(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor):
     """``t * scale + shift`` with ``t`` (B, C, L) and ``scale``/``shift`` (B, C), in ONE pass
     (:func:`credit_parallel.compat.affine_per_channel`)."""
@@ -147,16 +167,9 @@ class _DomainGroupNorm(torch.autograd.Function):
         t, hi = _centre(x, groups)
         moments = local_group_moments(t, hi, stat)
         gathered = all_gather_stacked(moments, manager)  # (ranks, 3, B, G): the one collective
-        mean, m2 = merge_group_moments(gathered[:, 0], gathered[:, 1], gathered[:, 2])
-        count = gathered[:, 0].sum(0)
-        rstd = torch.rsqrt(m2 / count + eps)  # biased variance, like nn.GroupNorm
-        offset = mean - hi.to(stat)
-        scale = rstd.unsqueeze(-1).expand(b, groups, cg)
-        if weight is not None:
-            scale = scale * weight.to(stat).view(1, groups, cg)
-        shift = -offset.unsqueeze(-1) * scale
-        if bias is not None:
-            shift = shift + bias.to(stat).view(1, groups, cg)
+        rstd, offset, count, scale, shift = affine_from_moments(
+            gathered, hi, weight, bias, eps, groups, cg
+        )
         cdt = t.dtype
         y = _affine_per_channel(t.view(b, c, length), scale.to(cdt), shift.to(cdt))
         keep_centred = t.dtype == x.dtype  # bf16/half: t is wider than x; recompute it later

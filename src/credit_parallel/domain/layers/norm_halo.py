@@ -41,9 +41,9 @@ from ..exchange.traffic import active_recorder
 from .norm import (
     _affine_per_channel,
     _centre,
+    affine_from_moments,
     group_norm_input_grad_coefficients,
     local_group_moments,
-    merge_group_moments,
     statistics_dtype,
 )
 
@@ -123,16 +123,9 @@ class _NormWindow(torch.autograd.Function):
             layouts.setdefault(q, []).append((x.dtype, tuple(_shape_with(x, dim, rows))))
         got = _exchange_bytes(sends, layouts, x, peers, group, "forward")
         gathered = torch.stack([moments if q == rank else got[q].pop(0) for q in range(n)])
-        mean, m2 = merge_group_moments(gathered[:, 0], gathered[:, 1], gathered[:, 2])
-        count = gathered[:, 0].sum(0)
-        rstd = torch.rsqrt(m2 / count + eps)
-        offset = mean - hi.to(stat)
-        scale = rstd.unsqueeze(-1).expand(b, groups, cg)
-        if weight is not None:
-            scale = scale * weight.to(stat).view(1, groups, cg)
-        shift = -offset.unsqueeze(-1) * scale
-        if bias is not None:
-            shift = shift + bias.to(stat).view(1, groups, cg)
+        rstd, offset, count, scale, shift = affine_from_moments(
+            gathered, hi, weight, bias, eps, groups, cg
+        )
         cdt = t.dtype
         scale, shift = scale.reshape(b, c).to(cdt), shift.reshape(b, c).to(cdt)
         y = _affine_per_channel(t.view(b, c, -1), scale, shift).view(x.shape).to(x.dtype)
