@@ -17,8 +17,14 @@ chunks zarr would fetch), each counted with its stored size (the chunk file's si
 was never written is not counted, as zarr does not count it).  ``chunk_reads`` / ``chunk_bytes``
 thus mean the same under both readers; tests/test_data_reads.py checks them under both.
 
-Tensorstore handles are opened lazily in the process that reads and reopened after a fork (they
-own thread pools a forked child does not inherit), so DataLoader workers fork cleanly.
+Fork: tensorstore runs thread pools, and a process forked from one that has used tensorstore
+aborts as soon as it uses tensorstore itself ("fork() use detected").  So handles are opened
+lazily in the process that reads (never before DataLoader workers fork), and a forked process
+whose parent had already used tensorstore reads through zarr instead (the same bytes, bit for
+bit; ``tensorstore_usable()``).  Workers forked from a main process that has read no sample
+through tensorstore read through tensorstore; after a main-process tensorstore read (a cached
+dataset's one read, a ``num_workers: 0`` loader, a probe sample) the workers forked later read
+through zarr.
 """
 
 from __future__ import annotations
@@ -31,9 +37,23 @@ from pathlib import Path
 import numpy as np
 from zarr.core.buffer.cpu import NDBuffer
 
-__all__ = ["READERS", "ChunkReader", "choose_reader", "tensorstore_available"]
+__all__ = [
+    "READERS",
+    "ChunkReader",
+    "choose_reader",
+    "tensorstore_available",
+    "tensorstore_usable",
+]
 
 READERS = ("auto", "tensorstore", "zarr")
+
+# the process that started tensorstore's threads; a forked child inherits the value
+_started_in: int | None = None
+
+
+def tensorstore_usable() -> bool:
+    """False in a process forked from one that had used tensorstore (it would abort)."""
+    return _started_in is None or _started_in == os.getpid()
 
 
 def tensorstore_available() -> bool:
@@ -114,7 +134,7 @@ class ChunkReader:
     def read(self, name: str, selection: tuple, basic: bool, view: np.ndarray) -> None:
         """Array ``name`` at ``selection`` (slices, and an integer array for the levels when
         not ``basic``) decoded into ``view``, which has the selection's shape."""
-        if self.kind == "zarr":
+        if self.kind == "zarr" or not tensorstore_usable():
             array = self.arrays[name]
             get = array.get_basic_selection if basic else array.get_orthogonal_selection
             get(selection, out=NDBuffer.from_numpy_array(view))
@@ -129,6 +149,8 @@ class ChunkReader:
     def _handle(self, name: str):
         import tensorstore as ts
 
+        global _started_in
+        _started_in = os.getpid()
         if self._pid != os.getpid():  # first read in this process, or a forked worker
             self._handles, self._pid = {}, os.getpid()
         if name not in self._handles:
