@@ -14,6 +14,11 @@ bytes one sample read from the store (``num_workers=0``, counted by the store) o
 exactly the rank's rows (uncompressed stores: 1.0 plus the chunk over-read at the shard edges).
 
     PYTHONPATH=src .venv/bin/python benchmarks/loader.py --rows-per-chunk 1 16 --workers 0 1
+
+``--reader zarr tensorstore`` compares the chunk readers (``data.reader``; default ``auto``).
+Workers forked after this process has read through tensorstore (an earlier ``--workers 0``
+row) read through zarr (tensorstore cannot run in such a fork): sweep workers > 0 in a run of
+their own, without ``--workers 0``.
 """
 
 from __future__ import annotations
