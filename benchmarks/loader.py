@@ -14,11 +14,17 @@ bytes one sample read from the store (``num_workers=0``, counted by the store) o
 exactly the rank's rows (uncompressed stores: 1.0 plus the chunk over-read at the shard edges).
 
     PYTHONPATH=src .venv/bin/python benchmarks/loader.py --rows-per-chunk 1 16 --workers 0 1
+
+``--reader zarr tensorstore`` compares the chunk readers (``data.reader``; default ``auto``).
+Workers forked after this process has read through tensorstore (an earlier ``--workers 0``
+row) read through zarr (tensorstore cannot run in such a fork): sweep workers > 0 in a run of
+their own, without ``--workers 0``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 from pathlib import Path
 
@@ -44,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--batches", type=int, default=6, help="timed batches per configuration")
     ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument(
+        "--reader", nargs="+", default=["auto"], choices=["auto", "tensorstore", "zarr"],
+        help="data.reader values to compare (the chunk reader, data/chunk_reader.py)",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -98,21 +108,22 @@ def main(argv=None) -> int:
         f"# grid {args.grid[0]}x{args.grid[1]}, {args.times} times, 10 channels, "
         f"batch {args.batch_size}, {args.batches} timed batches"
     )
-    print("| rows/chunk | codec | domain | rank rows | workers | samples/s | MB/s | MB/s/worker "
-          "| read/ideal | MB/CPU-s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| rows/chunk | codec | domain | rank rows | reader | workers | samples/s | MB/s "
+          "| MB/s/worker | read/ideal | MB/CPU-s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for rows in args.rows_per_chunk:
         for packed in compress:
             path = ensure_store(args, rows, packed)
             for domain in args.domain:
                 rank = None if args.rank is None else min(args.rank, domain - 1)
-                for workers in args.workers:
+                for reader, workers in itertools.product(args.reader, args.workers):
                     conf = loader_conf(path, workers, args.batch_size, UPPER, SURFACE)
                     conf["data"]["levels"] = list(LEVELS)
+                    conf["data"]["reader"] = reader
                     r = measure_loader(conf, domain=domain, rank=rank, batches=args.batches)
                     print(
                         f"| {rows} | {'zstd' if packed else 'none'} | {domain} | {r['rows']} | "
-                        f"{workers} | {r['samples_per_s']:.2f} | {r['mb_per_s']:.0f} | "
+                        f"{reader} | {workers} | {r['samples_per_s']:.2f} | {r['mb_per_s']:.0f} | "
                         f"{r['mb_per_s'] / max(workers, 1):.0f} | {r['read_ratio']:.3f} | "
                         f"{'-' if r['mb_per_cpu_s'] is None else format(r['mb_per_cpu_s'], '.0f')} |",
                         flush=True,

@@ -7,10 +7,9 @@ buffer per time step (``ts.array`` over the numpy buffer; no tensorstore cache),
 then ``--passes`` timed passes.  ``--mode concurrent`` issues the six variables' reads at once
 and waits for all; ``sequential`` waits for each (what the project's zarr reader does).  Prints
 MB per CPU second, wall MB/s and the CRC32 of time step 0's bytes, which must equal
-``benchmarks/zarr_read.py``'s.  Needs only numpy and tensorstore (NOT a project dependency):
+``benchmarks/zarr_read.py``'s.  Needs only numpy and tensorstore (a project dependency):
 
-    python -m venv /tmp/ts_venv && /tmp/ts_venv/bin/pip install tensorstore numpy
-    /tmp/ts_venv/bin/python benchmarks/tensorstore_read.py
+    .venv/bin/python benchmarks/tensorstore_read.py
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ against the xarray read, ``rechunk_store``, and the device prefetcher's stream o
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 
 import numpy as np
@@ -53,9 +55,10 @@ def chunked(base, tmp_path_factory):
     } | {1: base}
 
 
+@pytest.mark.parametrize("reader", ["zarr", "tensorstore"])
 @pytest.mark.parametrize("rows_per_chunk", [1, 4, 8, 33])
 @pytest.mark.parametrize("n", [1, 3, 8])
-def test_a_rank_reads_the_chunks_its_rows_touch_and_no_more(chunked, rows_per_chunk, n):
+def test_a_rank_reads_the_chunks_its_rows_touch_and_no_more(chunked, rows_per_chunk, n, reader):
     path = chunked[rows_per_chunk]
     channels = len(UPPER) * LEVELS + len(SURFACE)
     window = 2  # history 1 + forecast 1
@@ -63,7 +66,10 @@ def test_a_rank_reads_the_chunks_its_rows_touch_and_no_more(chunked, rows_per_ch
     globe_bytes = window * channels * H * row_bytes
     for rank in range(n):
         start, stop = shard_range(H, n, rank)
-        part = ERA5Dataset(path, UPPER, SURFACE, domain_shard=(rank, n), cache_limit_bytes=0)
+        part = ERA5Dataset(
+            path, UPPER, SURFACE, domain_shard=(rank, n), cache_limit_bytes=0, reader=reader
+        )
+        assert part.reader == reader
         part.reset_bytes_read()
         part[1]
         touched = -(-stop // rows_per_chunk) - start // rows_per_chunk  # chunks along latitude
@@ -147,6 +153,121 @@ def test_row_loader_batches_are_the_globe_rows_at_8_rows_per_chunk_domain3(chunk
         start, stop = shard_range(H, 3, rank)  # the rows shard_batch cuts (tensor_split)
         for key in ("x", "y"):
             assert torch.equal(batch[key], globe[key][..., start:stop, :])
+
+
+def _loader_conf(path, reader, as_5d=False):
+    return {
+        "data": {
+            "path": str(path), "upper_air_variables": UPPER, "surface_variables": SURFACE,
+            "levels": [850, 500], "reader": reader, "cache_limit_bytes": 0, "as_5d": as_5d,
+        },
+        "trainer": {"batch_size": 2, "seed": 3},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("rows_per_chunk", [1, 8])
+@pytest.mark.parametrize("as_5d", [False, True])
+def test_tensorstore_reads_are_bitwise_the_zarr_reads_and_the_globe_rows(
+    chunked, rows_per_chunk, as_5d
+):
+    # levels out of store order (tensorstore's orthogonal index), domain 1, 3 (11 rows each)
+    # and 4 (9, 8, 8, 8: uneven), the first and last ranks holding the poles
+    path = chunked[rows_per_chunk]
+
+    def first_batch(reader, rank, size):
+        loader = build_train_loader(
+            _loader_conf(path, reader, as_5d), dp_rank=0, dp_size=1, domain_rank=rank,
+            domain_size=size, device="cpu", num_workers=0,
+        )  # fmt: skip
+        assert loader.dataset.reader == reader
+        return next(iter(loader))
+
+    globe = first_batch("zarr", 0, 1)
+    for size in (1, 3, 4):
+        for rank in range(size):
+            ts_batch, zarr_batch = (
+                first_batch("tensorstore", rank, size),
+                first_batch("zarr", rank, size),
+            )
+            # the rows shard_batch cuts (torch.tensor_split along latitude)
+            cut = torch.tensor_split(torch.arange(H), size)[rank]
+            start, stop = int(cut[0]), int(cut[-1]) + 1
+            assert (start, stop) == shard_range(H, size, rank)
+            for key, value in globe.items():
+                if value.dim() < 4:
+                    assert torch.equal(ts_batch[key], value), key
+                    continue
+                assert torch.equal(ts_batch[key], zarr_batch[key]), (size, rank, key)
+                assert torch.equal(ts_batch[key], value[..., start:stop, :]), (size, rank, key)
+    assert float(globe["x" if not as_5d else "x_upper"].abs().sum()) > 0
+
+
+def test_reader_fallback_for_a_zarr_v2_store_and_the_zarr_key(base, tmp_path):
+    ds = xr.open_zarr(base, chunks=None, consolidated=False).load()
+    for name in ds.variables:
+        ds[name].encoding.clear()
+    v2 = tmp_path / "v2.zarr"
+    ds.to_zarr(v2, consolidated=False, zarr_format=2)
+    stats = xr.open_zarr(
+        str(base).replace(".zarr", "_stats.zarr"), chunks=None, consolidated=False
+    ).load()
+    for name in stats.variables:
+        stats[name].encoding.clear()
+    stats.to_zarr(tmp_path / "v2_stats.zarr", consolidated=False, zarr_format=2)
+    assert zarr.open_group(v2, mode="r").metadata.zarr_format == 2
+    auto = ERA5Dataset(v2, UPPER, SURFACE, rows=(3, 20), cache_limit_bytes=0)
+    assert auto.reader == "zarr" and auto._direct  # zarr still decodes straight into the buffer
+    ts_v3 = ERA5Dataset(base, UPPER, SURFACE, rows=(3, 20), cache_limit_bytes=0)
+    assert ts_v3.reader == "tensorstore"  # auto on a local v3 store
+    assert torch.equal(auto[1]["x"], ts_v3[1]["x"]) and torch.equal(auto[1]["y"], ts_v3[1]["y"])
+    pinned = ERA5Dataset(base, UPPER, SURFACE, rows=(3, 20), cache_limit_bytes=0, reader="zarr")
+    assert pinned.reader == "zarr" and torch.equal(pinned[1]["x"], ts_v3[1]["x"])
+    with pytest.raises(
+        ValueError, match=r"data\.reader: tensorstore cannot read.*not a local zarr v3 store"
+    ):
+        ERA5Dataset(v2, UPPER, SURFACE, cache_limit_bytes=0, reader="tensorstore")
+    with pytest.raises(ValueError, match=r"data\.reader must be one of"):
+        ERA5Dataset(base, UPPER, SURFACE, cache_limit_bytes=0, reader="fast")
+
+
+def _fork_read(path, queue):
+    from credit_parallel.data import chunk_reader
+
+    dataset = ERA5Dataset(path, UPPER, SURFACE, domain_shard=(1, 3), cache_limit_bytes=0)
+    sample = dataset[2]
+    queue.put((sample["x"].numpy(), chunk_reader._started_in == os.getpid()))
+
+
+def _fresh_process(path, queue):
+    """In a process that has not used tensorstore: a forked child reads through tensorstore;
+    after this process has read through it, a forked child reads through zarr (no abort)."""
+    fork = multiprocessing.get_context("fork")
+    results = []
+    for _ in range(2):
+        child_queue = fork.Queue()
+        child = fork.Process(target=_fork_read, args=(path, child_queue))
+        child.start()
+        results.append(child_queue.get(timeout=120))
+        child.join(timeout=120)
+        results.append(child.exitcode)
+        own = ERA5Dataset(path, UPPER, SURFACE, domain_shard=(1, 3), cache_limit_bytes=0)
+        results.append(own[2]["x"].numpy())  # this process now runs tensorstore's threads
+    queue.put(results)
+
+
+def test_a_forked_worker_reads_through_tensorstore_unless_its_parent_used_it(chunked):
+    path = chunked[8]
+    spawn = multiprocessing.get_context("spawn")
+    queue = spawn.Queue()
+    process = spawn.Process(target=_fresh_process, args=(path, queue))
+    process.start()
+    (x1, ts1), code1, own1, (x2, ts2), code2, own2 = queue.get(timeout=300)
+    process.join(timeout=60)
+    assert process.exitcode == 0 and code1 == 0 and code2 == 0
+    assert ts1 and not ts2  # the second child's parent had used tensorstore: zarr
+    reference = ERA5Dataset(path, UPPER, SURFACE, domain_shard=(1, 3), reader="zarr")
+    for x in (x1, own1, x2, own2):
+        assert np.array_equal(x, reference[2]["x"].numpy())
 
 
 def test_rechunk_store_copies_values_with_the_asked_chunks(base, chunked):

@@ -119,3 +119,11 @@ def test_dataclass_fields_are_exactly_the_parsed_keys():
     assert {f.name for f in dataclasses.fields(ModelConfig)} == {"type", "options"}
     defaults = {k: d for k, (d, _) in run_config._TRAINER_KEYS.items()}
     assert dataclasses.asdict(TrainerConfig()) == defaults
+
+
+def test_data_reader_key_defaults_to_auto_and_names_itself_when_wrong():
+    assert DataConfig.from_conf({}).reader == "auto"
+    for reader in ("auto", "tensorstore", "zarr"):
+        assert DataConfig.from_conf({"data": {"reader": reader}}).reader == reader
+    with pytest.raises(ValueError, match="data.reader must be"):
+        DataConfig.from_conf({"data": {"reader": "fast"}})

@@ -190,6 +190,8 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     "device_prefetch": (1, _number("data", "device_prefetch", int, 0)),  # batches copied ahead
     # None: the dataset's own default (data.dataset.DEFAULT_CACHE_LIMIT_BYTES, 1 GiB)
     "cache_limit_bytes": (None, _optional_number("data", "cache_limit_bytes", int, 0)),
+    # the chunk reader (data/chunk_reader.py): auto = tensorstore when it can read the store
+    "reader": ("auto", _choice("data", "reader", ("auto", "tensorstore", "zarr"))),
 }
 
 
@@ -329,6 +331,7 @@ class DataConfig:
     prefetch_factor: int = 2
     device_prefetch: int = 1
     cache_limit_bytes: int | None = None
+    reader: str = "auto"
 
     @classmethod
     def from_conf(cls, conf: Mapping) -> DataConfig:

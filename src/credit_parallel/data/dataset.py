@@ -28,9 +28,9 @@ import numpy as np
 import torch
 import xarray as xr
 from torch.utils.data import Dataset
-from zarr.core.buffer.cpu import NDBuffer
 
 from ..domain.rows import shard_range
+from .chunk_reader import ChunkReader, choose_reader
 from .store import (
     LAT_NAMES,
     LEVEL_NAMES,
@@ -156,16 +156,18 @@ class ERA5Dataset(Dataset):
 
     ``rows=(start, stop)``: read only the global latitude rows ``start..stop-1`` (north to south,
     after any flip) of every sample; ``domain_shard=(domain_rank, domain_size)`` instead: the rows
-    the balanced layout gives that domain rank (``credit_parallel.domain.rows.shard_range``).  Samples then have ``stop - start`` rows, and the
-    normalisation runs in float32 (the whole-globe mode ``rows=None`` normalises in float64 and
-    rounds once, the single-process reference; the two differ by float32 rounding).  Every
+    the balanced layout gives that domain rank (``credit_parallel.domain.rows.shard_range``).
+    Samples then have ``stop - start`` rows, normalised in float32 (the whole-globe mode
+    ``rows=None`` normalises in float64 and rounds once, the single-process reference).  Every
     element is computed by the same float32 operations whatever the row range, so a rank's rows
     are bitwise the same rows of a ``rows=(0, H)`` read.
 
     When the selection is at most ``cache_limit_bytes`` (float32; default 1 GiB) it is read once
     and kept normalised in memory (``.cached``, ``.nbytes``); otherwise each sample reads its
-    window lazily through xarray.  ``bytes_read``: bytes of data-variable chunks this process
-    fetched from the store so far (``reset_bytes_read()`` zeroes it; see ``store.py``).
+    window lazily.  ``bytes_read``: bytes of data-variable chunks this process fetched from the
+    store so far (``reset_bytes_read()`` zeroes it; ``store.py``).  ``reader``: ``"auto"``
+    (tensorstore when it can read the store, else zarr), ``"tensorstore"`` or ``"zarr"``
+    (``data.reader``; ``.reader`` is the one chosen; ``chunk_reader.py``).
 
     Attributes: ``channels_in``, ``channels_out``, ``grid_shape`` ``(H, W)``, ``variable_names``
     (the channels of ONE time step, in order), ``channel_names_in`` / ``channel_names_out`` (every
@@ -193,6 +195,7 @@ class ERA5Dataset(Dataset):
         cache_limit_bytes: int = DEFAULT_CACHE_LIMIT_BYTES,
         rows: tuple[int, int] | None = None,
         domain_shard: tuple[int, int] | None = None,
+        reader: str = "auto",
     ):
         super().__init__()
         self.path = Path(path)
@@ -254,6 +257,8 @@ class ERA5Dataset(Dataset):
         self._std32 = np.asarray(self._std, dtype=np.float32)
         self._level_index, self._level_block = _level_index(self._level_positions)
         self._direct = self._direct_arrays(ds)
+        self.reader = choose_reader(reader, self.path, self._direct)
+        self._reader = ChunkReader(self.reader, self.path, self._direct, self._store)
 
         self.nbytes = n_times * self.channels_per_step * int(np.prod(self.sample_grid_shape)) * 4
         self.cached = self.nbytes <= cache_limit_bytes
@@ -262,6 +267,7 @@ class ERA5Dataset(Dataset):
         self._cache = self._read(0, n_times) if self.cached else None
         if self.cached:
             self._ds, self._direct = None, {}
+            self._reader.release()
             ds.close()
 
     # ---- construction helpers -------------------------------------------------------------
@@ -465,10 +471,10 @@ class ERA5Dataset(Dataset):
     def _read(self, start: int, stop: int) -> np.ndarray:
         """Times ``start..stop-1`` of the selection, float32 ``(T, channels_per_step, rows, W)``.
 
-        Each variable is ONE zarr request for the whole window and the rank's rows (its levels
-        one block when they are consecutive in the store), decoded by zarr straight into its
-        channels of the output buffer and normalised there in place: no intermediate array.
-        zarr fetches and decodes the chunks of a request concurrently (``async.concurrency``).
+        Each variable is ONE request for the whole window and the rank's rows (its levels one
+        block when they are consecutive in the store), decoded by the chunk reader (``reader``:
+        tensorstore or zarr, ``chunk_reader.py``) straight into its channels of the output buffer
+        and normalised there in place: no intermediate array.
         """
         if self._cache is not None:
             return self._cache[start:stop]
@@ -487,21 +493,14 @@ class ERA5Dataset(Dataset):
         return out
 
     def _read_variable(self, name: str, time_index: slice, target: np.ndarray):
-        """Raw ``name`` at ``time_index`` and the sample's rows decoded by zarr into ``target``
-        (north to south; returns None), or, for other stores, read by xarray and returned."""
+        """``name``'s raw rows decoded into ``target`` by the chunk reader, else read by xarray."""
         upper = name in self.upper_air_variables
-        array = self._direct.get(name)
-        if array is not None:
+        if name in self._direct:
             view = target[..., ::-1, :] if self._flip_lat else target  # the store's row order
             selection = [time_index, self._lat_index(), slice(None)]
             if upper:
                 selection.insert(1, self._level_index)
-            if upper and not self._level_block:
-                array.get_orthogonal_selection(
-                    tuple(selection), out=NDBuffer.from_numpy_array(view)
-                )
-            else:
-                array.get_basic_selection(tuple(selection), out=NDBuffer.from_numpy_array(view))
+            self._reader.read(name, tuple(selection), self._level_block or not upper, view)
             return None
         index = {self._time_dim: time_index, self._lat_dim: self._lat_index()}
         dims = [self._time_dim, self._lat_dim, self._lon_dim]
@@ -573,6 +572,7 @@ _CONF_KEYS = (
     "stats_path",
     "as_5d",
     "cache_limit_bytes",
+    "reader",
 )
 
 

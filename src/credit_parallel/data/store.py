@@ -72,8 +72,13 @@ class ByteCountingStore(WrapperStore):
         if parts[-1] in _METADATA_NAMES:
             self.metadata_bytes += len(buffer)
         else:
-            self.chunk_bytes[parts[0]] = self.chunk_bytes.get(parts[0], 0) + len(buffer)
-            self.chunk_reads[parts[0]] = self.chunk_reads.get(parts[0], 0) + 1
+            self.add_chunk(parts[0], len(buffer))
+
+    def add_chunk(self, name: str, nbytes: int) -> None:
+        """Count one chunk of array ``name`` of ``nbytes`` stored bytes (also called by the
+        tensorstore reader, which reads beside this store: ``chunk_reader.py``)."""
+        self.chunk_bytes[name] = self.chunk_bytes.get(name, 0) + nbytes
+        self.chunk_reads[name] = self.chunk_reads.get(name, 0) + 1
 
     async def get(self, key, prototype, byte_range=None):
         buffer = await self._store.get(key, prototype, byte_range)

@@ -61,13 +61,16 @@ def measure_loader(
     workers = int(conf["data"]["num_workers"])
     height = None
 
-    def loader(num_workers: int):
+    def loader(num_workers: int, run_conf: dict = conf):
         return build_train_loader(
-            conf, dp_rank=0, dp_size=1, domain_rank=rank, domain_size=domain, device="cpu",
+            run_conf, dp_rank=0, dp_size=1, domain_rank=rank, domain_size=domain, device="cpu",
             num_workers=num_workers,
         )  # fmt: skip
 
-    probe = loader(0).dataset
+    # the probe reads through zarr (same chunks counted as tensorstore's): a tensorstore read in
+    # this process would make the workers forked below fall back to zarr (data/chunk_reader.py)
+    probe_conf = {**conf, "data": {**conf["data"], "reader": "zarr"}}
+    probe = loader(0, probe_conf).dataset
     height = probe.grid_shape[0]
     probe.reset_bytes_read()
     sample = probe[0]
