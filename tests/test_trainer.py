@@ -261,3 +261,34 @@ def test_nonfinite_skip_leaves_params_unchanged_and_continues_identically(store,
     # both domain ranks hold bit-identical weights after the skipped step
     finals = [out["skip"][3] for out in parallel]
     assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+
+
+# --------------------------------------------------------------------------- loader workers
+def _workers(trainer):
+    return list(trainer._batches._batches._workers)  # the DataLoader iterator's processes
+
+
+def test_close_stops_the_training_loader_workers_and_a_collected_trainer_stops_them_too(store):
+    import gc
+
+    trainer = Trainer(_conf(store))
+    workers = _workers(trainer)
+    assert len(workers) == 2 and all(w.is_alive() for w in workers)
+    first = trainer.train_step()["loss"]
+    trainer.close()
+    assert not any(w.is_alive() for w in workers)
+    with pytest.raises(StopIteration):
+        next(trainer._batches)
+
+    # collected without close(): the finalizer stops the workers while the queues are intact
+    # (left to the iterator's own __del__ inside the collector, each worker waited out its 5 s
+    # status timeout and was then killed)
+    trainer = Trainer(_conf(store))
+    assert trainer.train_step()["loss"] == first  # same data, same step
+    workers, finalizer = _workers(trainer), trainer._batches._finalizer
+    del trainer
+    gc.collect()
+    assert not finalizer.alive
+    for w in workers:
+        w.join(timeout=0)
+        assert w.exitcode == 0, w.exitcode  # stopped by the signal, not terminated

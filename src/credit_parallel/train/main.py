@@ -179,6 +179,7 @@ def run_training(
         if tc.checkpoint_every and trainer.step % tc.checkpoint_every == 0:
             trainer.save(save_dir)
     report.close()
+    trainer.close()
     if tc.checkpoint_every and trainer.step % tc.checkpoint_every:
         trainer.save(save_dir)
     result = {"steps": trainer.step, "history": trainer.history, "validation": validation}

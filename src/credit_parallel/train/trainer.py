@@ -174,11 +174,18 @@ class Trainer:
 
     def _start_loader(self) -> None:
         """(Re)start the training stream at micro-batch ``step * grad_accum`` (after a resume)."""
+        if getattr(self, "_batches", None) is not None:
+            self._batches.close()  # the old stream's workers stop now, not at garbage collection
         self.loader = self._loader_for("train", self.step)
         # the next data.device_prefetch batches are copied to the device while a step computes
         self._batches = DevicePrefetcher(
             self.loader, self.device, self.dtype, self.run_config.data.device_prefetch
         )
+
+    def close(self) -> None:
+        """Stop the training loader's worker processes (also done when the trainer is collected;
+        the run's end calls it so that no worker outlives the loop)."""
+        self._batches.close()
 
     def _device_batch(self, host: dict) -> dict:
         """A host batch of this rank's rows on the trainer's device and dtype, its global shape
