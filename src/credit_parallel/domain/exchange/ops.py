@@ -30,6 +30,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ...small_collectives import gather_small, sum_small_
@@ -415,3 +416,24 @@ def scatter_rows_traced(x: torch.Tensor, dim: int, sizes, rank: int, group) -> t
     return torch.ops.credit_parallel.scatter_rows(
         x, int(dim), [int(s) for s in sizes], int(rank), group_name(group)
     )
+
+
+# ---------------------------------------------------------------------------- one order on every rank
+# The operators above talk point to point: every rank must issue them in the same order.  Two of
+# them with no data dependency (the q, k and v all-to-alls of sequence attention, the exchanges
+# of two branches) may be scheduled in any order by the compiler, and a rank whose graph differs
+# (uneven rows: other shapes, another schedule) could run them in another order than its peers
+# and wait forever.  Registered as ORDERED side effects, AOTAutograd threads a token through them,
+# so each rank runs them in program order, forward and backward.
+for _name in (
+    "exchange_rows",
+    "exchange_rows_backward",
+    "return_rows",
+    "gather_small",
+    "sum_small",
+    "all_to_all",
+    "gather_rows",
+    "reduce_rows",
+    "scatter_rows",
+):
+    _register_effectful_op(getattr(torch.ops.credit_parallel, _name).default, _EffectType.ORDERED)
