@@ -85,35 +85,34 @@ def test_a_rank_reads_the_chunks_its_rows_touch_and_no_more(chunked, rows_per_ch
             assert part.bytes_read == share
 
 
-def _ascending(base, tmp_path):
-    ds = (
-        xr.open_zarr(base, chunks=None, consolidated=False)
-        .isel(latitude=slice(None, None, -1))
-        .load()
-    )
-    for name in ds.variables:
-        ds[name].encoding.clear()
-    path = tmp_path / "ascending.zarr"
+def _rewritten(base, tmp_path, name: str, transform):
+    """A copy of the store ``base`` (and its stats store) as ``name``, its dataset passed through
+    ``transform`` and written without the original encodings."""
+    ds = transform(xr.open_zarr(base, chunks=None, consolidated=False)).load()
+    for var in ds.variables:
+        ds[var].encoding.clear()
+    path = tmp_path / f"{name}.zarr"
     ds.to_zarr(path, consolidated=False)
     stats = xr.open_zarr(
         str(base).replace(".zarr", "_stats.zarr"), chunks=None, consolidated=False
     ).load()
-    stats.to_zarr(tmp_path / "ascending_stats.zarr", consolidated=False)
+    stats.to_zarr(tmp_path / f"{name}_stats.zarr", consolidated=False)
     return path
+
+
+def _ascending(base, tmp_path):
+    return _rewritten(
+        base, tmp_path, "ascending", lambda ds: ds.isel(latitude=slice(None, None, -1))
+    )
 
 
 def _float64(base, tmp_path):
-    ds = xr.open_zarr(base, chunks=None, consolidated=False).load()
-    ds = ds.assign({name: ds[name].astype(np.float64) for name in ds.data_vars})
-    for name in ds.variables:
-        ds[name].encoding.clear()
-    path = tmp_path / "f64.zarr"
-    ds.to_zarr(path, consolidated=False)
-    stats = xr.open_zarr(
-        str(base).replace(".zarr", "_stats.zarr"), chunks=None, consolidated=False
-    ).load()
-    stats.to_zarr(tmp_path / "f64_stats.zarr", consolidated=False)
-    return path
+    return _rewritten(
+        base,
+        tmp_path,
+        "f64",
+        lambda ds: ds.assign({n: ds[n].astype(np.float64) for n in ds.data_vars}),
+    )
 
 
 @pytest.mark.parametrize("kind", ["plain", "ascending", "float64"])
