@@ -15,12 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from credit_parallel.domain.exchange.halo import (
-    HaloExchange,
-    exchange_rows,
-    exchange_stats,
-    record_exchange_stats,
-)
+from credit_parallel.domain.exchange.halo import HaloExchange, exchange_rows
+from credit_parallel.domain.exchange.traffic import exchange_stats, record_exchange_stats
 from credit_parallel.domain.manager import DomainParallelManager, get_domain_parallel_manager
 from credit_parallel.domain.rows import FILL, shard_range
 from credit_parallel.testing import RankFailure, run_on_ranks

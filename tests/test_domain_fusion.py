@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
-from credit_parallel.domain.exchange.halo import record_exchange_stats
+from credit_parallel.domain.exchange.traffic import record_exchange_stats
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.models.crossformer import CrossScaleEmbedding
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks

@@ -22,13 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
-from credit_parallel.domain.exchange.halo import (
-    HaloExchange,
-    exchange_rows,
-    exchange_rows_batched,
-    exchange_stats,
-    record_exchange_stats,
-)
+from credit_parallel.domain.exchange.halo import HaloExchange, exchange_rows, exchange_rows_batched
+from credit_parallel.domain.exchange.traffic import exchange_stats, record_exchange_stats
 from credit_parallel.domain.layers.conv import DomainParallelConv2d, _DomainParallelConvNd
 from credit_parallel.domain.layers.conv_geometry import ConvGeometry, conv_windows, overlap_split
 from credit_parallel.domain.layers.split_conv import overlap_enabled, set_model_overlap
@@ -614,8 +609,8 @@ def test_overlap_under_fsdp2_with_activation_checkpointing_is_bitwise_unchanged(
 
 # --------------------------------------------------------------------------- composed windows
 def _compose_worker(rank, world):
-    from credit_parallel.domain.exchange.halo import compose_windows
     from credit_parallel.domain.layers.padding import pad_windows
+    from credit_parallel.domain.rows import compose_windows
 
     torch.set_default_dtype(torch.float64)
     mgr = DomainParallelManager(world, world)
@@ -659,7 +654,7 @@ def test_composed_windows_turn_pad_then_conv_into_one_exchange():
 
 
 def test_compose_windows_checks_its_arguments():
-    from credit_parallel.domain.exchange.halo import compose_windows
+    from credit_parallel.domain.rows import compose_windows
 
     with pytest.raises(ValueError, match="one per rank"):
         compose_windows(((0,), (1,)), 2, ((0,),))

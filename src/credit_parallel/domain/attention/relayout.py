@@ -15,8 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..exchange.halo import assemble_window, exchange_rows, post_gradient_return, post_rows
+from ..exchange.halo import exchange_rows
 from ..exchange.ops import return_rows_traced
+from ..exchange.p2p import post_gradient_return, post_rows
+from ..exchange.windows import assemble_window
 from ..manager import resolve_manager
 from ..rows import plan_exchange, shard_range
 from ..wrap import DomainWrapper

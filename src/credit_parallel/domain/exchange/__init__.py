@@ -1,7 +1,10 @@
 """Where domain ranks talk: every send, receive and collective of domain parallelism.
 
-* :mod:`.halo` — halo rows and their gradients: one batched point-to-point call per layer and
-  direction (:func:`~.halo.exchange_rows_batched`, :class:`~.halo.HaloExchange`);
+* :mod:`.halo` — the differentiable row exchange (:func:`~.halo.exchange_rows_batched`,
+  :func:`~.halo.exchange_rows`) and the seed's :class:`~.halo.HaloExchange`, built from
+  :mod:`.p2p` (the messages, one batched point-to-point call per layer and direction, and
+  :class:`~.p2p.PendingExchange`) and :mod:`.windows` (the window of global rows assembled from
+  the shard and the received rows; its gradient scattered back);
 * :mod:`.collectives` — rows all-gathered / scattered, small statistics;
 * :mod:`.ops` — the same communication as ``torch.library`` custom ops with fake
   implementations, which ``torch.compile`` traces instead of breaking the graph;

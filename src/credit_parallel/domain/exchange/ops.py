@@ -8,7 +8,7 @@ instead, so that a converted block compiles to ONE graph:
 
 * ``credit_parallel::exchange_rows`` / ``exchange_rows_backward`` — the batched row exchange
   (forward: windows from the shards; backward: window gradients back to their owners), built on
-  the very functions of the eager path (``exchange._post_forward`` / ``_post_backward``);
+  the very functions of the eager path (``p2p.post_forward`` / ``post_backward``);
 * ``credit_parallel::gather_small`` / ``sum_small`` — the norm statistics (stack of every rank's
   tensor; its backward: the sum over ranks, each rank keeping its slot);
 * ``credit_parallel::all_to_all`` — the attention re-layout (its backward: the reverse

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..exchange.halo import assemble_window, exchange_planned
+from ..exchange.halo import exchange_planned
 from ..exchange.shared_input import SharedInputExchange
+from ..exchange.windows import assemble_window
 from ..manager import resolve_manager
 from ..options import LayerOptions, check_overlap
 from ..rows import FILL, RankExchangePlan, compose_windows, plan_exchange, shard_range

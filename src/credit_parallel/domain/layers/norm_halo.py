@@ -36,8 +36,9 @@ import math
 import torch
 from torch import nn
 
-from ..exchange.halo import PendingExchange, _post, _send_buffers, _shape_with
+from ..exchange.p2p import PendingExchange, post_messages, send_buffers
 from ..exchange.traffic import active_recorder
+from ..exchange.windows import shape_with
 from .norm import (
     _affine_per_channel,
     _centre,
@@ -88,7 +89,7 @@ def _exchange_bytes(sends: dict, layouts: dict, ref, peers, group, direction: st
         ]
         flat[q] = ref.new_empty(sum(sizes), dtype=torch.uint8)
         recv_msgs.append((peers[q], flat[q]))
-    works, posted = _post(send_msgs, recv_msgs, group, direction, False)
+    works, posted = post_messages(send_msgs, recv_msgs, group, direction, False)
     keep = (*send_msgs, *recv_msgs)
     PendingExchange(works, direction, None, keep=keep, posted_s=posted, group=group).wait()
     out = {}
@@ -116,11 +117,11 @@ class _NormWindow(torch.autograd.Function):
         moments = local_group_moments(t, hi, stat)
         others = [q for q in range(n) if q != rank]
         sends = {q: [moments] for q in others}
-        for (q, _), buf in zip(plan.sends, _send_buffers(x, plan, dim)):
+        for (q, _), buf in zip(plan.sends, send_buffers(x, plan, dim)):
             sends.setdefault(q, []).append(buf)
         layouts = {q: [(stat, tuple(moments.shape))] for q in others}
         for q, rows in plan.recvs:
-            layouts.setdefault(q, []).append((x.dtype, tuple(_shape_with(x, dim, rows))))
+            layouts.setdefault(q, []).append((x.dtype, tuple(shape_with(x, dim, rows))))
         got = _exchange_bytes(sends, layouts, x, peers, group, "forward")
         gathered = torch.stack([moments if q == rank else got[q].pop(0) for q in range(n)])
         rstd, offset, count, scale, shift = affine_from_moments(
@@ -151,7 +152,7 @@ class _NormWindow(torch.autograd.Function):
         if grad_y is None:
             grad_y = t.new_zeros(ctx.x_shape, dtype=ctx.x_dtype)
         grad_halos = [
-            torch.zeros_like(th, dtype=ctx.x_dtype).view(_shape_with(grad_y, dim, r))
+            torch.zeros_like(th, dtype=ctx.x_dtype).view(shape_with(grad_y, dim, r))
             if g is None
             else g
             for g, th, (_, r) in zip(grad_halos, centred, plan.recvs)
@@ -177,7 +178,7 @@ class _NormWindow(torch.autograd.Function):
         layouts = {q: [(stat, tuple(partial.shape))] for q in others}
         for q, runs in plan.sends:
             rows = sum(k for _, k in runs)
-            layouts.setdefault(q, []).append((grad_y.dtype, tuple(_shape_with(grad_y, dim, rows))))
+            layouts.setdefault(q, []).append((grad_y.dtype, tuple(shape_with(grad_y, dim, rows))))
         got = _exchange_bytes(sends, layouts, grad_y, ctx.peers, ctx.group, "backward")
         sums = partial if rank == 0 else got[0].pop(0).clone()
         for q in range(1, n):

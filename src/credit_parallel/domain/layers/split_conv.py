@@ -36,13 +36,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..exchange.halo import (
-    assemble_window,
-    halo_gradient_buffers,
-    post_halo_gradients,
-    post_rows,
-    scatter_window_grad,
-)
+from ..exchange.p2p import post_halo_gradients, post_rows
+from ..exchange.windows import assemble_window, halo_gradient_buffers, scatter_window_grad
 from ..options import check_overlap
 
 __all__ = ["SplitConv", "check_overlap", "overlap_enabled", "set_model_overlap"]

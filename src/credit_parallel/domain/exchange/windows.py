@@ -1,0 +1,112 @@
+"""Windows: the global rows a layer reads, assembled from the shard and the received rows.
+
+Pure tensor bookkeeping, no communication: :func:`assemble_window` builds any range of a window
+(own rows, rows of other ranks, fill rows beyond the globe, edge rows of reflect / replicate),
+:func:`scatter_window_grad` sends each row of a window's gradient back to where it came from
+(the shard, or the buffer returned to its owner), :func:`halo_gradient_buffers` allocates those
+buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "assemble_window",
+    "halo_gradient_buffers",
+    "scatter_window_grad",
+    "shape_numel",
+    "shape_with",
+]
+
+
+def shape_with(x: torch.Tensor, dim: int, rows: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = rows
+    return shape
+
+
+def shape_numel(shape) -> int:
+    n = 1
+    for v in shape:
+        n *= v
+    return n
+
+
+def _range_segments(plan, start: int, stop: int, skip: tuple[int, int] = (0, 0)):
+    """The plan's segments cut to window positions ``[start, stop)`` minus ``skip``: yields
+    ``(kind, where, position, count)`` with ``where`` the local row ("own"), ``(recv index,
+    offset)`` ("recv") or None ("fill"), and ``position`` the window position of the piece."""
+    ranges = ((start, stop),)
+    if skip[1] > skip[0]:
+        ranges = ((start, min(stop, skip[0])), (max(start, skip[1]), stop))
+    pos = 0
+    for seg in plan.segments:
+        count = seg[-1]
+        for lo, hi in ranges:
+            a, b = max(lo, pos), min(hi, pos + count)
+            if a < b:
+                off = a - pos
+                if seg[0] == "own":
+                    yield "own", seg[1] + off, a, b - a
+                elif seg[0] == "recv":
+                    yield "recv", (seg[1], seg[2] + off), a, b - a
+                else:
+                    yield "fill", None, a, b - a
+        pos += count
+
+
+def _window_pieces(x, recv_bufs, plan, dim, fill_value, start, stop, skip=(0, 0)) -> list:
+    pieces, pos = [], start
+    for kind, where, a, c in _range_segments(plan, start, stop, skip):
+        if a > pos:  # skipped positions: zeros
+            pieces.append(x.new_zeros(shape_with(x, dim, a - pos)))
+        if kind == "own":
+            pieces.append(x.narrow(dim, where, c))
+        elif kind == "recv":
+            pieces.append(recv_bufs[where[0]].narrow(dim, where[1], c))
+        else:
+            pieces.append(x.new_full(shape_with(x, dim, c), fill_value))
+        pos = a + c
+    if pos < stop:
+        pieces.append(x.new_zeros(shape_with(x, dim, stop - pos)))
+    return pieces
+
+
+def scatter_window_grad(grad, start: int, plan, dim: int, grad_x, grad_recv, skip=(0, 0)):
+    """Accumulate the gradient ``grad`` of window positions ``[start, start + rows)`` (minus the
+    positions ``skip``) into the shard gradient ``grad_x`` (own rows) and the per-peer buffers
+    ``grad_recv`` (received rows, one per ``plan.recvs`` entry; either may be None: not
+    accumulated now); fill rows are dropped."""
+    stop = start + grad.shape[dim]
+    for kind, where, a, c in _range_segments(plan, start, stop, skip):
+        g = grad.narrow(dim, a - start, c)
+        if kind == "own" and grad_x is not None:
+            grad_x.narrow(dim, where, c).add_(g)
+        elif kind == "recv" and grad_recv is not None:
+            grad_recv[where[0]].narrow(dim, where[1], c).add_(g)
+
+
+def halo_gradient_buffers(like: torch.Tensor, plan, dim: int) -> list[torch.Tensor]:
+    """Zeroed gradient buffers of the rows ``plan`` receives (one per ``plan.recvs`` entry)."""
+    return [like.new_zeros(shape_with(like, dim, c)) for _, c in plan.recvs]
+
+
+def assemble_window(
+    x: torch.Tensor,
+    recv_bufs: list,
+    plan,
+    dim: int,
+    fill_value: float = 0.0,
+    start: int = 0,
+    stop: int | None = None,
+    skip: tuple[int, int] = (0, 0),
+) -> torch.Tensor:
+    """Positions ``[start, stop)`` of this rank's window, from its own rows ``x``, the buffers
+    received by :func:`post_rows` and fill rows (a view of ``x`` when only own rows are asked);
+    positions in ``skip`` (a range) are zeros."""
+    stop = plan.window_rows if stop is None else stop
+    pieces = _window_pieces(x, recv_bufs, plan, dim, fill_value, start, stop, skip)
+    if not pieces:  # an empty window, still a view of x (attached to its graph)
+        return x.narrow(dim, 0, 0)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
