@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from credit_parallel.compat import all_gather_single
 from credit_parallel.small_collectives import gather_small, sum_small_
 from credit_parallel.testing import run_on_ranks
 
@@ -43,7 +44,7 @@ def _variants(nbytes: int, rank: int, world: int) -> dict:
     bufs = [torch.empty_like(x) for _ in range(world)]
     return {
         "gloo all_reduce": lambda: dist.all_reduce(x),
-        "gloo all_gather": lambda: dist.all_gather_single(gathered, x),
+        "gloo all_gather": lambda: all_gather_single(gathered, x),
         "send/recv all peers": lambda: _exchange_with_peers(x, bufs, rank, world),
         "sum_small_": lambda: sum_small_(x, None),
         "gather_small": lambda: gather_small(x, None),
