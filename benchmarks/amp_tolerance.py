@@ -24,7 +24,7 @@ CONF_MODEL = {
 
 
 def _worker(rank, world, amp):
-    from credit_parallel.verify import verify_layout
+    from credit_parallel.tools.verify import verify_layout
 
     conf = {
         "model": dict(CONF_MODEL),

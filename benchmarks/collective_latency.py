@@ -21,8 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from credit_parallel.compat import all_gather_single
-from credit_parallel.small_collectives import gather_small, sum_small_
+from credit_parallel.layout.compat import all_gather_single
+from credit_parallel.layout.small_collectives import gather_small, sum_small_
 from credit_parallel.testing import run_on_ranks
 
 __all__ = ["main", "parse_args"]

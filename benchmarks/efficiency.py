@@ -161,9 +161,9 @@ def _plain_worker(rank, world, w: Workload, threads: int, steps: int, warmup: in
 
 
 def _domain_worker(rank, world, w: Workload, steps: int, warmup: int, overlap: bool = False):
-    from credit_parallel.collectives import sync_domain_gradients
-    from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
-    from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
+    from credit_parallel.parallel.collectives import sync_domain_gradients
+    from credit_parallel.parallel.composition import get_domain_manager, get_raw_model, parallelize
+    from credit_parallel.parallel.grad_overlap import enable_overlapped_domain_grad_sync
 
     torch.manual_seed(0)
     model = parallelize(w.build(w.height), Layout(domain=world).conf(w.batch))

@@ -161,11 +161,11 @@ def _train_rank(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from credit_parallel.collectives import sync_domain_gradients
-    from credit_parallel.composition import get_domain_manager, parallelize
     from credit_parallel.data import build_train_loader, register_row_batch
-    from credit_parallel.mesh import data_parallel_coords
+    from credit_parallel.layout.mesh import data_parallel_coords
     from credit_parallel.models import build_model
+    from credit_parallel.parallel.collectives import sync_domain_gradients
+    from credit_parallel.parallel.composition import get_domain_manager, parallelize
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -57,8 +57,8 @@ def set_halo_path(model, split: bool | None, late: bool | None) -> int:
 
 
 def _worker(rank, world, w, variant: str, steps: int, warmup: int, memory: bool):
-    from credit_parallel.collectives import sync_domain_gradients
-    from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
+    from credit_parallel.parallel.collectives import sync_domain_gradients
+    from credit_parallel.parallel.composition import get_domain_manager, get_raw_model, parallelize
     from credit_parallel.tools.bench import Layout
 
     torch.set_num_threads(1)

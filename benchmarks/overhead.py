@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from credit_parallel.device import DEVICE_ENV, choose_device
+from credit_parallel.layout.device import DEVICE_ENV, choose_device
 from credit_parallel.testing import free_port
 from credit_parallel.tools.bench.overhead import VARIANTS, measure_variants, model_conf
 

@@ -37,9 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def profile_worker(rank, world, spec, steps: int, warmup: int, overlap: bool = False):
     """One rank: the model through ``parallelize`` at domain ``world``, its step profiled."""
-    from credit_parallel.collectives import sync_domain_gradients
-    from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
     from credit_parallel.domain.rows import shard_range
+    from credit_parallel.parallel.collectives import sync_domain_gradients
+    from credit_parallel.parallel.composition import get_domain_manager, get_raw_model, parallelize
 
     torch.manual_seed(0)
     model = spec.build()
@@ -47,7 +47,7 @@ def profile_worker(rank, world, spec, steps: int, warmup: int, overlap: bool = F
         model = parallelize(model, Layout(domain=world).conf(spec.batch))
     manager = get_domain_manager(model)
     if overlap:
-        from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
+        from credit_parallel.parallel.grad_overlap import enable_overlapped_domain_grad_sync
 
         enable_overlapped_domain_grad_sync(get_raw_model(model), manager=manager)
     shape = (spec.batch, *spec.input_shape)

@@ -60,12 +60,12 @@ def planned_points(w, domain: int) -> tuple[dict, dict, dict]:
 
 
 def _step_worker(rank, world, w, overlap: bool):
-    from credit_parallel.collectives import sync_domain_gradients
-    from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
     from credit_parallel.domain.exchange.traffic import record_exchange_stats
     from credit_parallel.domain.rows import shard_range
-    from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
-    from credit_parallel.small_collectives import record_small_collectives
+    from credit_parallel.layout.small_collectives import record_small_collectives
+    from credit_parallel.parallel.collectives import sync_domain_gradients
+    from credit_parallel.parallel.composition import get_domain_manager, get_raw_model, parallelize
+    from credit_parallel.parallel.grad_overlap import enable_overlapped_domain_grad_sync
     from credit_parallel.tools.bench.measure import _collective_counter
 
     torch.manual_seed(0)

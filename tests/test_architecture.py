@@ -2,21 +2,22 @@
 
 Every module of ``credit_parallel`` is parsed with ``ast`` (nothing is imported), counting
 function-local imports too: a cycle hidden inside a function is still a cycle.  The layers,
-lowest first (docs/architecture.md draws them):
+lowest first, are the packages (docs/architecture.md draws them):
 
     models        the networks; they know nothing of parallelism beyond their declarations
-    library       layout/config/mesh, domain/*, tensor_parallel, fsdp, collectives,
-                  checkpoint, data/*, device, run_config, launch (process-group init)
-    composition   parallelize(): domain -> TP -> FSDP2/DDP
-    planner       plan (layout planner and cost model, without processes)
-    training      train.loss, train.step (the one step), train.trainer, preflight
-    entry points  train.main, verify, mesh_demo, testing (the multi-rank test harness)
-    tools         tools/* (benchmark suite, launcher and failure forensics)
+    layout        layout/: ParallelDims, RankLayout, mesh, device, launch, run config, compat
+    domain        domain/: domain parallelism
+    parallel      parallel/: tensor parallel, FSDP2/DDP, gradient collectives, compile, parallelize
+    data          data/: the dataset read by rows, the loader
+    planner       planner/: plan (layout planner and cost model, without processes)
+    training      train/: preflight, model build, the step, the trainer, checkpoints
+    forecast      forecast/: rollouts, the forecast store, exact scores
+    testing       testing.py: the multi-rank test harness
+    tools         tools/: verify, benchmarks, profiler, launcher, forensics, mesh demo
     cli           the command line
 
-A module may import modules of its own layer or lower ones.  A new module gets its layer from
-its package (``domain.*`` -> library, ``tools.*`` -> tools, ...); a new top-level module must be
-given one in ``LAYER_OF`` below.
+A module may import modules of its own layer or lower ones.  A module gets its layer from its
+package; a new top-level module or package must be given one in ``LAYER_OF`` below.
 """
 
 from __future__ import annotations
@@ -29,42 +30,36 @@ import credit_parallel
 __all__: list[str] = []
 
 PKG = "credit_parallel"
-LAYERS = ("models", "library", "composition", "planner", "training", "entry", "tools", "cli")
+LAYERS = (
+    "models",
+    "layout",
+    "domain",
+    "parallel",
+    "data",
+    "planner",
+    "training",
+    "forecast",
+    "testing",
+    "tools",
+    "cli",
+)
 # module or package prefix -> layer (the longest matching prefix wins)
 LAYER_OF = {
     "models": "models",
-    "layout": "library",
-    "config": "library",
-    "run_config": "library",
-    "compat": "library",
-    "device": "library",
-    "launch": "library",
-    "mesh": "library",
-    "domain": "library",
-    "data": "library",
-    "tensor_parallel": "library",
-    "tensor_parallel_guard": "library",
-    "credit_api": "library",
-    "fsdp": "library",
-    "collectives": "library",
-    "small_collectives": "library",
-    "lazy": "library",
-    "grad_overlap": "library",
-    "checkpoint": "library",
-    "compile": "library",
-    "composition": "composition",
-    "model_init": "composition",
-    "plan": "planner",
+    "lazy": "layout",
+    "layout": "layout",
+    "domain": "domain",
+    "parallel": "parallel",
+    "data": "data",
     "planner": "planner",
     "train": "training",
-    "preflight": "training",
-    "train.main": "entry",
-    "verify": "entry",
-    "mesh_demo": "entry",
-    "testing": "entry",
+    "forecast": "forecast",
+    "testing": "testing",
     "tools": "tools",
     "cli": "cli",
 }
+#: at most this many modules directly under src/credit_parallel (issue 24)
+MAX_TOP_LEVEL_MODULES = 8
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -191,9 +186,26 @@ def test_lower_layers_never_import_higher_ones():
     assert not upward, "imports against the layering:\n" + "\n".join(upward)
 
 
+def test_the_top_level_holds_only_packages_and_faces():
+    root = pathlib.Path(credit_parallel.__file__).parent
+    modules = sorted(p.name for p in root.glob("*.py"))
+    assert len(modules) <= MAX_TOP_LEVEL_MODULES, modules
+    packages = sorted(p.name for p in root.iterdir() if (p / "__init__.py").exists())
+    unlayered = [p for p in packages if p not in LAYER_OF]
+    assert not unlayered, f"give these packages a layer in LAYER_OF: {unlayered}"
+
+
+def test_every_package_face_says_what_goes_there():
+    """The newcomer's test: each package opens with a docstring of a few lines at least."""
+    root = pathlib.Path(credit_parallel.__file__).parent
+    for init in sorted(root.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc.splitlines()) >= 3, f"{init.parent.name}/__init__.py: say what goes there"
+
+
 def test_models_and_domain_never_reach_training_tools_or_the_command_line():
     graph = import_graph()
-    forbidden = ("train", "tools", "cli", "verify", "plan", "planner", "preflight", "testing")
+    forbidden = ("parallel", "data", "train", "forecast", "tools", "cli", "planner", "testing")
     bad = [
         f"{m} imports {t}"
         for m, targets in graph.items()

@@ -13,15 +13,15 @@ from torch import nn
 
 from credit_parallel import parallelize
 from credit_parallel.cli import resolve_config
-from credit_parallel.composition import RecipeOptions
-from credit_parallel.config import load_config
 from credit_parallel.domain.layers.gather import DomainGatherModule
 from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.layout.config import load_config
+from credit_parallel.layout.run_config import TrainerConfig
 from credit_parallel.models import CrossFormer, SwinNet
 from credit_parallel.models.swin import ShiftedWindowAttention, row_segments
-from credit_parallel.run_config import TrainerConfig
+from credit_parallel.parallel.composition import RecipeOptions
 from credit_parallel.testing import run_on_ranks
-from credit_parallel.verify import judge, verify_layout
+from credit_parallel.tools.verify import judge, verify_layout
 from test_domain_attention import TOL, exactness_errors
 
 

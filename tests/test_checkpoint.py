@@ -24,16 +24,16 @@ import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401
 
 import credit_parallel
-from credit_parallel.checkpoint import (
+from credit_parallel.data import write_sample_dataset
+from credit_parallel.models import UNet
+from credit_parallel.testing import run_on_ranks
+from credit_parallel.train.checkpoint import (
     MARKER,
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
 )
-from credit_parallel.data import write_sample_dataset
-from credit_parallel.models import UNet
-from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.trainer import Trainer
 from sample_conf import tiny_unet, unet_run_conf
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from credit_parallel import compat
+from credit_parallel.layout import compat
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
 
 __all__: list[str] = []
@@ -66,7 +66,7 @@ def _gather_worker(rank, world):
     from credit_parallel.domain.exchange.collectives import all_gather_rows
     from credit_parallel.domain.manager import DomainParallelManager
     from credit_parallel.domain.rows import shard_range
-    from credit_parallel.small_collectives import gather_small
+    from credit_parallel.layout.small_collectives import gather_small
 
     _as_torch_2_11()
     mgr = DomainParallelManager(world, world)

@@ -1,4 +1,4 @@
-"""torch.compile through the library (``credit_parallel.compile``, ``domain/exchange/ops.py``): a compiled
+"""torch.compile through the library (``credit_parallel.parallel.compile``, ``domain/exchange/ops.py``): a compiled
 converted block computes the single-process function (float64, 1e-10: forward, input gradient,
 every parameter gradient) with the backends ``aot_eager`` and ``inductor`` at domain 2 and 3 on
 uneven rows — conv / GroupNorm, CREDIT's head-split attention, nn.MultiheadAttention and SDPA
@@ -16,14 +16,14 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from credit_parallel import compile_blocks, parallelize
-from credit_parallel.compile import compile_targets, is_compiled
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.exchange.ops import decode_plans, encode_plan
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import plan_exchange, shard_range
+from credit_parallel.layout.run_config import TrainerConfig
 from credit_parallel.models.crossformer import CrossFormer
 from credit_parallel.models.unet import UNet, UNetResBlock
-from credit_parallel.run_config import TrainerConfig
+from credit_parallel.parallel.compile import compile_targets, is_compiled
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
 from miles_credit import import_credit, import_timm
 
@@ -214,7 +214,7 @@ def _grads(model):
 
 def _domain1_worker(rank, world, name, backend, monkeypatch_backend):
     torch.set_default_dtype(torch.float64)
-    import credit_parallel.composition as composition
+    import credit_parallel.parallel.composition as composition
 
     # trainer.compile through parallelize, with the test's backend
     composition.compile_blocks = lambda m: compile_blocks(m, backend=monkeypatch_backend)
@@ -358,7 +358,7 @@ def test_bundled_model_compiled_per_block_at_domain_3_matches_single_process(nam
 
 
 def _trainer_worker(rank, world, store):
-    import credit_parallel.model_init as model_init
+    import credit_parallel.train.model_init as model_init
     from credit_parallel.train.trainer import Trainer
     from sample_conf import tiny_unet_conf
 

@@ -1,4 +1,4 @@
-"""CREDIT 2026.2's parallel names (``credit_parallel.credit_api``) against miles-credit's own
+"""CREDIT 2026.2's parallel names (``credit_parallel.parallel.credit_api``) against miles-credit's own
 classes: ``_tp_plan`` read as our plan, ``supports_native_tp``, ``apply_native_tensor_parallel``,
 the four ``Tp*`` modules, ``shard_lat_weights``, ``gather_spatial`` and ``fsdp2_is_applied``.
 Where CREDIT is inexact (the column modules' input gradient) ours is checked against one
@@ -28,7 +28,7 @@ from credit_parallel import (
     shard_tensor,
     supports_native_tp,
 )
-from credit_parallel.tensor_parallel import (
+from credit_parallel.parallel.tensor_parallel import (
     build_tensor_parallel_plan,
     collect_tensor_parallel_targets,
 )

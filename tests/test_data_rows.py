@@ -434,9 +434,9 @@ def _train_conf(path, domain):
 def _train_from_rows(rank, world, path, steps):
     """A bare training loop on row batches: register the token, loss share over the rank's rows
     divided by the global count, domain gradients summed, AdamW; float64 throughout."""
-    from credit_parallel.collectives import sync_domain_gradients
-    from credit_parallel.composition import get_domain_manager, parallelize
     from credit_parallel.models import build_model
+    from credit_parallel.parallel.collectives import sync_domain_gradients
+    from credit_parallel.parallel.composition import get_domain_manager, parallelize
 
     conf = _train_conf(path, world)
     torch.manual_seed(0)

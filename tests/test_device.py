@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import credit_parallel
-from credit_parallel import device as device_mod
 from credit_parallel.data import write_sample_dataset
-from credit_parallel.device import autocast_for, batch_to_device, device_for_process_group
+from credit_parallel.layout import device as device_mod
+from credit_parallel.layout.device import autocast_for, batch_to_device, device_for_process_group
 from credit_parallel.testing import run_on_ranks
 from sample_conf import unet_run_conf
 
@@ -109,7 +109,7 @@ def test_trainer_device_override_is_used(store):
 
 
 def test_verify_runs_models_and_batches_on_the_decided_device(store, monkeypatch):
-    from credit_parallel import verify
+    from credit_parallel.tools import verify
 
     conf = _conf(store)
     monkeypatch.setattr(verify, "device_for_process_group", lambda group=None: META)
@@ -138,8 +138,8 @@ def test_bench_step_runs_on_the_decided_device():
 # --------------------------------------------------------------------------- the source
 # (file, code) pairs allowed to name a device: each says why
 ALLOWED = {
-    ("device.py", 'torch.device("cpu")'): "the decision itself",
-    ("device.py", "torch.device('cuda', ...)"): "the decision itself",
+    ("layout/device.py", 'torch.device("cpu")'): "the decision itself",
+    ("layout/device.py", "torch.device('cuda', ...)"): "the decision itself",
     (
         "domain/manager.py",
         'torch.device("cpu")',
@@ -152,8 +152,8 @@ ALLOWED = {
         "domain/layers/interp_rows.py",
         ".cpu()",
     ): "a kernel probe's weights handed to numpy on the host",
-    ("model_init.py", 'device="cpu"'): "replays the plain build on the CPU (its RNG stream)",
-    ("model_init.py", 'torch.device("cpu")'): "replays the plain build on the CPU (its RNG stream)",
+    ("train/model_init.py", 'device="cpu"'): "replays the plain build on the CPU (its RNG stream)",
+    ("train/model_init.py", 'torch.device("cpu")'): "replays the plain build on the CPU (its RNG stream)",
     ("tools/bench/loader.py", 'device="cpu"'): "the loader-only benchmark times host batches",
 }
 

@@ -12,10 +12,10 @@ from torch import nn
 from credit_parallel import convert_to_domain_parallel, shard_tensor
 from credit_parallel.domain.guard import FunctionalCallGuard, debug_guard, guard_requested
 from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.layout.run_config import TrainerConfig
 from credit_parallel.models import MODEL_TYPES
-from credit_parallel.run_config import TrainerConfig
 from credit_parallel.testing import run_on_ranks
-from credit_parallel.verify import judge, verify_layout
+from credit_parallel.tools.verify import judge, verify_layout
 
 
 class FunctionalUpsample(nn.Module):

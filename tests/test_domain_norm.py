@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from credit_parallel import small_collectives
 from credit_parallel.domain.layers.norm import (
     DomainParallelGroupNorm,
     group_norm_input_grad_coefficients,
@@ -24,6 +23,7 @@ from credit_parallel.domain.layers.norm import (
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import shard_range
 from credit_parallel.domain.sharding import gather_tensor
+from credit_parallel.layout import small_collectives
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
 
 CHANNELS = 8

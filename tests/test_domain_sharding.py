@@ -209,7 +209,7 @@ def test_manager_rejects_bad_sizes():
 
 
 def _mesh_worker(rank, world):
-    from credit_parallel.mesh import build_device_mesh
+    from credit_parallel.layout.mesh import build_device_mesh
 
     mesh, sub = build_device_mesh({"data": "fsdp2", "tensor": 2, "domain": 2}, device="cpu")
     mgr = DomainParallelManager.from_device_mesh(mesh)

@@ -37,14 +37,14 @@ import pytest
 import torch
 
 import credit_parallel
-import credit_parallel.collectives  # noqa: F401 - warmed before forking, like the ones below
 import credit_parallel.domain.convert  # noqa: F401
-import credit_parallel.fsdp  # noqa: F401
+import credit_parallel.parallel.collectives  # noqa: F401 - warmed before forking, like the ones below
+import credit_parallel.parallel.fsdp  # noqa: F401
 import credit_parallel.planner  # noqa: F401
-import credit_parallel.preflight  # noqa: F401
-from credit_parallel.composition import get_raw_model
+import credit_parallel.train.preflight  # noqa: F401
 from credit_parallel.data import latitude_weights
-from credit_parallel.launch import group_timeout
+from credit_parallel.layout.launch import group_timeout
+from credit_parallel.parallel.composition import get_raw_model
 from credit_parallel.testing import free_port, run_on_ranks
 from credit_parallel.tools.forensics import STATUS_DIR_ENV, describe_failures, run_worker
 from credit_parallel.train.trainer import NonFiniteError, Trainer
@@ -167,7 +167,7 @@ def install_trainer_fault(trainer, mode: str, step: int, fault_file: str | None 
 
 def _fault_rank_body(rank, world, timeout_s, mode, fault_rank, fault_step, fault_time):
     def main(argv):
-        from credit_parallel.launch import init_distributed_from_env
+        from credit_parallel.layout.launch import init_distributed_from_env
 
         init_distributed_from_env(timeout_s)
         trainer = Trainer(
@@ -455,12 +455,12 @@ def test_report_prefers_the_real_error_over_the_later_connection_errors(tmp_path
     status = _reports(
         tmp_path,
         r0=lost,
-        r1=("ExitStatus", "credit_parallel.verify exited with status 1", False, 2.0),
+        r1=("ExitStatus", "credit_parallel.tools.verify exited with status 1", False, 2.0),
         r2=lost,
     )
     report = describe_failures(status, 3, {0: 1, 1: 1, 2: 1})
     assert report == (
-        "rank 1 of 3 failed first: ExitStatus: credit_parallel.verify exited with status 1 "
+        "rank 1 of 3 failed first: ExitStatus: credit_parallel.tools.verify exited with status 1 "
         "(ranks 0, 2 then lost the connection in a collective)"
     )
 
@@ -482,9 +482,9 @@ def _p2p_wait_worker(rank, world, what):
 
     from credit_parallel.domain.exchange.halo import HaloExchange
     from credit_parallel.domain.manager import DomainParallelManager
-    from credit_parallel.launch import set_subgroup_timeout
-    from credit_parallel.mesh import build_device_mesh
-    from credit_parallel.small_collectives import sum_small_
+    from credit_parallel.layout.launch import set_subgroup_timeout
+    from credit_parallel.layout.mesh import build_device_mesh
+    from credit_parallel.layout.small_collectives import sum_small_
 
     bound = datetime.timedelta(seconds=1)
     c10d._set_pg_timeout(bound)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.nn.parallel import DistributedDataParallel
 
 from credit_parallel import apply_ddp, apply_fsdp2, build_device_mesh
-from credit_parallel.fsdp import is_activation_checkpointed, no_grad_sync
+from credit_parallel.parallel.fsdp import is_activation_checkpointed, no_grad_sync
 from credit_parallel.testing import fake_process_group, run_on_ranks
 
 __all__: list[str] = []
@@ -454,7 +454,7 @@ def test_apply_fsdp2_and_ddp_reject_a_2d_mesh():
 
 
 def test_fsdp2_units_keep_small_blocks_in_the_parent():
-    from credit_parallel.fsdp import FSDP2_MIN_UNIT_PARAMS, fsdp2_units
+    from credit_parallel.parallel.fsdp import FSDP2_MIN_UNIT_PARAMS, fsdp2_units
 
     model = SmallNet()
     conv = sum(p.numel() for p in model.conv_block.parameters())
@@ -483,7 +483,7 @@ class _Nested(nn.Module):
 
 
 def test_fsdp2_units_count_only_parameters_no_selected_child_holds():
-    from credit_parallel.fsdp import fsdp2_units
+    from credit_parallel.parallel.fsdp import fsdp2_units
 
     model = nn.Sequential(_Nested())
     inner = sum(p.numel() for p in model[0].inner.parameters())

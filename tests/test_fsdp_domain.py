@@ -24,8 +24,8 @@ from credit_parallel import (
     shard_batch,
     sync_domain_gradients,
 )
-from credit_parallel.config import DP_DOMAIN
-from credit_parallel.mesh import data_parallel_coords
+from credit_parallel.layout.config import DP_DOMAIN
+from credit_parallel.layout.mesh import data_parallel_coords
 from credit_parallel.testing import run_on_ranks
 
 H, W, B, C = 13, 6, 4, 4

@@ -16,18 +16,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from credit_parallel.config import (
+from credit_parallel.layout.config import (
     DataMode,
     ParallelDims,
     parse_parallelism_block,
     parse_parallelism_conf,
 )
-from credit_parallel.layout import RankLayout
-from credit_parallel.mesh import build_device_mesh, dp_world_size, full_rank_layout
+from credit_parallel.layout.mesh import build_device_mesh, dp_world_size, full_rank_layout
+from credit_parallel.layout.ranks import RankLayout
 from credit_parallel.models import build_model
 from credit_parallel.planner import make_plan
-from credit_parallel.preflight import validate_run
 from credit_parallel.testing import fake_process_group
+from credit_parallel.train.preflight import validate_run
 
 __all__: list[str] = []
 

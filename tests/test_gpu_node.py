@@ -17,14 +17,16 @@ import pytest
 import torch
 import yaml
 
-from credit_parallel import cli, launch, verify
-from credit_parallel import device as device_mod
-from credit_parallel.device import (
+from credit_parallel import cli
+from credit_parallel.layout import device as device_mod
+from credit_parallel.layout import launch
+from credit_parallel.layout.device import (
     DEVICE_ENV,
     choose_device,
     deterministic_kernels,
     device_for_process_group,
 )
+from credit_parallel.tools import verify
 
 __all__: list[str] = []
 
@@ -126,7 +128,7 @@ def test_auto_hands_the_choice_to_the_ranks(tmp_path, monkeypatch, gpus, expecte
     started = _no_launch(monkeypatch)
     monkeypatch.setattr(device_mod, "visible_gpu_count", lambda: gpus)
     assert cli.main(["verify", "--config", _verify_config(tmp_path), "--nproc", "2"]) == 0
-    assert started == [(2, "credit_parallel.verify", expected)]
+    assert started == [(2, "credit_parallel.tools.verify", expected)]
 
 
 def test_every_device_command_has_the_option():
@@ -187,7 +189,7 @@ def test_gloo_gets_no_device(monkeypatch, gpus, requested, local_world):
 
 
 def test_one_place_sets_the_cuda_device():
-    root = os.path.dirname(device_mod.__file__)
+    root = os.path.dirname(os.path.dirname(device_mod.__file__))  # the whole package
     hits = []
     for folder, _, files in os.walk(root):
         for name in files:
@@ -195,12 +197,12 @@ def test_one_place_sets_the_cuda_device():
                 path = os.path.join(folder, name)
                 if "cuda.set_device(" in open(path).read():
                     hits.append(os.path.relpath(path, root))
-    assert hits == ["device.py"]
+    assert hits == [os.path.join("layout", "device.py")]
 
 
 # --------------------------------------------------------------------------- verify on CUDA
 def test_verify_pins_determinism_on_cuda_and_restores_it(monkeypatch):
-    from credit_parallel.compat import tf32_settings
+    from credit_parallel.layout.compat import tf32_settings
 
     cudnn = torch.backends.cudnn
     monkeypatch.setattr(cudnn, "benchmark", True)
@@ -262,8 +264,8 @@ DEMOS = sorted(
 
 @pytest.mark.parametrize("demo", DEMOS)
 def test_each_demo_runs_after_the_command_its_error_names(demo, tmp_path, monkeypatch, capsys):
-    from credit_parallel.config import load_config
     from credit_parallel.data.dataset import dataset_from_conf
+    from credit_parallel.layout.config import load_config
 
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "--config", demo, "--steps", "1"]) == 2

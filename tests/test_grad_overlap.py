@@ -58,11 +58,11 @@ def _reference(micro: int) -> dict:
 
 
 def _worker(rank, world, overlap: bool, micro: int, use_no_sync: bool, cap_mb: float):
-    from credit_parallel.collectives import sync_domain_gradients
-    from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
     from credit_parallel.domain.rows import shard_range
-    from credit_parallel.fsdp import no_grad_sync
-    from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
+    from credit_parallel.parallel.collectives import sync_domain_gradients
+    from credit_parallel.parallel.composition import get_domain_manager, get_raw_model, parallelize
+    from credit_parallel.parallel.fsdp import no_grad_sync
+    from credit_parallel.parallel.grad_overlap import enable_overlapped_domain_grad_sync
 
     conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": world}}}
     model = parallelize(_model(), conf)
@@ -132,8 +132,8 @@ def test_gradient_accumulation_reduces_the_accumulated_gradients(use_no_sync):
 
 
 def _refusal_worker(rank, world):
-    from credit_parallel.composition import get_domain_manager, parallelize
-    from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
+    from credit_parallel.parallel.composition import get_domain_manager, parallelize
+    from credit_parallel.parallel.grad_overlap import enable_overlapped_domain_grad_sync
 
     conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": world}}}
     model = parallelize(_model(), conf)
@@ -152,11 +152,11 @@ def test_refuses_a_ddp_model():
 
 
 def _count_worker(rank, world, overlap: bool):
-    from credit_parallel.collectives import sync_domain_gradients
-    from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
     from credit_parallel.domain.rows import shard_range
-    from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
-    from credit_parallel.small_collectives import record_small_collectives
+    from credit_parallel.layout.small_collectives import record_small_collectives
+    from credit_parallel.parallel.collectives import sync_domain_gradients
+    from credit_parallel.parallel.composition import get_domain_manager, get_raw_model, parallelize
+    from credit_parallel.parallel.grad_overlap import enable_overlapped_domain_grad_sync
     from credit_parallel.tools.bench.measure import _collective_counter
 
     conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": world}}}
@@ -208,8 +208,8 @@ def test_planner_sync_points_match_a_real_step():
 
 
 def _dp_refusal_worker(rank, world):
-    from credit_parallel.composition import get_domain_manager, get_raw_model, parallelize
-    from credit_parallel.grad_overlap import enable_overlapped_domain_grad_sync
+    from credit_parallel.parallel.composition import get_domain_manager, get_raw_model, parallelize
+    from credit_parallel.parallel.grad_overlap import enable_overlapped_domain_grad_sync
 
     conf = {"trainer": {"parallelism": {"data": "ddp", "tensor": 1, "domain": 2}}}
     model = parallelize(_model(), conf)

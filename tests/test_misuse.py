@@ -19,21 +19,21 @@ import torch
 import yaml
 from torch import nn
 
-from credit_parallel.config import ParallelDims, load_config, parse_parallelism_conf
 from credit_parallel.data import ERA5Dataset, write_sample_dataset
 from credit_parallel.domain.convert import convert_to_domain_parallel, validate_sharding_constraints
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.sharding import gather_tensor, shard_tensor, unpad_shard_interp
-from credit_parallel.launch import init_distributed_from_env
-from credit_parallel.layout import RankLayout
-from credit_parallel.mesh import build_device_mesh, dp_world_size
+from credit_parallel.layout.config import ParallelDims, load_config, parse_parallelism_conf
+from credit_parallel.layout.launch import init_distributed_from_env
+from credit_parallel.layout.mesh import build_device_mesh, dp_world_size
+from credit_parallel.layout.ranks import RankLayout
+from credit_parallel.layout.run_config import TrainerConfig
 from credit_parallel.models import build_model
+from credit_parallel.parallel.tensor_parallel import build_tensor_parallel_plan
 from credit_parallel.planner import make_plan
-from credit_parallel.preflight import check_run, dist_timeout_s, validate_run
-from credit_parallel.run_config import TrainerConfig
-from credit_parallel.tensor_parallel import build_tensor_parallel_plan
 from credit_parallel.testing import fake_process_group
 from credit_parallel.tools.launcher import launch_local
+from credit_parallel.train.preflight import check_run, dist_timeout_s, validate_run
 from sample_conf import tiny_unet
 
 __all__: list[str] = []

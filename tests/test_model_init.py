@@ -14,9 +14,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from credit_parallel import gather_tensor, get_domain_manager, shard_tensor
-from credit_parallel.model_init import build_parallel_model, record_meta_build
 from credit_parallel.models import build_model
 from credit_parallel.testing import run_on_ranks
+from credit_parallel.train.model_init import build_parallel_model, record_meta_build
 from sample_conf import tiny_unet
 
 SEED = 11

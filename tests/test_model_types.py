@@ -134,7 +134,7 @@ def _train_worker(rank, world, conf):
 
 def _verify_worker(rank, world, conf):
     from credit_parallel.data.dataset import dataset_from_conf
-    from credit_parallel.verify import judge, verify_layout
+    from credit_parallel.tools.verify import judge, verify_layout
 
     # as `credit-parallel verify` does when data.path exists: a real batch of the sample store
     dataset = dataset_from_conf(conf, "train")

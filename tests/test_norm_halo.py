@@ -14,8 +14,8 @@ from torch import nn
 from credit_parallel.domain.convert import convert_to_domain_parallel, plan_conversion
 from credit_parallel.domain.exchange.traffic import record_exchange_stats
 from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.layout.small_collectives import record_small_collectives
 from credit_parallel.models.unet import UNetResBlock
-from credit_parallel.small_collectives import record_small_collectives
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
 
 

@@ -8,7 +8,7 @@
   max abs error <= 1e-10); a bad PATH is a one-line error.
 * ``verify`` under {fsdp2, tensor 2} on 4 ranks gathers 2-D sharded gradients, for which
   DTensor logs "N sequential all_gather operations"; that warning is filtered (with a reason,
-  see credit_parallel.verify) while torch did try to emit it.
+  see credit_parallel.tools.verify) while torch did try to emit it.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_cli_resume_of_a_missing_path_is_a_one_line_error(store, tmp_path, capsy
 def _verify_worker(rank, world):
     from torch.distributed.tensor import _redistribute
 
-    from credit_parallel.verify import judge, verify_layout
+    from credit_parallel.tools.verify import judge, verify_layout
 
     records = []
     handler = logging.Handler()

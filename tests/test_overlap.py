@@ -576,8 +576,8 @@ def test_share_input_exchange_rejects_mismatched_layers():
 
 # --------------------------------------------------------------------------- with FSDP2
 def _fsdp_worker(rank, world):
-    from credit_parallel.composition import get_domain_manager, parallelize
     from credit_parallel.models import UNet
+    from credit_parallel.parallel.composition import get_domain_manager, parallelize
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 4, 17, 16, generator=gen)

@@ -19,8 +19,8 @@ from credit_parallel import (
     initialize_domain_parallel,
     parallelize,
 )
-from credit_parallel.config import DP_DOMAIN
 from credit_parallel.domain.manager import set_domain_parallel_manager
+from credit_parallel.layout.config import DP_DOMAIN
 from credit_parallel.testing import fake_process_group, run_on_ranks
 
 

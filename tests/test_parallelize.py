@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from credit_parallel import ParallelDims, get_domain_manager, get_raw_model, parallelize
-from credit_parallel.mesh import data_parallel_coords
+from credit_parallel.layout.mesh import data_parallel_coords
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.step import TrainStep, replica_mean_loss
 

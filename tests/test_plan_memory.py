@@ -44,10 +44,10 @@ def _status_bytes(key: str) -> int:
 
 def _peak_increase(rank, world, batch):
     """Peak resident bytes above the start of this rank: model, optimizer, data, two steps."""
-    from credit_parallel.composition import get_domain_manager, parallelize
     from credit_parallel.data import register_row_batch
     from credit_parallel.domain.rows import shard_sizes
     from credit_parallel.models import build_model
+    from credit_parallel.parallel.composition import get_domain_manager, parallelize
 
     torch.set_num_threads(1)
     gc.collect()

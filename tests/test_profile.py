@@ -132,7 +132,7 @@ def test_profile_step_script_tiny_conv_stack_domain1_and_2_prints_a_table_each()
 def _fsdp2_worker(rank, world):
     import torch.distributed as dist
 
-    from credit_parallel.composition import parallelize
+    from credit_parallel.parallel.composition import parallelize
 
     torch.manual_seed(0)
     model = parallelize(

@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 
-from credit_parallel.preflight import dist_timeout_s, validate_run
-from credit_parallel.run_config import (
+from credit_parallel.layout.run_config import (
     DEFAULT_DIST_TIMEOUT_S,
     DataConfig,
     ModelConfig,
@@ -16,6 +15,7 @@ from credit_parallel.run_config import (
     config_problems,
     trainer_option,
 )
+from credit_parallel.train.preflight import dist_timeout_s, validate_run
 
 __all__: list[str] = []
 
@@ -112,7 +112,7 @@ def test_preflight_reports_trainer_and_data_keys_through_the_typed_config():
 
 
 def test_dataclass_fields_are_exactly_the_parsed_keys():
-    from credit_parallel import run_config
+    from credit_parallel.layout import run_config
 
     assert [f.name for f in dataclasses.fields(TrainerConfig)] == list(run_config._TRAINER_KEYS)
     assert [f.name for f in dataclasses.fields(DataConfig)] == list(run_config._DATA_KEYS)

@@ -17,12 +17,13 @@ import pytest
 import torch.distributed.tensor  # noqa: F401  (imported once here so forked workers inherit it)
 from torch.distributed.fsdp import FSDPModule
 
-from credit_parallel import config, preflight, run_config
-from credit_parallel.config import ParallelDims
 from credit_parallel.data import write_sample_dataset
+from credit_parallel.layout import config, run_config
+from credit_parallel.layout.config import ParallelDims
 from credit_parallel.planner import make_plan
-from credit_parallel.preflight import validate_run
 from credit_parallel.testing import run_on_ranks
+from credit_parallel.train import preflight
+from credit_parallel.train.preflight import validate_run
 from credit_parallel.train.trainer import Trainer
 from sample_conf import tiny_unet, unet_run_conf
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from credit_parallel import small_collectives
-from credit_parallel.collectives import allreduce_grads
-from credit_parallel.small_collectives import gather_small, point_to_point_pays, sum_small_
+from credit_parallel.layout import small_collectives
+from credit_parallel.layout.small_collectives import gather_small, point_to_point_pays, sum_small_
+from credit_parallel.parallel.collectives import allreduce_grads
 from credit_parallel.testing import run_on_ranks
 
 

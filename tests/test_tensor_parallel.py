@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from credit_parallel import apply_tensor_parallel, build_device_mesh
-from credit_parallel.tensor_parallel import (
+from credit_parallel.parallel.tensor_parallel import (
     ColwiseProjectionParallel,
     RowwiseProjectionParallel,
     TensorParallelProjection,

@@ -404,7 +404,7 @@ class TokenNet(nn.Module):
 
 def _verify_token_net(rank, world_size, attention):
     from credit_parallel.models import MODEL_TYPES
-    from credit_parallel.verify import judge, verify_layout
+    from credit_parallel.tools.verify import judge, verify_layout
 
     MODEL_TYPES["token_net"] = TokenNet  # in the forked worker only
     conf = {

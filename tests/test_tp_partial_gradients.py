@@ -26,8 +26,8 @@ from credit_parallel import (
     shard_batch,
     sync_domain_gradients,
 )
-from credit_parallel.tensor_parallel import collect_tensor_parallel_targets
-from credit_parallel.tensor_parallel_guard import find_partial_gradient_modules
+from credit_parallel.parallel.tensor_parallel import collect_tensor_parallel_targets
+from credit_parallel.parallel.tensor_parallel_guard import find_partial_gradient_modules
 from credit_parallel.testing import run_on_ranks
 from miles_credit import import_credit
 
@@ -165,8 +165,8 @@ def test_wxformer_next_transformer_tp_composed_matches_single_process(block, h):
 
 
 def _spread_worker(rank, world, which):
-    from credit_parallel.tensor_parallel import tp_replicated_parameters
-    from credit_parallel.tensor_parallel_guard import replicated_gradient_spread
+    from credit_parallel.parallel.tensor_parallel import tp_replicated_parameters
+    from credit_parallel.parallel.tensor_parallel_guard import replicated_gradient_spread
 
     model = _transformer()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))

@@ -16,14 +16,14 @@ import torch._dynamo  # noqa: F401  (imported once here so forked workers inheri
 import torch.distributed.tensor  # noqa: F401
 from torch import nn
 
-import credit_parallel.composition  # noqa: F401
-import credit_parallel.fsdp  # noqa: F401
-import credit_parallel.tensor_parallel  # noqa: F401
+import credit_parallel.parallel.composition  # noqa: F401
+import credit_parallel.parallel.fsdp  # noqa: F401
+import credit_parallel.parallel.tensor_parallel  # noqa: F401
 from credit_parallel import validate_sharding_constraints
 from credit_parallel.domain.rows import shard_sizes
 from credit_parallel.models import MODEL_TYPES, build_model
 from credit_parallel.testing import run_on_ranks
-from credit_parallel.verify import format_table, judge, verify_layout
+from credit_parallel.tools.verify import format_table, judge, verify_layout
 
 __all__: list[str] = []
 

@@ -11,23 +11,23 @@ parameters keyword-only): the docstring of :mod:`credit_parallel.domain`.
 
 from __future__ import annotations
 
-from .lazy import lazy_exports
+from .lazy import alias_moved_modules, lazy_exports
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     # configuration, layout, mesh
-    "parse_parallelism_conf": "config",
-    "load_config": "config",
-    "ParallelDims": "config",
-    "ParallelMesh": "config",
-    "DataMode": "config",
-    "MeshAxis": "config",
-    "RankLayout": "layout",
-    "build_device_mesh": "mesh",
-    "dp_world_size": "mesh",
-    "data_parallel_coords": "mesh",
-    "device_for_process_group": "device",
+    "parse_parallelism_conf": "layout.config",
+    "load_config": "layout.config",
+    "ParallelDims": "layout.config",
+    "ParallelMesh": "layout.config",
+    "DataMode": "layout.config",
+    "MeshAxis": "layout.config",
+    "RankLayout": "layout.ranks",
+    "build_device_mesh": "layout.mesh",
+    "dp_world_size": "layout.mesh",
+    "data_parallel_coords": "layout.mesh",
+    "device_for_process_group": "layout.device",
     # domain parallelism
     "DomainParallelManager": "domain.manager",
     "initialize_domain_parallel": "domain.manager",
@@ -63,19 +63,19 @@ _EXPORTS = {
     "build_train_loader": "data.loader",
     "DevicePrefetcher": "data.prefetch",
     # tensor parallel, data parallel, collectives, composition
-    "apply_tensor_parallel": "tensor_parallel",
-    "compile_blocks": "compile",
-    "tp_replicated_parameters": "tensor_parallel",
-    "apply_fsdp2": "fsdp",
-    "apply_ddp": "fsdp",
-    "allreduce_grads_avg": "collectives",
-    "sync_domain_gradients": "collectives",
-    "clip_grad_norm_": "collectives",
-    "enable_overlapped_domain_grad_sync": "grad_overlap",
-    "parallelize": "composition",
-    "build_parallel_model": "model_init",
-    "get_domain_manager": "composition",
-    "get_raw_model": "composition",
+    "apply_tensor_parallel": "parallel.tensor_parallel",
+    "compile_blocks": "parallel.compile",
+    "tp_replicated_parameters": "parallel.tensor_parallel",
+    "apply_fsdp2": "parallel.fsdp",
+    "apply_ddp": "parallel.fsdp",
+    "allreduce_grads_avg": "parallel.collectives",
+    "sync_domain_gradients": "parallel.collectives",
+    "clip_grad_norm_": "parallel.collectives",
+    "enable_overlapped_domain_grad_sync": "parallel.grad_overlap",
+    "parallelize": "parallel.composition",
+    "build_parallel_model": "train.model_init",
+    "get_domain_manager": "parallel.composition",
+    "get_raw_model": "parallel.composition",
     # planning (no processes)
     "project_step": "planner.projection",
     # training
@@ -89,18 +89,46 @@ _EXPORTS = {
     "assert_parity": "testing",
     "fake_process_group": "testing",
     # CREDIT 2026.2's names (credit.parallel.*), thin entry points onto the above
-    "supports_native_tp": "credit_api",
-    "apply_native_tensor_parallel": "credit_api",
-    "TpColConv2d": "credit_api",
-    "TpColLinear": "credit_api",
-    "TpRowConv2d": "credit_api",
-    "TpRowLinear": "credit_api",
-    "shard_lat_weights": "credit_api",
-    "gather_spatial": "credit_api",
-    "fsdp2_is_applied": "credit_api",
+    "supports_native_tp": "parallel.credit_api",
+    "apply_native_tensor_parallel": "parallel.credit_api",
+    "TpColConv2d": "parallel.credit_api",
+    "TpColLinear": "parallel.credit_api",
+    "TpRowConv2d": "parallel.credit_api",
+    "TpRowLinear": "parallel.credit_api",
+    "shard_lat_weights": "parallel.credit_api",
+    "gather_spatial": "parallel.credit_api",
+    "fsdp2_is_applied": "parallel.credit_api",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals(), ("__version__",))
+
+#: modules that moved into packages (old path -> new path, below credit_parallel): the old
+#: import paths keep working for one release, with a DeprecationWarning naming the new one
+#: (``scripts/move_modules.py`` rewrote the library's own imports from this table)
+MOVED_MODULES = {
+    "config": "layout.config",
+    "run_config": "layout.run_config",
+    "layout": "layout.ranks",
+    "mesh": "layout.mesh",
+    "device": "layout.device",
+    "launch": "layout.launch",
+    "compat": "layout.compat",
+    "small_collectives": "layout.small_collectives",
+    "tensor_parallel": "parallel.tensor_parallel",
+    "tensor_parallel_guard": "parallel.tensor_parallel_guard",
+    "credit_api": "parallel.credit_api",
+    "fsdp": "parallel.fsdp",
+    "grad_overlap": "parallel.grad_overlap",
+    "collectives": "parallel.collectives",
+    "compile": "parallel.compile",
+    "composition": "parallel.composition",
+    "model_init": "train.model_init",
+    "checkpoint": "train.checkpoint",
+    "preflight": "train.preflight",
+    "verify": "tools.verify",
+    "mesh_demo": "tools.mesh_demo",
+}
+alias_moved_modules(__name__, MOVED_MODULES)

@@ -48,8 +48,8 @@ def resolve_config(config: str) -> str:
 
 
 def _load_and_check(config: str, nproc: int | None) -> tuple[dict, int]:
-    from .config import load_config, parse_parallelism_conf
-    from .mesh import dp_world_size
+    from .layout.config import load_config, parse_parallelism_conf
+    from .layout.mesh import dp_world_size
 
     conf = load_config(config)
     block = parse_parallelism_conf(conf)
@@ -64,8 +64,8 @@ def _choose_device(args, nproc: int) -> str:
     """Resolve ``--device`` for ``nproc`` local ranks BEFORE any rank starts (a ``cuda`` run with
     fewer visible GPUs than ranks stops here naming both counts) and hand the choice to the
     ranks (and to this process, for a one-rank run) through the environment."""
-    from .device import DEVICE_ENV, choose_device
-    from .launch import under_launcher
+    from .layout.device import DEVICE_ENV, choose_device
+    from .layout.launch import under_launcher
 
     requested = getattr(args, "device", "auto") or "auto"
     if under_launcher():  # torchrun / SLURM started the ranks: each resolves for its node
@@ -95,8 +95,8 @@ def _sample_data_command(conf: dict) -> str:
 
 
 def _run_worker(module: str, nproc: int, worker_args: list[str], conf: dict) -> int:
-    from .config import ParallelDims
-    from .launch import under_launcher
+    from .layout.config import ParallelDims
+    from .layout.launch import under_launcher
     from .tools.launcher import launch_local
 
     if under_launcher() or ParallelDims.from_conf(conf, nproc).is_trivial:
@@ -120,11 +120,11 @@ def _cmd_train(args) -> int:
             f"`{_sample_data_command(conf)}`)"
         )
     _choose_device(args, n)
-    from .launch import under_launcher
+    from .layout.launch import under_launcher
 
     if not under_launcher():
         # fail in seconds, before any rank starts, with every problem at once
-        from .preflight import validate_run
+        from .train.preflight import validate_run
 
         problems = validate_run(conf, n)
         if problems:
@@ -144,11 +144,11 @@ def _cmd_verify(args) -> int:
     conf, n = _load_and_check(args.config, args.nproc)
     _choose_device(args, n)
     extra = ["--config", args.config, "--dtype", args.dtype]
-    return _run_worker("credit_parallel.verify", n, extra, conf)
+    return _run_worker("credit_parallel.tools.verify", n, extra, conf)
 
 
 def _cmd_plan(args) -> int:
-    from .config import load_config
+    from .layout.config import load_config
     from .planner import format_plan, make_plan
 
     if args.world_size < 1:
@@ -199,14 +199,14 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_mesh_demo(args) -> int:
-    from .mesh import dp_world_size
+    from .layout.mesh import dp_world_size
     from .tools.launcher import launch_local
 
     block = {"data": args.data, "tensor": args.tensor, "domain": args.domain}
     dp_world_size(block, args.nproc)  # one-line ValueError before any rank starts
     return launch_local(
         args.nproc,
-        "credit_parallel.mesh_demo",
+        "credit_parallel.tools.mesh_demo",
         ["--data", args.data, "--tensor", str(args.tensor), "--domain", str(args.domain)],
     )
 

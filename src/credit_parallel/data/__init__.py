@@ -9,7 +9,7 @@ the row-reading training loader of domain-parallel runs.
 - ``sampler``: ``DistributedDPSampler``, ``StepBatchSampler``, ``make_dataloader`` (shards over
   data parallelism only);
 - ``loader``: ``build_train_loader``, ``register_row_batch``, ``RowView``; ``batch_to_device``
-  is ``credit_parallel.device``'s (one copy), re-exported here;
+  is ``credit_parallel.layout.device``'s (one copy), re-exported here;
 - ``prefetch``: ``DevicePrefetcher`` (the next batches copied to the GPU on a side stream, the
   time spent waiting for data);
 - ``rechunk``: ``rechunk_store``, ``RECOMMENDED_LAT_CHUNK`` (the chunking training reads fastest;

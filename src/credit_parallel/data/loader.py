@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..device import batch_to_device
 from ..domain.rows import shard_range, shard_sizes
 from ..domain.sharding import shard_batch
-from ..run_config import DataConfig, TrainerConfig
+from ..layout.device import batch_to_device
+from ..layout.run_config import DataConfig, TrainerConfig
 from .dataset import dataset_from_conf
 from .sampler import StepBatchSampler
 

@@ -24,7 +24,7 @@ from collections import deque
 
 import torch
 
-from ..device import batch_to_device
+from ..layout.device import batch_to_device
 
 __all__ = ["CudaStreams", "DevicePrefetcher"]
 

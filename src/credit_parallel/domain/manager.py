@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..compat import all_gather_single
-from ..config import all_ranks_joined, require_process_group
+from ..layout.compat import all_gather_single
+from ..layout.config import all_ranks_joined, require_process_group
 
 __all__ = [
     "DomainParallelManager",
@@ -258,7 +258,7 @@ class DomainParallelManager:
     def _traced_length(self, owner, local_length: int) -> int:
         """The global length under ``torch.compile``: what an eager forward of the same input
         shapes (same token) noted on ``owner``; the compiled block's first call runs eagerly
-        for that (``credit_parallel.compile``)."""
+        for that (``credit_parallel.parallel.compile``)."""
         heights = getattr(owner, "_domain_heights", None) or {}
         length = heights.get((self._token, local_length), -1)
         if length < 0:

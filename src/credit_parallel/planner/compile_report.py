@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..compile import compile_targets
+from ..parallel.compile import compile_targets
 from .trace import build_meta_model, model_input_shapes
 
 __all__ = ["TRACED_FORMS", "BlockBreaks", "compile_breaks", "format_compile_breaks"]

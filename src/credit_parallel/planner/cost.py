@@ -16,12 +16,17 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..config import DataMode
 from ..domain.attention.cost import form_cost
 from ..domain.geometry import FILL, domain_form_of, domain_kind_of, input_windows_of
 from ..domain.rows import plan_exchange, shard_range, shard_sizes
-from ..fsdp import FSDP2_MIN_UNIT_PARAMS, fsdp2_units
-from ..tensor_parallel import COLUMN, _check_layer, _resolve, collect_tensor_parallel_targets
+from ..layout.config import DataMode
+from ..parallel.fsdp import FSDP2_MIN_UNIT_PARAMS, fsdp2_units
+from ..parallel.tensor_parallel import (
+    COLUMN,
+    _check_layer,
+    _resolve,
+    collect_tensor_parallel_targets,
+)
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
@@ -292,7 +297,7 @@ def fsdp_units(
 ) -> list[tuple[str, set[str]]]:
     """FSDP2 units in ``apply_fsdp2`` order and the parameter names each one manages: the
     opted-in blocks with at least ``min_params`` parameters of their own
-    (:func:`credit_parallel.fsdp.fsdp2_units`), then the root with the rest."""
+    (:func:`credit_parallel.parallel.fsdp.fsdp2_units`), then the root with the rest."""
     blocks = [name for name, _ in fsdp2_units(model, min_params)]
     owned: dict[str, set[str]] = {name: set() for name in [*blocks, ""]}
     for pname, _ in model.named_parameters():

@@ -3,9 +3,9 @@
 :func:`make_plan` reads a full config and a world size and works out, without starting a single
 process or process group:
 
-1. the rank layout: the parallel degrees (:class:`~credit_parallel.config.ParallelDims`), the
+1. the rank layout: the parallel degrees (:class:`~credit_parallel.layout.config.ParallelDims`), the
    mesh axes ``build_device_mesh`` would keep, and every rank's (dp, tp, domain) coordinates and
-   the global ranks of its dp / tp / domain groups (:func:`~credit_parallel.mesh.full_rank_layout`);
+   the global ranks of its dp / tp / domain groups (:func:`~credit_parallel.layout.mesh.full_rank_layout`);
 2. the rows every domain rank owns at every resolution level, and for every module that
    ``convert_to_domain_parallel`` would replace the halo rows each rank receives: the model is
    traced once on the meta device (``trace.py``) and each layer call is asked for its geometry
@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import DataMode, ParallelDims, parse_parallelism_conf
 from ..domain.convert import validate_sharding_constraints
 from ..domain.layers.gather import gather_cost_note
 from ..domain.plan import sharing_step
 from ..domain.rows import shard_sizes
-from ..fsdp import FSDP2_MIN_UNIT_PARAMS
-from ..mesh import full_rank_layout
-from ..run_config import TrainerConfig, trainer_option
+from ..layout.config import DataMode, ParallelDims, parse_parallelism_conf
+from ..layout.mesh import full_rank_layout
+from ..layout.run_config import TrainerConfig, trainer_option
+from ..parallel.fsdp import FSDP2_MIN_UNIT_PARAMS
 from .cost import (
     DomainLayerPlan,
     MemoryEstimate,

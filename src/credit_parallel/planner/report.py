@@ -3,8 +3,8 @@ domain layers, memory, communication, constraints, notes)."""
 
 from __future__ import annotations
 
-from ..config import DataMode
 from ..domain.rows import shard_range
+from ..layout.config import DataMode
 from .make import MAX_RANKS_LISTED, Plan
 
 __all__ = ["format_plan"]

@@ -8,7 +8,7 @@ is one point; asynchronous calls that the step waits for together count once:
 * ``norm``: GroupNorm statistics all-gathers (forward) and their adjoint all-reduces (backward)
   and the all-gathers of gathered modules;
 * ``domain_grad``: the domain group's gradient all-reduce after the backward, one blocking call
-  per bucket; with the overlapped reduction (``credit_parallel.grad_overlap``) the buckets are
+  per bucket; with the overlapped reduction (``credit_parallel.parallel.grad_overlap``) the buckets are
   launched during the backward and the step waits for all of them once;
 * ``tp``: tensor-parallel all-reduces and weight regroups (blocking);
 * ``data``: FSDP2 all-gathers and reduce-scatters (counted per call), DDP's buckets (launched

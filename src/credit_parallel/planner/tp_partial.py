@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..tensor_parallel import collect_tensor_parallel_targets
-from ..tensor_parallel_guard import find_partial_gradient_modules
+from ..parallel.tensor_parallel import collect_tensor_parallel_targets
+from ..parallel.tensor_parallel_guard import find_partial_gradient_modules
 
 __all__ = ["tp_partial_gradient_findings"]
 

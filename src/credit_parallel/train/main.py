@@ -197,8 +197,8 @@ def run_training(
 
 
 def main(argv=None) -> int:
-    from ..config import load_config
-    from ..launch import init_distributed_from_env, under_launcher
+    from ..layout.config import load_config
+    from ..layout.launch import init_distributed_from_env, under_launcher
 
     ap = argparse.ArgumentParser(prog="python -m credit_parallel.train.main")
     ap.add_argument("--config", required=True)
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
         conf.setdefault("trainer", {})["steps"] = args.steps
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if under_launcher():
-        from ..preflight import dist_timeout_s
+        from .preflight import dist_timeout_s
 
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
     run_training(conf, Path(args.output), resume=args.resume)

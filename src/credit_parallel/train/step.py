@@ -26,11 +26,11 @@ from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
-from ..collectives import clip_grad_norm_, sync_domain_gradients
-from ..config import has_process_group
 from ..domain.sharding import shard_batch
-from ..fsdp import no_grad_sync
-from ..small_collectives import sum_small_
+from ..layout.config import has_process_group
+from ..layout.small_collectives import sum_small_
+from ..parallel.collectives import clip_grad_norm_, sync_domain_gradients
+from ..parallel.fsdp import no_grad_sync
 from .loss import latitude_weighted_mse_share
 
 __all__ = [
@@ -112,7 +112,7 @@ def latitude_weighted_loss(lat_weights_local: torch.Tensor, global_height: int) 
 def replica_mean_loss(loss_share: torch.Tensor, *, tp_size: int, dp_size: int) -> torch.Tensor:
     """The step's loss from each rank's share: summed over the domain ranks, counted once over
     the ``tp_size`` replicas (which hold identical shares) and averaged over ``dp_size``
-    (the degrees of the run's :class:`~credit_parallel.config.ParallelDims`).  A world
+    (the degrees of the run's :class:`~credit_parallel.layout.config.ParallelDims`).  A world
     collective."""
     total = loss_share.detach().clone()
     if has_process_group():

@@ -16,7 +16,7 @@ norm, which every rank computes identically), AdamW and the LR schedule.
 Data order is a pure function of the micro-batch number ``step * grad_accum + micro`` (epoch
 after epoch, the DP sampler seeded per epoch), so a resumed run restarts the loader at its step
 and continues the exact trajectory of an uninterrupted one.  The model is built on the meta
-device and materialised already sharded (:func:`~credit_parallel.model_init.build_parallel_model`).
+device and materialised already sharded (:func:`~credit_parallel.train.model_init.build_parallel_model`).
 The model, the batches and the loss weights live on :func:`device_for_process_group`'s device
 (``cuda:LOCAL_RANK`` under NCCL, the CPU under gloo) unless a ``device`` is injected.
 """
@@ -31,23 +31,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import (
+from ..data.loader import build_train_loader, register_row_batch
+from ..data.prefetch import DevicePrefetcher
+from ..domain.guard import FunctionalCallGuard, guard_requested
+from ..layout.config import DataMode, has_process_group
+from ..layout.device import autocast_for, batch_to_device, device_for_process_group
+from ..layout.run_config import TrainerConfig
+from ..models import build_model
+from ..parallel.composition import RecipeOptions, get_domain_manager, parallelize_dims
+from .checkpoint import (
     CheckpointError,
     config_hash,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from ..composition import RecipeOptions, get_domain_manager, parallelize_dims
-from ..config import DataMode, has_process_group
-from ..data.loader import build_train_loader, register_row_batch
-from ..data.prefetch import DevicePrefetcher
-from ..device import autocast_for, batch_to_device, device_for_process_group
-from ..domain.guard import FunctionalCallGuard, guard_requested
-from ..model_init import build_parallel_model
-from ..models import build_model
-from ..preflight import check_run
-from ..run_config import TrainerConfig
+from .model_init import build_parallel_model
+from .preflight import check_run
 from .step import TrainStep, batch_keys, latitude_weighted_loss, replica_mean_loss
 
 __all__ = ["NonFiniteError", "Trainer"]
@@ -78,7 +78,7 @@ class Trainer:
     """Builds model, data and optimizer from a config and trains under its parallel layout.
 
     ``device``: where the model, batches and loss weights live (default: the process group's
-    device, :func:`~credit_parallel.device.device_for_process_group`).
+    device, :func:`~credit_parallel.layout.device.device_for_process_group`).
     """
 
     def __init__(self, conf: dict, *, dataset=None, val_dataset=None, model=None, device=None):

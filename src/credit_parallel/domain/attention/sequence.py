@@ -20,7 +20,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ...launch import wait_all
+from ...layout.launch import wait_all
 from ..exchange.ops import EAGER_IMPLS, all_to_all_traced
 from ..manager import resolve_manager
 from ..rows import shard_range

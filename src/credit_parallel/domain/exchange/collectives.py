@@ -10,7 +10,7 @@
 * :func:`all_reduce_sum` — plain in-place sum over the domain group (inside a backward).
 
 Under ``torch.compile`` the first two are the traced operators ``credit_parallel::gather_rows``
-/ ``scatter_rows`` of :mod:`.ops` (the same communication).  The last two carry a few hundred bytes: they go through :mod:`credit_parallel.small_collectives`
+/ ``scatter_rows`` of :mod:`.ops` (the same communication).  The last two carry a few hundred bytes: they go through :mod:`credit_parallel.layout.small_collectives`
 (point to point on small gloo groups, where gloo's collectives cost several times the latency).
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...compat import all_gather_single
-from ...small_collectives import gather_small, sum_small_
+from ...layout.compat import all_gather_single
+from ...layout.small_collectives import gather_small, sum_small_
 from ..rows import shard_range, shard_sizes
 from .ops import EAGER_IMPLS, gather_rows_traced, scatter_rows_traced
 

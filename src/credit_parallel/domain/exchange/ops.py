@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ...small_collectives import gather_small, sum_small_
+from ...layout.small_collectives import gather_small, sum_small_
 from ..rows import RankExchangePlan
 
 __all__ = [

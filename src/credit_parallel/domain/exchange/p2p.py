@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...launch import wait_all
+from ...layout.launch import wait_all
 from .traffic import active_recorder
 from .windows import shape_numel, shape_with
 

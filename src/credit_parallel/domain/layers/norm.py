@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ...compat import affine_per_channel
+from ...layout.compat import affine_per_channel
 from ..exchange.collectives import all_gather_stacked, all_reduce_sum
 from ..exchange.ops import gather_stacked_traced
 from ..manager import resolve_manager
@@ -120,7 +120,7 @@ def affine_from_moments(gathered, hi, weight, bias, eps: float, groups: int, cg:
 
 def _affine_per_channel(t: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor):
     """``t * scale + shift`` with ``t`` (B, C, L) and ``scale``/``shift`` (B, C), in ONE pass
-    (:func:`credit_parallel.compat.affine_per_channel`)."""
+    (:func:`credit_parallel.layout.compat.affine_per_channel`)."""
     return affine_per_channel(t, scale, shift)
 
 

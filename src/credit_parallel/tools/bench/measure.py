@@ -2,7 +2,7 @@
 
 Every rank runs the library's one training step (:class:`credit_parallel.train.step.TrainStep`:
 forward, the share of a globally normalised loss, backward, domain gradient sum) on the device
-:func:`credit_parallel.device.device_for_process_group` decides (the CPU under gloo); on CUDA
+:func:`credit_parallel.layout.device.device_for_process_group` decides (the CPU under gloo); on CUDA
 the step times are taken after ``torch.cuda.synchronize`` so they cover the GPU work."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...composition import get_domain_manager, parallelize
-from ...device import device_for_process_group, synchronize
 from ...domain.exchange.traffic import record_exchange_stats
 from ...domain.layers.split_conv import set_model_overlap
 from ...domain.rows import shard_range
+from ...layout.device import device_for_process_group, synchronize
+from ...layout.small_collectives import record_small_collectives
+from ...parallel.composition import get_domain_manager, parallelize
 from ...planner import make_plan
-from ...small_collectives import record_small_collectives
 from ...testing import run_on_ranks
 from ...train.step import TrainStep
 from ..profile import profile_step

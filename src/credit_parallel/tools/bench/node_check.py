@@ -6,7 +6,7 @@ It prints, in order:
 2. a trainer smoke run on 1 rank (``{data: fsdp2, tensor: 1, domain: 1}``, the sample data
    written to a temporary directory, a few steps, the loss before and after);
 3. ``verify`` of that layout in float32 and float64 (on a GPU under
-   :func:`credit_parallel.device.deterministic_kernels`);
+   :func:`credit_parallel.layout.device.deterministic_kernels`);
 4. per bundled model (CrossFormer, U-Net; the issue's sizes on a GPU, small ones on the CPU):
    step time and peak memory of the plain loop, torch's FSDP2 on the root + clip, and the
    library, eager and compiled (compiled only once ``trainer.compile`` exists: the COMPILE HOOK
@@ -60,7 +60,7 @@ def _torch_device(device: str) -> torch.device:
 
 
 def _init_one_rank(device: str) -> None:
-    from ...device import DEVICE_ENV, set_local_cuda_device
+    from ...layout.device import DEVICE_ENV, set_local_cuda_device
     from ...testing import free_port
 
     os.environ[DEVICE_ENV] = device
@@ -120,8 +120,8 @@ def trainer_smoke(device: str, store: str, steps: int = 5) -> str:
 
 def verify_line(device: str, store: str, dtype: torch.dtype) -> tuple[str, bool]:
     from ...data.dataset import dataset_from_conf
-    from ...device import deterministic_kernels
-    from ...verify import judge, verify_layout
+    from ...layout.device import deterministic_kernels
+    from ..verify import judge, verify_layout
 
     conf = _smoke_conf(store, 1)
     where = _torch_device(device)
@@ -153,7 +153,7 @@ def _fmt(ms, peak) -> tuple[str, str]:
 
 def _domain_figure(model: str, size: str, domain: int, device: str) -> float | None:
     """The library's step at ``domain`` on ``domain`` local ranks (rank 0's median), or None."""
-    from ...device import DEVICE_ENV
+    from ...layout.device import DEVICE_ENV
     from ..launcher import launch_local
 
     out = os.path.join(tempfile.mkdtemp(prefix="credit-parallel-node-"), "domain.json")
@@ -213,7 +213,7 @@ def format_rows(rows) -> str:
 def run_node_check(device: str = "auto", quick: bool = False) -> int:
     """The whole check; returns 0 when the smoke run and both verifies pass."""
     from ...data import write_sample_dataset
-    from ...device import choose_device, visible_gpu_count
+    from ...layout.device import choose_device, visible_gpu_count
 
     device = choose_device(device, 1)
     size = "gpu" if device == "cuda" and not quick else "cpu"
@@ -246,8 +246,8 @@ def run_node_check(device: str = "auto", quick: bool = False) -> int:
 
 
 def _domain_worker(model: str, size: str, domain: int, out: str) -> int:
-    from ...device import device_for_process_group
-    from ...launch import init_distributed_from_env
+    from ...layout.device import device_for_process_group
+    from ...layout.launch import init_distributed_from_env
 
     init_distributed_from_env(120)
     device = device_for_process_group()

@@ -82,7 +82,7 @@ def model_conf(kind: str, size: str) -> dict:
 
 def compile_available() -> bool:
     """COMPILE HOOK: True once the library knows ``trainer.compile`` (SPEC 5a)."""
-    from ...run_config import TrainerConfig
+    from ...layout.run_config import TrainerConfig
 
     return "compile" in getattr(TrainerConfig, "__dataclass_fields__", {})
 
@@ -111,7 +111,7 @@ def _fully_shard_torch(model, per_block: bool, amp: bool):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from ...device import device_for_process_group
+    from ...layout.device import device_for_process_group
 
     mesh = init_device_mesh(device_for_process_group().type, (torch.distributed.get_world_size(),))
     mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if amp else MixedPrecisionPolicy()
@@ -137,9 +137,9 @@ def build_step(
 
     ``parallelism``: the library variants' layout (default ``{data: fsdp2, tensor: 1, domain:
     1}``); with domain > 1 each rank feeds its rows of the global batch (``TrainStep`` shards)."""
-    from ...composition import get_domain_manager, parallelize
-    from ...device import autocast_for
+    from ...layout.device import autocast_for
     from ...models import build_model
+    from ...parallel.composition import get_domain_manager, parallelize
     from ...train.loss import local_lat_weights
     from ...train.step import TrainStep, latitude_weighted_loss
 
@@ -195,7 +195,7 @@ def _time(step, steps: int, device) -> list[float]:
     """Per-step milliseconds: wall clock around synchronised steps on CUDA; on the CPU this
     process's CPU time (one intra-op thread: the work itself, not the time spent waiting for a
     core on a shared machine)."""
-    from ...device import synchronize
+    from ...layout.device import synchronize
 
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     out = []

@@ -2,7 +2,7 @@
 
 Layout: row-major over (dp, tp, domain), domain innermost.  For global rank g:
 ``domain_coord = g % domain``, ``tp_coord = (g // domain) % tp``, ``dp_rank = g // (tp*domain)``.
-The degrees, the arithmetic and the meshes belong to :class:`~credit_parallel.config.ParallelDims`;
+The degrees, the arithmetic and the meshes belong to :class:`~credit_parallel.layout.config.ParallelDims`;
 the functions here are the public entry points of SPEC §2 and delegate to it.
 """
 
@@ -17,7 +17,7 @@ from .config import (
     parse_parallelism_block,
     parse_parallelism_conf,
 )
-from .layout import RankLayout
+from .ranks import RankLayout
 
 __all__ = [
     "build_device_mesh",

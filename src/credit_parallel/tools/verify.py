@@ -7,7 +7,7 @@ parameter gradient.  Rank 0 prints a table of max errors with PASS/FAIL against 
 tolerances (float64: max abs error <= 1e-10; float32: max|a-b|/max|ref| <= 1e-5 for outputs and
 input gradients, <= 1e-4 for parameter gradients).
 
-On a GPU the two runs are made comparable first (:func:`credit_parallel.device.deterministic_kernels`,
+On a GPU the two runs are made comparable first (:func:`credit_parallel.layout.device.deterministic_kernels`,
 named in the table's header): TF32 off for matmuls and cuDNN convolutions, deterministic
 algorithms, cuDNN deterministic and not benchmarking.  Without that, float32 runs of ONE function
 differ by TF32 rounding (relative ~1e-4), above the float32 tolerance.
@@ -35,14 +35,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-from .composition import get_domain_manager, parallelize
-from .device import batch_to_device, deterministic_kernels, device_for_process_group
-from .domain.guard import FunctionalCallGuard
-from .domain.sharding import gather_tensor, shard_batch
-from .mesh import data_parallel_coords
-from .models import build_model
-from .train.loss import local_lat_weights
-from .train.step import TrainStep, batch_keys, latitude_weighted_loss
+from ..domain.guard import FunctionalCallGuard
+from ..domain.sharding import gather_tensor, shard_batch
+from ..layout.device import batch_to_device, deterministic_kernels, device_for_process_group
+from ..layout.mesh import data_parallel_coords
+from ..models import build_model
+from ..parallel.composition import get_domain_manager, parallelize
+from ..train.loss import local_lat_weights
+from ..train.step import TrainStep, batch_keys, latitude_weighted_loss
 
 __all__ = ["layout_run", "main", "quiet_sequential_gathers", "reference_run", "verify_layout"]
 
@@ -227,9 +227,9 @@ def verify_layout(
 def _tp_spread_rows(model) -> list[tuple]:
     """A replicated parameter whose gradient differs across the tp ranks (each holding only
     its heads' share) is a FAIL row of its own: the cause, not only the symptom."""
-    from .composition import get_device_mesh, get_raw_model
-    from .tensor_parallel import tp_replicated_parameters
-    from .tensor_parallel_guard import replicated_gradient_spread
+    from ..parallel.composition import get_device_mesh, get_raw_model
+    from ..parallel.tensor_parallel import tp_replicated_parameters
+    from ..parallel.tensor_parallel_guard import replicated_gradient_spread
 
     mesh = get_device_mesh(model)
     if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
@@ -240,7 +240,7 @@ def _tp_spread_rows(model) -> list[tuple]:
 
 
 def _dp_group(model):
-    from .composition import get_device_mesh
+    from ..parallel.composition import get_device_mesh
 
     mesh = get_device_mesh(model)
     return (
@@ -249,7 +249,7 @@ def _dp_group(model):
 
 
 def _named_params(model):
-    from .composition import get_raw_model
+    from ..parallel.composition import get_raw_model
 
     raw = get_raw_model(model)
     return list(raw.named_parameters())
@@ -289,10 +289,10 @@ def format_table(judged, layout: dict, world: int, dtype, device=None, pinned=No
 
 
 def main(argv=None) -> int:
-    from .config import load_config, parse_parallelism_conf
-    from .launch import init_distributed_from_env, under_launcher
+    from ..layout.config import load_config, parse_parallelism_conf
+    from ..layout.launch import init_distributed_from_env, under_launcher
 
-    ap = argparse.ArgumentParser(prog="python -m credit_parallel.verify")
+    ap = argparse.ArgumentParser(prog="python -m credit_parallel.tools.verify")
     ap.add_argument("--config", required=True)
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     ap.add_argument("--batch-size", type=int, default=None)
@@ -301,13 +301,13 @@ def main(argv=None) -> int:
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if under_launcher():
-        from .preflight import dist_timeout_s
+        from ..train.preflight import dist_timeout_s
 
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
     dataset = None
     path = (conf.get("data") or {}).get("path")
     if path and os.path.exists(path):
-        from .data.dataset import dataset_from_conf
+        from ..data.dataset import dataset_from_conf
 
         dataset = dataset_from_conf(conf, "train")
     device = device_for_process_group()

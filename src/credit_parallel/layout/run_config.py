@@ -3,7 +3,7 @@ validated in one place.
 
 ``RunConfig.from_conf(conf)`` turns the YAML mapping into frozen dataclasses; every error is a
 ``ValueError`` naming the key and the bad value.  The parallelism block itself is parsed by
-:func:`credit_parallel.config.parse_parallelism_conf` and carried here as-is.  Code that needs a
+:func:`credit_parallel.layout.config.parse_parallelism_conf` and carried here as-is.  Code that needs a
 single key before the whole section can be validated (the launcher's ``trainer.dist_timeout_s``,
 the FSDP wrapper's ``trainer.amp``, the planner's ``trainer.batch_size``) asks
 :func:`trainer_option`, which applies the same parser as the dataclass.

@@ -6,7 +6,7 @@ The config dict stops here: it is parsed once into a :class:`ParallelDims` and t
 trainer, which has parsed the run config already, calls it directly).  Nothing below this module
 reads the config:
 
-1. :class:`~credit_parallel.config.ParallelDims` from ``trainer.parallelism`` and the world size
+1. :class:`~credit_parallel.layout.config.ParallelDims` from ``trainer.parallelism`` and the world size
    builds every mesh (CUDA/NCCL when the process group is NCCL, else CPU/gloo — nothing in the
    config is needed for that);
 2. domain > 1: a :class:`DomainParallelManager` from the mesh's "domain"/"dp" axes, and
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..domain.convert import convert_to_domain_parallel
+from ..domain.manager import DomainParallelManager
+from ..layout.config import DataMode, MeshAxis, ParallelDims, ParallelMesh, require_process_group
+from ..layout.device import device_for_process_group
+from ..layout.run_config import TrainerConfig, trainer_option
 from .compile import compile_blocks
-from .config import DataMode, MeshAxis, ParallelDims, ParallelMesh, require_process_group
-from .device import device_for_process_group
-from .domain.convert import convert_to_domain_parallel
-from .domain.manager import DomainParallelManager
 from .fsdp import FSDP2_MIN_UNIT_PARAMS, apply_ddp, fsdp2_precision, fully_shard_model
-from .run_config import TrainerConfig, trainer_option
 from .tensor_parallel import apply_tensor_parallel
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Joining the process group a launcher (torchrun, SLURM, the CLI) set up, with bounded timeouts.
 
-The entry points (``credit_parallel.train.main``, ``credit_parallel.verify``) only read the
+The entry points (``credit_parallel.train.main``, ``credit_parallel.tools.verify``) only read the
 environment variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
 Timeouts.  :func:`init_distributed_from_env` gives the default group ``trainer.dist_timeout_s``
@@ -41,9 +41,9 @@ def init_distributed_from_env(
 ) -> None:
     """Initialise the default process group from torchrun's environment: NCCL on
     ``cuda:LOCAL_RANK`` when the command line chose CUDA (``--device``, passed as
-    :data:`~credit_parallel.device.DEVICE_ENV`) or, with ``auto``, when this node has at least as
+    :data:`~credit_parallel.layout.device.DEVICE_ENV`) or, with ``auto``, when this node has at least as
     many visible GPUs as local ranks (``LOCAL_WORLD_SIZE``); else gloo on the CPU.  Under NCCL the
-    rank's device is set once (:func:`~credit_parallel.device.set_local_cuda_device`) and given to
+    rank's device is set once (:func:`~credit_parallel.layout.device.set_local_cuda_device`) and given to
     ``init_process_group`` as ``device_id`` (no "guessing device ID" and no hang on a
     heterogeneous rank-to-GPU mapping).
 

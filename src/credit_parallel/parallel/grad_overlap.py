@@ -1,6 +1,6 @@
 """The domain group's gradient all-reduce, bucketed and overlapped with the backward.
 
-Without it, :func:`~credit_parallel.collectives.sync_domain_gradients` reduces every gradient
+Without it, :func:`~credit_parallel.parallel.collectives.sync_domain_gradients` reduces every gradient
 after the backward has finished: the reduction is a synchronisation point the whole step waits
 for.  :class:`OverlappedDomainGradSync` does what DDP and FSDP do: the parameters are packed into
 buckets (reverse parameter order, the order the backward produces their gradients), a

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate
 
-from .config import DP_DOMAIN
+from ..layout.config import DP_DOMAIN
+from ..layout.small_collectives import sum_small_
 from .grad_overlap import OVERLAP_ATTR
-from .small_collectives import sum_small_
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_MB",

@@ -111,7 +111,7 @@ def save_checkpoint(
     if _rank() == 0:
         info = dict(manifest or {})
         info.update(step=step, has_optimizer=optimizer is not None)
-        from . import __version__
+        from .. import __version__
 
         info.setdefault("library_version", __version__)
         info["files"] = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}

@@ -10,9 +10,9 @@ import sys
 
 import torch.distributed as dist
 
-from .device import device_for_process_group
-from .launch import init_distributed_from_env
-from .mesh import build_device_mesh, data_parallel_coords
+from ..layout.device import device_for_process_group
+from ..layout.launch import init_distributed_from_env
+from ..layout.mesh import build_device_mesh, data_parallel_coords
 
 
 def describe_rank(block: dict) -> str:
@@ -25,7 +25,7 @@ def describe_rank(block: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m credit_parallel.mesh_demo")
+    ap = argparse.ArgumentParser(prog="python -m credit_parallel.tools.mesh_demo")
     ap.add_argument("--data", default="fsdp2")
     ap.add_argument("--tensor", default="2")
     ap.add_argument("--domain", default="1")

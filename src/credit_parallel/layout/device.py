@@ -9,7 +9,7 @@ is :func:`choose_device`, before any rank starts: ``auto`` takes CUDA (NCCL) whe
 least as many visible GPUs as local ranks and the CPU (gloo) otherwise; ``cuda`` with fewer GPUs
 than local ranks is refused naming both counts.  The choice reaches the ranks through the
 ``CREDIT_PARALLEL_DEVICE`` environment variable (:data:`DEVICE_ENV`), which
-:func:`credit_parallel.launch.init_distributed_from_env` reads to pick the backend, and the rank's
+:func:`credit_parallel.layout.launch.init_distributed_from_env` reads to pick the backend, and the rank's
 CUDA device is set in ONE place, :func:`set_local_cuda_device`.
 """
 

@@ -3,7 +3,7 @@
 A job on hundreds of ranks must fail in its first seconds, with every problem listed at once,
 each naming the config key (or module path) and what would fix it.  :func:`validate_run` collects:
 
-1. the ``trainer``, ``data`` and ``model`` sections (:mod:`credit_parallel.run_config`);
+1. the ``trainer``, ``data`` and ``model`` sections (:mod:`credit_parallel.layout.run_config`);
 2. the layout against the world size and the model against the layout — everything
    :func:`credit_parallel.planner.make_plan` finds without a process: world size divisible by
    tensor x domain, rows per domain rank at every resolution level, layers that cannot be made
@@ -27,8 +27,8 @@ from types import MappingProxyType
 
 import torch
 
-from .config import ParallelDims, parse_parallelism_conf
-from .run_config import DEFAULT_DIST_TIMEOUT_S, RunConfig, parse_sections, trainer_option
+from ..layout.config import ParallelDims, parse_parallelism_conf
+from ..layout.run_config import DEFAULT_DIST_TIMEOUT_S, RunConfig, parse_sections, trainer_option
 
 __all__ = ["DEFAULT_DIST_TIMEOUT_S", "check_run", "dist_timeout_s", "validate_run"]
 
@@ -46,7 +46,7 @@ def dist_timeout_s(conf: dict) -> float:
 # --------------------------------------------------------------------------- the data
 def _build_dataset(conf: dict):
     """The training dataset as the trainer builds it, reading metadata only (no cache)."""
-    from .data.dataset import dataset_from_conf
+    from ..data.dataset import dataset_from_conf
 
     return dataset_from_conf(conf, "train", cache_limit_bytes=0)
 
@@ -193,7 +193,7 @@ def _parse_layout(conf: dict, world_size: int, violations: list[str]):
 def _validate(conf: dict, world_size: int, dataset, model):
     """(violations, the RunConfig or None, the ParallelDims or None): every section and the
     layout parsed once."""
-    from .planner import build_meta_model, make_plan, model_input_shapes
+    from ..planner import build_meta_model, make_plan, model_input_shapes
 
     if not isinstance(conf, dict):
         return [f"config must be a mapping, got {type(conf).__name__}"], None, None

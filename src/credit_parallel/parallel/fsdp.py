@@ -34,10 +34,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from .config import require_process_group
-from .device import device_for_process_group
+from ..layout.config import require_process_group
+from ..layout.device import device_for_process_group
+from ..layout.run_config import trainer_option
 from .grad_overlap import OVERLAP_ATTR
-from .run_config import trainer_option
 
 __all__ = [
     "apply_ddp",
@@ -294,8 +294,8 @@ def apply_ddp(
 
     Returns:
         The ``DistributedDataParallel`` wrapping ``model`` (a new module, unlike
-        :func:`apply_fsdp2` and :func:`~credit_parallel.tensor_parallel.apply_tensor_parallel`,
-        which convert in place; :func:`~credit_parallel.composition.get_raw_model` unwraps it).
+        :func:`apply_fsdp2` and :func:`~credit_parallel.parallel.tensor_parallel.apply_tensor_parallel`,
+        which convert in place; :func:`~credit_parallel.parallel.composition.get_raw_model` unwraps it).
 
     Example::
 

@@ -43,7 +43,7 @@ def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _manager_of(block: nn.Module):
-    from .domain.manager import get_domain_parallel_manager
+    from ..domain.manager import get_domain_parallel_manager
 
     for m in block.modules():
         mgr = getattr(m, "manager", None)

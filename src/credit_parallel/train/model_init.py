@@ -35,15 +35,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .compile import compile_blocks
-from .composition import (
+from ..layout.config import DataMode, ParallelDims
+from ..parallel.compile import compile_blocks
+from ..parallel.composition import (
     RecipeOptions,
     apply_data_parallel,
     apply_model_parallel,
     layout_meshes,
     parallelize_dims,
 )
-from .config import DataMode, ParallelDims
 
 __all__ = ["InitRecord", "build_parallel_model", "materialize_", "record_meta_build"]
 

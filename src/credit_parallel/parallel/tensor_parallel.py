@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from .compat import regroup_parts
+from ..layout.compat import regroup_parts
 from .tensor_parallel_guard import (
     CopyToTensorParallel,
     ReduceFromTensorParallel,

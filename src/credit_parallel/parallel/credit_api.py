@@ -11,7 +11,7 @@ CREDIT                          here
                                 are one plan in ``tensor_parallel``)
 ``apply_native_tensor_parallel``  :func:`~credit_parallel.apply_tensor_parallel` (1x1 convs,
                                 fused q|k|v and the dpb-style partial gradients included)
-``TpColConv2d`` ...             :class:`~credit_parallel.tensor_parallel.TensorParallelProjection`
+``TpColConv2d`` ...             :class:`~credit_parallel.parallel.tensor_parallel.TensorParallelProjection`
                                 built from ``(layer, tp_group)``
 ``shard_lat_weights``           this rank's rows of the balanced layout (uneven H too)
 ``gather_spatial``              :func:`~credit_parallel.gather_tensor` (uneven, differentiable)
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .domain.manager import get_domain_parallel_manager
-from .domain.rows import shard_range
-from .domain.sharding import gather_tensor
+from ..domain.manager import get_domain_parallel_manager
+from ..domain.rows import shard_range
+from ..domain.sharding import gather_tensor
 from .tensor_parallel import COLUMN, ROW, TensorParallelProjection, apply_tensor_parallel
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 The parallel degrees are parsed and validated in exactly one place (``parse_parallelism_block``).
 :class:`ParallelDims`, built from that block and the world size, owns the layout: degrees, every
-divisibility check, the :class:`~credit_parallel.layout.RankLayout`, "is the layout trivial", and
+divisibility check, the :class:`~credit_parallel.layout.ranks.RankLayout`, "is the layout trivial", and
 the DeviceMeshes (:class:`ParallelMesh`, with the flattened dp x domain axis FSDP2 shards over);
 mesh, composition, the domain manager and the CLI ask it instead of recomputing.
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import yaml
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .layout import RankLayout
+from .ranks import RankLayout
 
 __all__ = [
     "DP_DOMAIN",
