@@ -118,3 +118,205 @@ def test_unpad_shard_interp_names_what_it_accepts():
     bad = _tensor_padding((1, -1), (0, 0))
     with pytest.raises(ValueError, match="pad_NS"):
         unpad_shard_interp(torch.zeros(1, 1, 4, 4), bad, None, 4, 4)
+
+
+# --------------------------------------------------------------------------- spectral norm x tp
+def _spectral_crossformer():
+    """miles-credit's CrossFormer U-Net of the wxformer_next family (``nextgen_wxformer``: the
+    CrossFormer blocks with Linear projections that declare ``_tp_plan``), small, with its default
+    ``use_spectral_norm=True``: the hook form on every Linear / Conv2d of its encoder, bottleneck
+    and decoder, the tp-split projections included."""
+    m = import_credit("credit.models.wxformer.wxformer_next")
+    torch.manual_seed(0)
+    net = m.NextGenWXFormer(
+        image_height=64,
+        image_width=32,
+        frames=1,
+        channels=1,
+        surface_channels=1,
+        input_only_channels=0,
+        output_only_channels=0,
+        levels=2,
+        dim=(8, 16, 32, 64),
+        depth=(1, 1, 1, 1),
+        dim_head=4,
+        global_window_size=(2, 1, 1, 1),
+        local_window_size=2,
+        cross_embed_kernel_sizes=((2, 4),) * 4,
+        cross_embed_strides=(2, 2, 2, 2),
+        col_attn_heads=1,
+        num_spectral_nodes=4,
+    )
+    assert net.use_spectral_norm
+    return net.double()
+
+
+def _spectral_buffers(model):
+    return {n: b.clone() for n, b in model.named_buffers() if n.endswith(("weight_u", "weight_v"))}
+
+
+def _spectral_tp_worker(rank, world):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from credit_parallel import apply_tensor_parallel
+
+    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = _spectral_crossformer()
+    reference = copy.deepcopy(model)
+    initial = _spectral_buffers(model)
+    keys = list(model.state_dict())
+    apply_tensor_parallel(model, tp_mesh)
+    split = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
+    gen = torch.Generator().manual_seed(3)
+    errors = {}
+    for step in range(2):  # training mode: the power iteration updates u / v in both forwards
+        x = torch.randn(1, 3, 1, 64, 32, generator=gen, dtype=torch.float64)
+        xr, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ref, out = reference(xr), model(xp)
+        g = torch.randn(out_ref.shape, generator=gen, dtype=torch.float64)
+        out_ref.backward(g)
+        out.backward(g)
+        errors[f"{step}/output"] = (out - out_ref).abs().max().item()
+        errors[f"{step}/input_grad"] = (xp.grad - xr.grad).abs().max().item()
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        grad, ref = p.grad, ref_params[name].grad
+        if grad is None or ref is None:  # unused by this forward (both sides alike)
+            errors[f"grad:{name}"] = 0.0 if grad is ref else float("inf")
+            continue
+        grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        errors[f"grad:{name}"] = (grad - ref).abs().max().item()
+    trained, ref_buffers = _spectral_buffers(model), _spectral_buffers(reference)
+    for name, b in trained.items():
+        errors[f"buffer:{name}"] = (b - ref_buffers[name]).abs().max().item()
+    moved = max((b - initial[n]).abs().max().item() for n, b in trained.items())
+    # eval mode: no power iteration, the same sigma from the trained u / v
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        x = torch.randn(1, 3, 1, 64, 32, generator=gen, dtype=torch.float64)
+        errors["eval/output"] = (model(x) - reference(x)).abs().max().item()
+    after_eval = _spectral_buffers(model)
+    still = max((b - trained[n]).abs().max().item() for n, b in after_eval.items())
+    return errors, split, list(model.state_dict()) == keys, moved, still
+
+
+def test_credit_crossformer_with_spectral_norm_under_tp2_matches_one_process():
+    """Exact, not replicated: the norm of each whole weight from its tp shards, the power
+    iteration as in one process (forward, input and every parameter gradient, u / v, in training
+    and eval mode)."""
+    for errors, split, same_keys, moved, still in run_on_ranks(_spectral_tp_worker, 2):
+        # every attention / feed-forward projection is split (weight_orig as a DTensor)
+        for name in ("to_q", "to_k", "to_v", "to_out", "layers.1", "layers.4"):
+            assert len([n for n in split if n.endswith(f".{name}.weight_orig")]) == 8, split
+        assert same_keys
+        assert len(errors) > 100
+        bad = {k: v for k, v in errors.items() if not v <= 1e-10}
+        assert not bad, bad
+        assert moved > 1e-6 and still == 0.0  # training mode updates u / v, eval mode does not
+
+
+class _FusedSpectralBlock(nn.Module):
+    """A fused q|k|v column Linear, a column 1x1 conv and a row Linear, spectral-normed."""
+
+    _tp_col = ["qkv", "conv"]
+    _tp_row = "out"
+    _tp_fused = {"qkv": 3}
+
+    def __init__(self, form):
+        super().__init__()
+        sn = _SPECTRAL_FORMS[form]
+        self.qkv = sn(nn.Linear(6, 12))
+        self.conv = sn(nn.Conv2d(6, 4, 1))
+        self.out = sn(nn.Linear(4, 6, bias=True))
+
+    def forward(self, x):  # x: (B, 6, H, W)
+        q, k, v = self.qkv(x.movedim(1, -1)).chunk(3, dim=-1)
+        h = q * k + v + self.conv(x).movedim(1, -1)
+        return self.out(torch.tanh(h)).movedim(-1, 1)
+
+
+_SPECTRAL_FORMS = {
+    "hook": torch.nn.utils.spectral_norm,
+    "parametrize": torch.nn.utils.parametrizations.spectral_norm,
+}
+
+
+def _vectors(model):
+    return {n: b.clone() for n, b in model.named_buffers() if n.endswith(("_u", "_v"))}
+
+
+def _grads_and_vectors(model, reference, DTensor):
+    errors = {}
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        errors[f"grad:{name}"] = (grad - ref_params[name].grad).abs().max().item()
+    ref_vectors = _vectors(reference)
+    for name, b in _vectors(model).items():
+        errors[f"vector:{name}"] = (b - ref_vectors[name]).abs().max().item()
+    return errors
+
+
+def _spectral_forms_worker(rank, world, form):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from credit_parallel import TpColLinear, TpRowLinear, apply_tensor_parallel
+
+    torch.set_default_dtype(torch.float64)
+    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch.manual_seed(1)
+    model = _FusedSpectralBlock(form)
+    reference, keys = copy.deepcopy(model), list(model.state_dict())
+    apply_tensor_parallel(model, tp_mesh)
+    gen = torch.Generator().manual_seed(4)
+    errors = {}
+    for step in range(3):
+        x = torch.randn(2, 6, 3, 5, generator=gen)
+        xr, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ref, out = reference(xr), model(xp)
+        g = torch.randn(out_ref.shape, generator=gen)
+        out_ref.backward(g)
+        out.backward(g)
+        errors[f"{step}/output"] = (out - out_ref).abs().max().item()
+        errors[f"{step}/input_grad"] = (xp.grad - xr.grad).abs().max().item()
+    errors.update(_grads_and_vectors(model, reference, DTensor))
+    same_keys = list(model.state_dict()) == keys
+    # CREDIT's TpColLinear / TpRowLinear built from (layer, tp_group), a separate module each
+    torch.manual_seed(2)
+    first, second = _SPECTRAL_FORMS[form](nn.Linear(5, 8)), _SPECTRAL_FORMS[form](nn.Linear(8, 3))
+    ref_pair = nn.Sequential(copy.deepcopy(first), copy.deepcopy(second))
+    group = tp_mesh.get_group()
+    pair = nn.Sequential(TpColLinear(first, group), TpRowLinear(second, group))
+    for step in range(2):
+        x = torch.randn(4, 5, generator=gen)
+        xr, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ref, out = ref_pair(xr), pair(xp)
+        out_ref.sum().backward()
+        out.sum().backward()
+        errors[f"tp_modules/{step}/output"] = (out - out_ref).abs().max().item()
+        errors[f"tp_modules/{step}/input_grad"] = (xp.grad - xr.grad).abs().max().item()
+    errors.update(
+        {f"tp_modules/{k}": v for k, v in _grads_and_vectors(pair, ref_pair, DTensor).items()}
+    )
+    return errors, same_keys, sorted(pair.state_dict()) == sorted(ref_pair.state_dict())
+
+
+@pytest.mark.parametrize("form", ["hook", "parametrize"])
+@pytest.mark.parametrize("world", [2])
+def test_both_spectral_norm_forms_under_tp_are_exact(form, world):
+    """torch's hook form (CREDIT's) and parametrize form on a fused q|k|v Linear, a 1x1 conv and a
+    row Linear under apply_tensor_parallel, and on CREDIT's TpColLinear / TpRowLinear: forward,
+    input and parameter gradients and u / v after three training steps as in one process."""
+    for errors, same_keys, same_tp_keys in run_on_ranks(_spectral_forms_worker, world, form):
+        assert same_keys and same_tp_keys
+        n_vectors = len([k for k in errors if "vector:" in k])
+        assert n_vectors == 10, errors  # u and v of the 3 + 2 spectral-normed layers
+        bad = {k: v for k, v in errors.items() if not v <= 1e-10}
+        assert not bad, bad
