@@ -320,3 +320,151 @@ def test_both_spectral_norm_forms_under_tp_are_exact(form, world):
         assert n_vectors == 10, errors  # u and v of the 3 + 2 spectral-normed layers
         bad = {k: v for k, v in errors.items() if not v <= 1e-10}
         assert not bad, bad
+
+
+# --------------------------------------------------------------------------- CREDIT's example config
+def _era5_025deg_conf():
+    """miles-credit's ``config/gen_2/examples/wxformer_era5_025deg_6hr.yml`` as
+    ``credit-parallel plan`` reads it (the gen-2 data schema, ``trainer.parallelism``, the
+    0.25-degree CrossFormer with earth padding, interpolation, spectral norm and its active
+    tracer-fixer post block), shrunk in width and depth only: the 721 x 1440 grid, the
+    cross-embed kernels and windows are the example's."""
+    levels = [25.5, 75.0, 125.0, 175.0, 225.0, 275.0, 350.0, 450.0, 550.0, 650.0, 775.0]
+    levels += [887.5, 962.5]
+    store = "/glade/campaign/ERA5_plevel_6h_*.zarr"  # never read by plan
+    return {
+        "save_loc": "/glade/derecho/scratch/run",
+        "seed": 1000,
+        "data": {
+            "source": {
+                "ERA5": {
+                    "level_coord": "level",
+                    "levels": levels,
+                    "variables": {
+                        "prognostic": {
+                            "vars_3D": ["U", "V", "T", "specific_total_water"],
+                            "vars_2D": ["SP", "VAR_2T", "VAR_10U", "VAR_10V"],
+                            "path": store,
+                        },
+                        "diagnostic": {"vars_2D": [f"diag{i}" for i in range(8)], "path": store},
+                        "dynamic_forcing": {"vars_2D": ["toa_solar", "ci_mask"], "path": store},
+                        "static": {"vars_2D": ["z_norm", "land_sea_mask"], "path": store},
+                    },
+                }
+            },
+            "timestep": "6h",
+            "history_len": 1,
+            "forecast_len": 1,
+            "static_first": True,
+        },
+        "trainer": {
+            "type": "era5-gen2",
+            "parallelism": {"data": "fsdp2", "tensor": 1, "domain": 8},
+            "train_batch_size": 2,
+            "amp": False,
+        },
+        "model": {
+            "type": "crossformer",
+            "frames": 1,
+            "image_height": 721,
+            "image_width": 1440,
+            "levels": 13,
+            "channels": 4,
+            "surface_channels": 4,
+            "input_only_channels": 4,
+            "output_only_channels": 8,
+            "patch_width": 1,
+            "patch_height": 1,
+            "frame_patch_size": 1,
+            "dim": [32, 64, 128, 256],  # the example: [128, 256, 512, 1024]
+            "depth": [1, 1, 2, 1],  # the example: [2, 2, 8, 2]
+            "global_window_size": [10, 5, 2, 1],
+            "local_window_size": 10,
+            "cross_embed_kernel_sizes": [[4, 8, 16, 32], [2, 4], [2, 4], [2, 4]],
+            "cross_embed_strides": [2, 2, 2, 2],
+            "attn_dropout": 0.0,
+            "ff_dropout": 0.0,
+            "interp": True,
+            "use_spectral_norm": True,
+            "padding_conf": {
+                "activate": True,
+                "mode": "earth",
+                "pad_lat": [40, 40],
+                "pad_lon": [80, 80],
+            },
+            "post_conf": {
+                "activate": True,
+                "tracer_fixer": {
+                    "activate": True,
+                    "denorm": True,
+                    "tracer_name": ["specific_total_water"],
+                    "tracer_thres": [1e-8],
+                },
+            },
+        },
+    }
+
+
+def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks():
+    from credit_parallel.planner import format_plan, make_plan
+
+    crossformer = import_credit("credit.models.crossformer")
+    conf = _era5_025deg_conf()
+    # what stopped `plan` before: miles-credit's loader on the block as written
+    load_model = import_credit("credit.models").load_model
+    with pytest.raises(KeyError, match="tracer_inds"):
+        load_model({"model": conf["model"]})
+    with pytest.warns(UserWarning, match=r"model\.post_conf \(active\).*train_gen2"):
+        plan = make_plan(conf, 32)
+    assert plan.model_class == "CrossFormer" and not plan.violations, plan.violations
+    assert (plan.dp, plan.tp, plan.domain) == (4, 1, 8)
+    # the model CREDIT's gen-2 trainer builds: its loader on the block without post_conf
+    block = {k: v for k, v in conf["model"].items() if k != "post_conf"}
+    torch.manual_seed(0)
+    theirs = load_model({"model": block})
+    assert isinstance(theirs, crossformer.CrossFormer)
+    assert plan.parameter_count == sum(p.numel() for p in theirs.parameters())
+    assert plan.input_shapes == ((60, 721, 1440),)  # 4 x 13 + 4 + 4 input channels
+    # 721 rows over 8 domain ranks, the padded 801 and the stages 400 / 200 / 100 / 50
+    heights = [h for h, _ in plan.levels]
+    assert heights[:3] == [801, 800, 721] and heights[-4:] == [400, 200, 100, 50], heights
+    assert dict(plan.levels)[721] == (91, 90, 90, 90, 90, 90, 90, 90)
+    text = format_plan(plan)
+    assert "world size 32" in text and "[0:91) of 721" in text and "0 violated" in text
+
+
+def test_credit_block_with_post_conf_builds_the_model_credits_gen2_trainer_trains():
+    """``verify`` and ``train`` build the model through the same ``build_model``: with the post
+    block in the config the model is the one without it (same keys, same function)."""
+    from credit_parallel.models import build_model
+
+    import_credit("credit.models.crossformer")
+    block = {
+        "type": "crossformer",
+        "image_height": 32,
+        "image_width": 64,
+        "frames": 1,
+        "channels": 3,
+        "surface_channels": 2,
+        "input_only_channels": 0,
+        "output_only_channels": 0,
+        "levels": 2,
+        "dim": [4, 8, 16, 32],
+        "depth": [1, 1, 1, 1],
+        "dim_head": 4,
+        "global_window_size": [2, 2, 2, 1],
+        "local_window_size": 2,
+        "cross_embed_kernel_sizes": [[2, 4], [2, 4], [2, 4], [2, 4]],
+        "cross_embed_strides": [2, 2, 2, 2],
+        "interp": False,
+    }
+    post = {"activate": True, "tracer_fixer": {"activate": True, "tracer_name": ["Q"]}}
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="post_conf"):
+        with_post = build_model({**block, "post_conf": post}).double()
+    torch.manual_seed(0)
+    plain = build_model(dict(block)).double()
+    assert list(with_post.state_dict()) == list(plain.state_dict())
+    assert not with_post.use_post_block
+    x = torch.randn(1, 8, 32, 64, dtype=torch.float64)
+    assert torch.equal(with_post(x), plain(x))
