@@ -44,6 +44,7 @@ LAYER_OF = {
     "data": "library",
     "tensor_parallel": "library",
     "tensor_parallel_guard": "library",
+    "tensor_parallel_spectral": "library",
     "credit_api": "library",
     "fsdp": "library",
     "collectives": "library",

@@ -104,8 +104,28 @@ def attach_spectral_norm(
     else:
         if module is not layer:
             module.parametrizations = _copy_parametrizations(layer)
+        else:  # the parametrized class's ``weight`` would run the norm on the DTensor
+            layer.__class__ = _without_weight(type(layer))
         module.parametrizations["weight"].original = weight
     module._spectral = spec
+
+
+_WITHOUT_WEIGHT: dict[type, type] = {}
+
+
+def _no_weight(self):
+    raise AttributeError(
+        "the weight of a tensor-parallel spectral-normed layer is computed in its forward; its "
+        "parameter is parametrizations.weight.original"
+    )
+
+
+def _without_weight(cls: type) -> type:
+    """``cls`` whose ``weight`` is absent (as the hook form leaves it after conversion)."""
+    if cls not in _WITHOUT_WEIGHT:
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        _WITHOUT_WEIGHT[cls] = type(cls.__name__, (cls,), {"weight": property(_no_weight), **names})
+    return _WITHOUT_WEIGHT[cls]
 
 
 def _copy_parametrizations(layer: nn.Module) -> nn.ModuleDict:
