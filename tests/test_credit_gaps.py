@@ -529,3 +529,33 @@ def test_spectral_norm_under_fsdp2_over_dp_on_top_of_tp_matches_one_process(form
         assert len([k for k in errors if k.startswith("grad:")]) == 6, errors
         bad = {k: v for k, v in errors.items() if not v <= 1e-10}
         assert not bad, bad
+
+
+def _spectral_meta_build_worker(rank, world, form):
+    from torch.distributed.tensor import DTensor
+
+    from credit_parallel.model_init import build_parallel_model
+
+    torch.set_default_dtype(torch.float64)
+    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 2, "domain": 1}}}
+    model = build_parallel_model(lambda: _FusedSpectralBlock(form), conf, device="cpu", seed=1)
+    torch.manual_seed(1)
+    reference = _FusedSpectralBlock(form)
+    state = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    errors = {}
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        errors[name] = (full - state[name]).abs().max().item()
+    x = torch.randn(2, 6, 3, 5, generator=torch.Generator().manual_seed(5))
+    errors["output"] = (model(x) - reference(x)).abs().max().item()
+    return errors, sorted(errors) == sorted([*state, "output"])
+
+
+@pytest.mark.parametrize("form", ["hook", "parametrize"])
+def test_spectral_normed_model_built_on_meta_and_split_over_tp_starts_as_one_process(form):
+    """build_parallel_model (meta build, tp 2, materialised sharded): the original weights and u /
+    v bitwise those of the one-process build, the first forward within 1e-10."""
+    for errors, same_names in run_on_ranks(_spectral_meta_build_worker, 2, form):
+        assert same_names, errors
+        output = errors.pop("output")
+        assert output <= 1e-10 and all(v == 0.0 for v in errors.values()), errors
