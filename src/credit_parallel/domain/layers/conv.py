@@ -371,7 +371,7 @@ def seed_halo_width(geo: ConvGeometry, i: int) -> int:
     """The halo ``credit.domain_parallel.layers`` assigns a conv along its sharded dim ``i``,
     from the kernel and stride alone: ``(kernel - 1) // 2`` at stride 1, ``max(0, (kernel -
     stride) // 2)`` when strided; for a transposed conv its padding when kernel > stride, else 0.
-    (The nominal value a layer reports before its first forward.)"""
+    (The value a layer reports before its first forward.)"""
     k, s = geo.kernel[i], geo.stride[i]
     if geo.transposed:
         return geo.pads[i][0] if k > s else 0
@@ -380,8 +380,8 @@ def seed_halo_width(geo: ConvGeometry, i: int) -> int:
 
 def _halo_of(layer: _DomainParallelConvNd) -> tuple[int, int]:
     """(rows above, rows below) of other ranks' shards in ``layer``'s window on this rank, for
-    the last (global height, domain size, rank) it ran on; the nominal kernel halo before any
-    call.  Pure: reads the layer's geometry only."""
+    the last (global height, domain size, rank) it ran on; miles-credit's value
+    (:func:`seed_halo_width`) before any call.  Pure: reads the layer's geometry only."""
     calls = [key for key in layer._calls if not key[3]]
     if not calls:
         if isinstance(layer, DomainParallelPeriodicConv2d):  # the seed's: its padding
