@@ -30,6 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .small_collectives import gather_small, sum_small_
+from .tensor_parallel_guard import CopyToTensorParallel, ReduceFromTensorParallel
+
 __all__ = [
     "SpectralNormSpec",
     "attach_spectral_norm",
@@ -134,34 +137,20 @@ def _copy_parametrizations(layer: nn.Module) -> nn.ModuleDict:
     return copy.deepcopy(layer.parametrizations)
 
 
-class _SumOverTp(torch.autograd.Function):
-    """Sum of a per-rank partial over ``group``; each rank uses the sum on its own shard, so the
-    gradient of the sum is the sum of the per-rank gradients (all-reduced both ways)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        total = x.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 def _summed(x, group):
-    x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, group=group)
-    return x
+    """Every rank's ``x`` summed (a vector of the power iteration, no gradient)."""
+    return sum_small_(x.clone(memory_format=torch.contiguous_format), group)
 
 
 def _gathered(x, group):
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
+    """Every rank's ``x`` concatenated in tp order (a vector of the power iteration)."""
+    return gather_small(x, group).flatten()
+
+
+def _sum_over_tp(partial, group):
+    """The sum of a per-rank partial over tp: each rank scales its own shard by it, so its
+    gradient is the sum of the per-rank gradients ("g" forward, then "f" for the backward)."""
+    return CopyToTensorParallel.apply(ReduceFromTensorParallel.apply(partial, group), group)
 
 
 def spectral_sigma(module: nn.Module, param, group) -> torch.Tensor:
@@ -214,4 +203,4 @@ def sigma_from_shards(
     u = u.clone(memory_format=torch.contiguous_format)
     v = v.clone(memory_format=torch.contiguous_format)
     partial = torch.dot(u[rows], torch.mv(mat, v[cols]))
-    return _SumOverTp.apply(partial, group)
+    return _sum_over_tp(partial, group)
