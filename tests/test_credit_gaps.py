@@ -598,3 +598,32 @@ def test_spectral_normed_tp_checkpoint_loads_into_the_one_process_model(form, tm
     for key, value in expected.items():
         assert (loaded[key] - value).abs().max().item() <= 1e-12, key
     assert any(k.endswith(("weight_orig", "original")) for k in expected)
+
+
+def test_a_tp_weight_computed_by_another_hook_is_refused_by_name():
+    """torch.nn.utils.weight_norm (hook form) or a non-spectral parametrization on a tp target:
+    refused when the plan is built (no process group), naming the path, never a crash inside
+    torch on the first forward."""
+    from credit_parallel.tensor_parallel import build_tensor_parallel_plan
+
+    class Block(nn.Module):
+        _tp_col, _tp_row = "up", "down"
+
+        def __init__(self, up, down):
+            super().__init__()
+            self.up, self.down = up, down
+
+    hooked = Block(nn.Linear(4, 8), torch.nn.utils.weight_norm(nn.Linear(8, 4)))
+    with pytest.raises(ValueError, match=r"'down'.*not a parameter.*WeightNorm"):
+        build_tensor_parallel_plan(hooked, 2)
+    weight_norm = torch.nn.utils.parametrizations.weight_norm
+    parametrized = Block(weight_norm(nn.Linear(4, 8)), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"'up'.*parametrizations \['_WeightNorm'\]"):
+        build_tensor_parallel_plan(parametrized, 2)
+    spectral = torch.nn.utils.parametrizations.spectral_norm
+    assert set(
+        build_tensor_parallel_plan(Block(spectral(nn.Linear(4, 8)), nn.Linear(8, 4)), 2)
+    ) == {
+        "up",
+        "down",
+    }

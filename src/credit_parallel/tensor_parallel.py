@@ -145,7 +145,7 @@ class TensorParallelProjection(nn.Module):
         weight_placement = Shard(0) if role == COLUMN else Shard(1)
         bias_placement = Shard(0) if role == COLUMN else Replicate()
         spec = spectral_norm_of(layer)  # then the weight is its original (..._spectral)
-        weight = layer.weight if spec is None else layer.get_parameter(spec.weight_name)
+        weight = layer.weight if spec is None else layer.get_parameter(spec.orig)
         weight, bias = _distribute(weight, tp_mesh, weight_placement, src_data_rank), layer.bias
         if spec is None:
             self.weight = weight
@@ -172,8 +172,7 @@ class TensorParallelProjection(nn.Module):
         return F.conv2d(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        spec = self._spectral
-        param = self.weight if spec is None else self.get_parameter(spec.weight_name)
+        param = self.weight if (spec := self._spectral) is None else self.get_parameter(spec.orig)
         group = param.device_mesh.get_group()
         weight, bias = self._local(param), self._local(self.bias)
         if spec is not None:  # the norm of the whole weight, from the shards
@@ -493,9 +492,10 @@ def _check_layer(layer: nn.Module, target: TensorParallelTarget, tp_size: int) -
 
 
 def _style_for(layer: nn.Module, target: TensorParallelTarget) -> ParallelStyle:
+    norm = spectral_norm_of(layer, target.describe())  # refuses any other weight hook
     if target.role == ROW:
         return RowwiseProjectionParallel()
-    if isinstance(layer, nn.Linear) and target.parts == 1 and spectral_norm_of(layer) is None:
+    if isinstance(layer, nn.Linear) and target.parts == 1 and norm is None:
         return ColwiseParallel(use_local_output=True)
     return ColwiseProjectionParallel(parts=target.parts)
 

@@ -57,28 +57,38 @@ class SpectralNormSpec:
     dim: int
 
     @property
-    def weight_name(self) -> str:
-        """The parameter holding the un-normalised weight."""
+    def orig(self) -> str:
+        """The name of the parameter holding the un-normalised weight (``weight_orig`` ...)."""
         return "weight_orig" if self.form == "hook" else "parametrizations.weight.original"
 
 
-def spectral_norm_of(layer: nn.Module) -> SpectralNormSpec | None:
-    """The spectral norm on ``layer.weight`` (either form), or None.  Another parametrization
-    of ``weight`` raises (naming the layer's class): only spectral norm is computed on shards."""
+def spectral_norm_of(layer: nn.Module, what: str | None = None) -> SpectralNormSpec | None:
+    """The spectral norm on ``layer.weight`` (either form), or None.  A weight that is neither a
+    parameter nor spectrally normalised (another parametrization, or a hook such as
+    ``torch.nn.utils.weight_norm``'s computing it) raises, naming ``what`` (default: the
+    layer's class): only spectral norm is computed on shards."""
     for hook in layer._forward_pre_hooks.values():
         if isinstance(hook, _HOOK) and hook.name == "weight":
             return SpectralNormSpec("hook", hook.n_power_iterations, hook.eps, hook.dim)
+    what = what or type(layer).__name__
+    fix = "remove it or leave this layer out of _tp_col / _tp_row"
     if parametrize.is_parametrized(layer, "weight"):
         chain = layer.parametrizations["weight"]
         if len(chain) != 1 or not isinstance(chain[0], _PARAM):
             names = [type(p).__name__ for p in chain]
             raise ValueError(
-                f"{type(layer).__name__}.weight carries the parametrizations {names}; a "
-                "tensor-parallel layer supports spectral norm only (remove the others or leave "
-                "this layer out of _tp_col / _tp_row)"
+                f"tensor-parallel target {what}: its weight carries the parametrizations "
+                f"{names}; of those only spectral norm is supported under tp ({fix})"
             )
         sn = chain[0]
         return SpectralNormSpec("parametrize", sn.n_power_iterations, sn.eps, sn.dim)
+    if "weight" not in layer._parameters:
+        hooks = [type(h).__name__ for h in layer._forward_pre_hooks.values()]
+        raise ValueError(
+            f"tensor-parallel target {what}: its weight is not a parameter (computed by the "
+            f"forward pre-hook(s) {hooks}, e.g. torch.nn.utils.weight_norm); only spectral norm "
+            f"is supported under tp ({fix})"
+        )
     return None
 
 
