@@ -38,6 +38,8 @@ SRC = ROOT / "src" / PKG
 sys.path.insert(0, str(ROOT / "src"))
 from credit_parallel import MOVED_MODULES as MOVES  # noqa: E402
 
+#: a file that says this keeps its old paths on purpose (the test of the old paths)
+KEEP_MARK = "move_modules: keep old paths"
 ABS_MOVES = {f"{PKG}.{old}": f"{PKG}.{new}" for old, new in MOVES.items()}
 
 
@@ -240,10 +242,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("paths", nargs="*", type=Path)
     ap.add_argument("--no-move", action="store_true", help="only rewrite imports")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="a further move for this run only (a module a branch added beside the moved ones)",
+    )
     args = ap.parse_args(argv)
+    for item in args.also:
+        old, _, new = item.partition("=")
+        MOVES[old] = new
+        ABS_MOVES[f"{PKG}.{old}"] = f"{PKG}.{new}"
     # `layout.py` becomes the package `layout/`: move it aside first
     layout_py = SRC / "layout.py"
-    if not args.no_move and layout_py.exists() and not args.dry_run:
+    move_layout = not args.no_move and layout_py.exists()
+    if move_layout and not args.dry_run:
         subprocess.run(["git", "mv", str(layout_py), str(SRC / "_layout_ranks.py")], check=True)
         (SRC / "layout").mkdir(exist_ok=True)
         subprocess.run(
@@ -251,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             check=True,
         )
     moved = {} if args.no_move else git_mv(args.dry_run)
-    if not args.no_move:
+    if move_layout:
         moved[SRC / "layout" / "ranks.py"] = f"{PKG}.layout"
     roots = args.paths or [ROOT / "src", ROOT / "tests", ROOT / "benchmarks", ROOT / "scripts"]
     files = sorted(p for r in roots for p in ([r] if r.is_file() else r.rglob("*.py")))
@@ -264,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         new_module = module_name(path.resolve()) if in_pkg else "__main__"
         old_module = moved.get(path.resolve(), new_module)
         source = path.read_text()
+        if KEEP_MARK in source:
+            continue
         out = rewrite(source, old_module, new_module, is_package)
         if out != source:
             changed += 1

@@ -15,11 +15,13 @@ from credit_parallel import (
     DomainParallelConvTranspose2d,
     DomainParallelConvTranspose3d,
     DomainParallelManager,
+    DomainParallelPeriodicConv2d,
     HaloExchange,
     gather_tensor,
     shard_tensor,
 )
 from credit_parallel.testing import run_on_ranks
+from miles_credit import import_credit
 
 
 def _width(before, after):
@@ -53,17 +55,62 @@ def test_conv2d_halo_width_per_rank_uneven_h13_domain3(conv, per_rank):
         layer._calls.clear()
 
 
-def test_nominal_halo_before_any_forward_matches_the_kernel():
-    assert DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1)).halo_width == 1
-    assert DomainParallelConv2d(nn.Conv2d(2, 2, 7, padding=3)).halo_width == 3
-    assert DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=0)).halo_width == (0, 2)
-    assert DomainParallelConv3d(nn.Conv3d(2, 2, 3, padding=1)).halo_width == 1
-    assert DomainParallelConvTranspose2d(nn.ConvTranspose2d(2, 2, 2, stride=2)).halo_width == 0
-    assert DomainParallelConvTranspose3d(nn.ConvTranspose3d(2, 2, 2, stride=2)).halo_width == 0
-    assert (
-        DomainParallelConvTranspose2d(nn.ConvTranspose2d(2, 2, 3, stride=1, padding=1)).halo_width
-        == 1
-    )
+# (ours, theirs: the class of credit.domain_parallel.layers, conv)
+_SEED_CASES = [
+    ("DomainParallelConv2d", nn.Conv2d(8, 16, kernel_size=4, stride=2, padding=1), 1),
+    ("DomainParallelConv2d", nn.Conv2d(2, 2, kernel_size=8, stride=2, padding=3), 3),
+    ("DomainParallelConv2d", nn.Conv2d(2, 2, kernel_size=16, stride=2, padding=7), 7),
+    ("DomainParallelConv2d", nn.Conv2d(2, 2, kernel_size=32, stride=2, padding=15), 15),
+    ("DomainParallelConv2d", nn.Conv2d(2, 2, kernel_size=3, stride=2, padding=1), 0),
+    ("DomainParallelConv2d", nn.Conv2d(2, 2, kernel_size=2, stride=2), 0),
+    ("DomainParallelConv2d", nn.Conv2d(2, 2, kernel_size=(4, 2), stride=(4, 2)), 0),
+    ("DomainParallelConv2d", nn.Conv2d(2, 2, 3, padding=1), 1),
+    ("DomainParallelConv2d", nn.Conv2d(2, 2, 7, padding=3), 3),
+    ("DomainParallelConv2d", nn.Conv2d(2, 2, 3, padding=0), 1),
+    ("DomainParallelConv3d", nn.Conv3d(2, 2, 3, padding=1), 1),
+    ("DomainParallelConv3d", nn.Conv3d(2, 2, (1, 4, 4), stride=(1, 2, 2), padding=(0, 1, 1)), 1),
+    ("DomainParallelConvTranspose2d", nn.ConvTranspose2d(2, 2, 2, stride=2), 0),
+    ("DomainParallelConvTranspose2d", nn.ConvTranspose2d(2, 2, 4, stride=2, padding=1), 1),
+    ("DomainParallelConvTranspose2d", nn.ConvTranspose2d(2, 2, 3, stride=1, padding=1), 1),
+    ("DomainParallelConvTranspose3d", nn.ConvTranspose3d(2, 2, 2, stride=2), 0),
+    ("DomainParallelConvTranspose3d", nn.ConvTranspose3d(2, 2, (1, 4, 4), (1, 2, 2), (0, 1, 1)), 1),
+]
+
+
+@pytest.mark.parametrize("name, conv, width", _SEED_CASES)
+def test_halo_width_before_any_forward_is_miles_credits(name, conv, width):
+    """Before its first forward a layer reports the value miles-credit's own class of the same
+    name assigns: (kernel - stride) // 2 when strided (k4/8/16/32 s2 -> 1/3/7/15), (kernel -
+    1) // 2 at stride 1, a transposed conv's padding when kernel > stride, else 0."""
+    import credit_parallel
+
+    theirs = getattr(import_credit("credit.domain_parallel.layers"), name)(conv)
+    ours = getattr(credit_parallel, name)(conv)
+    assert theirs.halo_width == width
+    assert ours.halo_width == width
+    assert ours.halo_exchange.halo_width == width
+
+
+def test_periodic_conv_halo_width_before_any_forward_is_its_padding():
+    from credit_parallel.models import PeriodicConv2d
+
+    credit_layers = import_credit("credit.domain_parallel.layers")
+    periodic = PeriodicConv2d(2, 2, kernel_size=5, padding=2)
+    theirs = credit_layers.DomainParallelPeriodicConv2d(periodic)
+    ours = DomainParallelPeriodicConv2d(periodic)
+    assert ours.halo_width == theirs.halo_exchange.halo_width == 2
+
+
+def test_strided_halo_width_after_a_forward_is_exact_per_rank():
+    """After a forward the same k4 s2 p1 layer reports the rows it really read, per rank: H = 13
+    over 3 ranks gives 6 output rows (2, 2, 2) reading input rows -1..4, 3..8, 7..12 of the
+    shards 0-4, 5-8, 9-12: nothing, two rows above, two rows above."""
+    layer = DomainParallelConv2d(nn.Conv2d(8, 16, kernel_size=4, stride=2, padding=1))
+    assert layer.halo_width == 1
+    for rank, expected in enumerate([0, (2, 0), (2, 0)]):
+        layer._call_geometry(13, 3, rank)
+        assert layer.halo_width == expected, (rank, layer.halo_width)
+        layer._calls.clear()
 
 
 def test_halo_exchange_halo_width_int_or_pair():

@@ -1,6 +1,8 @@
 """The modules that moved into packages (issue 24) keep their old import paths for one release:
 the same module object, with a DeprecationWarning naming the new path.  The library itself
-imports only the new paths."""
+imports only the new paths.
+
+(move_modules: keep old paths — scripts/move_modules.py leaves this file alone.)"""
 
 from __future__ import annotations
 

@@ -148,10 +148,34 @@ def _pad_pair(value, key):
     if (
         isinstance(value, (list, tuple))
         and len(value) == 2
-        and all(isinstance(v, int) and v >= 0 for v in value)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
     ):
         return int(value[0]), int(value[1])
     raise ValueError(f"padding_opt.{key} must be an int or a pair of ints >= 0, got {value!r}")
+
+
+def _paddings(padding_opt) -> tuple[int, int, int, int]:
+    """(north, south, west, east) rows / columns of ``padding_opt``: None, a dict with
+    ``pad_lat`` / ``pad_lon`` (and optional ``activate``), or CREDIT's ``TensorPadding`` (any
+    object with ``pad_NS`` / ``pad_WE``, as ``credit.trainers.trainer_gen2`` passes it)."""
+    if padding_opt is None:
+        return 0, 0, 0, 0
+    if isinstance(padding_opt, dict):
+        if not padding_opt.get("activate", True):
+            return 0, 0, 0, 0
+        lat, lon, names = (
+            padding_opt.get("pad_lat"),
+            padding_opt.get("pad_lon"),
+            ("pad_lat", "pad_lon"),
+        )
+    elif hasattr(padding_opt, "pad_NS") and hasattr(padding_opt, "pad_WE"):
+        lat, lon, names = padding_opt.pad_NS, padding_opt.pad_WE, ("pad_NS", "pad_WE")
+    else:
+        raise ValueError(
+            "padding_opt must be a dict with pad_lat/pad_lon or an object with pad_NS/pad_WE "
+            f"(CREDIT's TensorPadding), got {type(padding_opt).__name__}"
+        )
+    return (*_pad_pair(lat, names[0]), *_pad_pair(lon, names[1]))
 
 
 def unpad_shard_interp(
@@ -159,8 +183,9 @@ def unpad_shard_interp(
 ) -> torch.Tensor:
     """Strip a padded model's output back to the ``image_h`` x ``image_w`` grid, sharded.
 
-    ``padding_opt``: None, or a dict with ``pad_lat`` (north, south) and ``pad_lon`` (west,
-    east) (ints or pairs; ``activate: False`` disables it).  Longitude padding is stripped on
+    ``padding_opt``: None, a dict with ``pad_lat`` (north, south) and ``pad_lon`` (west, east)
+    (ints or pairs; ``activate: False`` disables it), or CREDIT's ``TensorPadding`` / any object
+    with ``pad_NS`` and ``pad_WE`` (the same pairs).  Longitude padding is stripped on
     every rank, north padding from the first domain rank's rows, south padding from the last's,
     and the rows are re-balanced so the result is exactly ``shard_tensor`` of the un-padded
     global output (uneven shards included).  If the un-padded grid still differs from
@@ -169,15 +194,7 @@ def unpad_shard_interp(
     from .exchange.halo import exchange_rows
     from .layers.resample import DomainParallelInterpolate
 
-    pad_n = pad_s = pad_w = pad_e = 0
-    if padding_opt is not None:
-        if not isinstance(padding_opt, dict):
-            raise ValueError(
-                f"padding_opt must be a dict with pad_lat/pad_lon, got {type(padding_opt).__name__}"
-            )
-        if padding_opt.get("activate", True):
-            pad_n, pad_s = _pad_pair(padding_opt.get("pad_lat"), "pad_lat")
-            pad_w, pad_e = _pad_pair(padding_opt.get("pad_lon"), "pad_lon")
+    pad_n, pad_s, pad_w, pad_e = _paddings(padding_opt)
     w = y_pred.shape[-1]
     if pad_w or pad_e:
         y_pred = y_pred[..., pad_w : w - pad_e]
@@ -201,9 +218,13 @@ def unpad_shard_interp(
         y = exchange_rows(y_pred, windows, length, dim, mgr)
         length = new_len
     global_h = length if mgr is not None else y.shape[dim]
-    if (global_h, y.shape[-1]) != (image_h, image_w):
-        if mgr is None:
-            return F.interpolate(y, size=(image_h, image_w), mode="bilinear")
+    if (global_h, y.shape[-1]) == (image_h, image_w):
+        return y
+    lead = y.shape[:-2]  # (B, C, T, H, W): every (H, W) plane interpolated alike
+    y = y.reshape(lead[0], -1, *y.shape[-2:]) if y.dim() > 4 else y
+    if mgr is None:
+        y = F.interpolate(y, size=(image_h, image_w), mode="bilinear")
+    else:
         cache = _UNPAD_INTERPOLATORS.setdefault(mgr, {})
         interp = cache.get((image_h, image_w))
         if interp is None:
@@ -212,4 +233,4 @@ def unpad_shard_interp(
             )
             cache[(image_h, image_w)] = interp
         y = interp(y)
-    return y
+    return y.reshape(*lead, *y.shape[-2:])

@@ -8,8 +8,9 @@
   block)``, the keys checked against its signature exactly as for the bundled models;
 * a miles-credit model type (``crossformer``, ``wxformer``, ``unet``, ``fuxi``,
   ``nextgen_wxformer``, ... with CREDIT's keys): built by miles-credit's own loader
-  ``credit.models.load_model({"model": block})``.  miles-credit is optional: without it the error
-  names the package to install.
+  ``credit.models.load_model({"model": block})``, the block prepared as miles-credit's gen-2
+  trainer prepares it (:func:`prepare_credit_block`: its Gen 1 ``post_conf`` removed, with a
+  warning).  miles-credit is optional: without it the error names the package to install.
 
 CREDIT's models take ``(B, C, T, H, W)`` with ``T = frames``; the trainer's batches are
 ``(B, C, H, W)`` for one frame.  A CREDIT model built here therefore accepts both: a 4-D input
@@ -30,7 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CREDIT_MODEL_TYPES", "build_credit_model", "build_from_import_path", "check_kwargs"]
+__all__ = [
+    "CREDIT_MODEL_TYPES",
+    "build_credit_model",
+    "build_from_import_path",
+    "check_kwargs",
+    "prepare_credit_block",
+]
 
 # miles-credit 2026.2's credit.models._MODEL_REGISTRY keys (plus "unet404" of load_model)
 CREDIT_MODEL_TYPES = frozenset(
@@ -133,7 +140,7 @@ def build_credit_model(model_type: str, kwargs: dict[str, Any]) -> nn.Module:
     from credit.models import load_model
 
     try:
-        model = load_model({"model": {"type": model_type, **kwargs}})
+        model = load_model({"model": prepare_credit_block(model_type, kwargs)})
     except ImportError as err:
         raise ValueError(
             f"model.type={model_type!r}: miles-credit cannot import this model ({err}); install "
@@ -143,6 +150,37 @@ def build_credit_model(model_type: str, kwargs: dict[str, Any]) -> nn.Module:
         # miles-credit checks some arguments with bare asserts
         raise ValueError(f"model ({model_type}, built by miles-credit): {err!r}") from err
     return _takes_one_frame(model)
+
+
+def prepare_credit_block(model_type: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model block as miles-credit 2026.2's gen-2 trainer hands it to ``load_model``.
+
+    ``credit/applications/train_gen2.py`` (the trainer that reads ``trainer.parallelism``) calls
+    ``inject_flat_var_keys(conf)``, which fills ``conf["data"]`` only (flat variable lists for
+    loss and metrics; the model never reads them), then removes ``conf["model"]["post_conf"]``
+    with a warning: CREDIT's Gen 1 post block (tracer / mass / water / energy fixers inside the
+    model) is not part of the model it trains; its Gen 2 ``postblocks`` run in the trainer,
+    outside the model.  ``credit check`` (``credit.cli._check``) validates the block the same
+    way.  So does this: a ``post_conf`` is removed with the same warning, and the model is the
+    one CREDIT's trainer builds.  (Building the post block inside the model would need the
+    indices that only CREDIT's Gen 1 parser, ``credit.parser.credit_main_parser``, fills from the
+    flat Gen 1 data schema: ``inject_postblock_info`` raises ``KeyError('levels')`` on a gen-2
+    config.)"""
+    block = {"type": model_type, **kwargs}
+    if "post_conf" in block:
+        import warnings
+
+        post = block.pop("post_conf")
+        active = isinstance(post, dict) and post.get("activate", False)
+        warnings.warn(
+            f"model.post_conf ({'active' if active else 'inactive'}) of the CREDIT model "
+            f"{model_type!r} is ignored, as miles-credit's gen-2 trainer (train_gen2.py) ignores "
+            "it: Gen 1 post blocks are not part of the model it trains (Gen 2 postblocks run in "
+            "CREDIT's trainer, outside the model)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return block
 
 
 _ONE_FRAME_CLASSES: dict[type, type] = {}

@@ -21,7 +21,9 @@ CREDIT                          here
 Differences by design (docs/credit.md): H need not divide by the domain size; the Tp modules
 keep the original parameter names and full shapes (DTensors: ``weight``, not ``conv.weight``
 / ``linear.weight`` holding a slice) and a column module all-reduces its input gradient
-(Megatron's "f", which CREDIT's lacks); ``gather_spatial`` is differentiable.
+(Megatron's "f", which CREDIT's lacks); ``gather_spatial`` is differentiable; a block whose
+projections carry spectral norm is split too, the norm of each whole weight computed from its
+shards (``tensor_parallel_spectral``), where CREDIT leaves the block replicated.
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ from .tensor_parallel_guard import (
     ReduceFromTensorParallel,
     install_partial_gradient_guard,
 )
+from .tensor_parallel_spectral import attach_spectral_norm, spectral_norm_of, spectral_sigma
 
 __all__ = [
     "ColwiseProjectionParallel",
@@ -104,11 +105,14 @@ class TensorParallelProjection(nn.Module):
     outputs are all-reduced and the bias is added once, after the sum.
 
     Parameter names (``weight``, ``bias``) and full shapes are those of the wrapped layer, so
-    ``state_dict`` keys do not change.  Linear acts on the last dim, the conv on dim -3 (C of
+    ``state_dict`` keys do not change (a spectral-normed weight keeps its form's names:
+    ``tensor_parallel_spectral``).  Linear acts on the last dim, the conv on dim -3 (C of
     CHW/BCHW).  The styles convert a layer IN PLACE (:func:`convert_projection_in_place`: the
     layer's class becomes a subclass of this one and of its own class, as FSDP2 does), which is
     what torch's ``parallelize_module`` needs; this constructor builds a separate module.
     """
+
+    _spectral = None  # a SpectralNormSpec when the weight is spectrally normalised
 
     def __init__(
         self,
@@ -140,8 +144,13 @@ class TensorParallelProjection(nn.Module):
         # unsharded DTensor on the tp mesh.
         weight_placement = Shard(0) if role == COLUMN else Shard(1)
         bias_placement = Shard(0) if role == COLUMN else Replicate()
-        weight, bias = layer.weight, layer.bias
-        self.weight = _distribute(weight, tp_mesh, weight_placement, src_data_rank)
+        spec = spectral_norm_of(layer)  # then the weight is its original (..._spectral)
+        weight = layer.weight if spec is None else layer.get_parameter(spec.orig)
+        weight, bias = _distribute(weight, tp_mesh, weight_placement, src_data_rank), layer.bias
+        if spec is None:
+            self.weight = weight
+        else:
+            attach_spectral_norm(self, layer, spec, weight, type(layer).__name__)
         if bias is None:
             self.register_parameter("bias", None)
         else:
@@ -163,8 +172,11 @@ class TensorParallelProjection(nn.Module):
         return F.conv2d(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = self.weight.device_mesh.get_group()
-        weight, bias = self._local(self.weight), self._local(self.bias)
+        param = self.weight if (spec := self._spectral) is None else self.get_parameter(spec.orig)
+        group = param.device_mesh.get_group()
+        weight, bias = self._local(param), self._local(self.bias)
+        if spec is not None:  # the norm of the whole weight, from the shards
+            weight = weight / spectral_sigma(self, param, group)
         if self.role == COLUMN:
             x = CopyToTensorParallel.apply(x, group)
             return self._project(x, weight, bias)
@@ -480,9 +492,10 @@ def _check_layer(layer: nn.Module, target: TensorParallelTarget, tp_size: int) -
 
 
 def _style_for(layer: nn.Module, target: TensorParallelTarget) -> ParallelStyle:
+    norm = spectral_norm_of(layer, target.describe())  # refuses any other weight hook
     if target.role == ROW:
         return RowwiseProjectionParallel()
-    if isinstance(layer, nn.Linear) and target.parts == 1:
+    if isinstance(layer, nn.Linear) and target.parts == 1 and norm is None:
         return ColwiseParallel(use_local_output=True)
     return ColwiseProjectionParallel(parts=target.parts)
 

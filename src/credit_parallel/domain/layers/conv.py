@@ -209,9 +209,9 @@ class _DomainParallelConvNd(DomainWrapper):
         Exact per rank (uneven shards and poles included) for the last global input height the
         layer ran on: rows beyond the globe are padding, not halo, so the first rank reads
         nothing above unless ``padding_mode="circular"`` wraps it to the far edge.  Before any
-        forward: the nominal halo of the kernel (``pad_before``, ``dilation*(kernel-1) -
-        pad_before``; for a transposed conv its padding when kernel > stride, else 0), which is
-        what CREDIT reports for the layers it supports."""
+        forward: the value ``credit.domain_parallel`` assigns the layer (:func:`seed_halo_width`:
+        ``(kernel - 1) // 2`` at stride 1, ``(kernel - stride) // 2`` when strided, a transposed
+        conv's padding when kernel > stride, else 0), from the kernel and stride alone."""
         before, after = _halo_of(self)
         return before if before == after else (before, after)
 
@@ -367,19 +367,27 @@ class _DomainParallelConvNd(DomainWrapper):
         return f"{self.wrapped!r}, shard_dim={self.shard_dim}"
 
 
+def seed_halo_width(geo: ConvGeometry, i: int) -> int:
+    """The halo ``credit.domain_parallel.layers`` assigns a conv along its sharded dim ``i``,
+    from the kernel and stride alone: ``(kernel - 1) // 2`` at stride 1, ``max(0, (kernel -
+    stride) // 2)`` when strided; for a transposed conv its padding when kernel > stride, else 0.
+    (The value a layer reports before its first forward.)"""
+    k, s = geo.kernel[i], geo.stride[i]
+    if geo.transposed:
+        return geo.pads[i][0] if k > s else 0
+    return (k - 1) // 2 if s == 1 else max(0, (k - s) // 2)
+
+
 def _halo_of(layer: _DomainParallelConvNd) -> tuple[int, int]:
     """(rows above, rows below) of other ranks' shards in ``layer``'s window on this rank, for
-    the last (global height, domain size, rank) it ran on; the nominal kernel halo before any
-    call.  Pure: reads the layer's geometry only."""
+    the last (global height, domain size, rank) it ran on; miles-credit's value
+    (:func:`seed_halo_width`) before any call.  Pure: reads the layer's geometry only."""
     calls = [key for key in layer._calls if not key[3]]
     if not calls:
-        geo, i = layer.geometry, layer.spatial_index
-        pb, _ = geo.pads[i]
-        reach = geo.dilation[i] * (geo.kernel[i] - 1)
-        if geo.transposed:  # the seed's rule: the padding when the kernel overlaps, else none
-            width = pb if geo.kernel[i] > geo.stride[i] else 0
-            return width, width
-        return pb, max(0, reach - pb)
+        if isinstance(layer, DomainParallelPeriodicConv2d):  # the seed's: its padding
+            return layer.padding, layer.padding
+        width = seed_halo_width(layer.geometry, layer.spatial_index)
+        return width, width
     length, n, rank, _ = calls[-1]
     window = layer.input_windows(length, n)[rank]
     s, e = shard_range(length, n, rank)
