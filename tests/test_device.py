@@ -153,7 +153,10 @@ ALLOWED = {
         ".cpu()",
     ): "a kernel probe's weights handed to numpy on the host",
     ("train/model_init.py", 'device="cpu"'): "replays the plain build on the CPU (its RNG stream)",
-    ("train/model_init.py", 'torch.device("cpu")'): "replays the plain build on the CPU (its RNG stream)",
+    (
+        "train/model_init.py",
+        'torch.device("cpu")',
+    ): "replays the plain build on the CPU (its RNG stream)",
     ("tools/bench/loader.py", 'device="cpu"'): "the loader-only benchmark times host batches",
 }
 

@@ -16,7 +16,6 @@ import pytest
 
 import credit_parallel
 from credit_parallel import MOVED_MODULES
-
 from test_architecture import PKG, _imported, _module_name
 
 OLD_PATHS = sorted(old for old in MOVED_MODULES if old != "layout")  # layout/ is a package now
