@@ -506,7 +506,9 @@ def _granularity_worker(rank, world, min_params):
 def test_apply_fsdp2_shards_every_small_opted_in_block_by_default(world):
     # two opted-in blocks of a few hundred parameters each: both FSDP units without any option
     model = SmallNet()
-    assert all(sum(p.numel() for p in b.parameters()) < 10_000 for b in (model.conv_block, model.mlp_block))
+    assert all(
+        sum(p.numel() for p in b.parameters()) < 10_000 for b in (model.conv_block, model.mlp_block)
+    )
     assert run_on_ranks(_granularity_worker, world, None) == [[True, True, True]] * world
 
 

@@ -154,7 +154,7 @@ def _cmd_plan(args) -> int:
     if args.world_size < 1:
         raise CLIError(f"--world-size must be >= 1, got {args.world_size}")
     conf = load_config(resolve_config(args.config))
-    plan = make_plan(conf, args.world_size)
+    plan = make_plan(conf, args.world_size, device=args.device)
     print(format_plan(plan))
     if args.compile:
         from .planner.compile_report import compile_breaks, format_compile_breaks
@@ -270,6 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 when a constraint is violated")
     p.add_argument(
         "--compile", action="store_true", help="list the graph breaks per compiled block"
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="the device type the memory is counted for (only the convolution workspace "
+        "differs: cuDNN's bounded workspace on cuda, im2col columns on cpu); auto (default): "
+        "cuda when this machine sees a GPU, else cpu; the report shows the other's total too",
     )
     p.set_defaults(func=_cmd_plan)
 
