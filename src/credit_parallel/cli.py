@@ -143,7 +143,7 @@ def _cmd_verify(args) -> int:
     args.config = resolve_config(args.config)
     conf, n = _load_and_check(args.config, args.nproc)
     _choose_device(args, n)
-    extra = ["--config", args.config, "--dtype", args.dtype]
+    extra = ["--config", args.config, "--dtype", args.dtype] + (["--all"] if args.all else [])
     return _run_worker("credit_parallel.verify", n, extra, conf)
 
 
@@ -259,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="print every row (one per parameter gradient and per tp-replicated parameter); "
+        "default: one row per group, its worst parameter named",
+    )
     _add_device_argument(p)
     p.set_defaults(func=_cmd_verify)
 

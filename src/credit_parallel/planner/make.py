@@ -109,6 +109,12 @@ class Plan:
         return not self.violations
 
 
+_FIRST_STEP_NOTE = (
+    "first step only: one all-gather of local heights per domain layer call (cached per input "
+    "shape afterwards; not counted above)"
+)
+
+
 def resolve_plan_device(device: str) -> str:
     """The device type a plan counts memory for: "cuda" / "cpu" as given; "auto": CUDA when
     this machine sees a CUDA GPU, else the CPU (the choice ``train --device auto`` makes for
@@ -408,9 +414,8 @@ def make_plan(
     ``model``/``input_shapes`` override building ``conf["model"]`` and the input-shape rules
     (for models outside the registry; per-sample shapes without the batch dim).  A caller that
     parsed the run config passes ``parallelism`` (the block), ``dims`` and ``trainer``.
-    ``device``: the device type the memory is counted for ("cuda", "cpu", or "auto":
-    :func:`resolve_plan_device`); only the convolution workspace depends on it
-    (``cost.conv_workspace_bytes``).  Raises
+    ``device`` ("cuda", "cpu", "auto": :func:`resolve_plan_device`): the device type whose
+    convolution workspace the memory counts (``cost.conv_workspace_bytes``).  Raises
     ``ValueError`` only for an unusable config: a bad ``trainer.parallelism`` block, a world
     size that is not an integer >= 1, a missing/unknown ``model.type`` or bad model arguments,
     or a model that cannot be traced on the meta device; every other problem is a violation.
@@ -459,10 +464,7 @@ def make_plan(
         grad_sizes_bytes=[v * _PARAM_BYTES for v in local_numels.values()],
     )
     if n > 1 and layers:
-        notes.append(
-            "first step only: one all-gather of local heights per domain layer call (cached "
-            "per input shape afterwards; not counted above)"
-        )
+        notes.append(_FIRST_STEP_NOTE)
     ranks, omitted = _rank_entries(dims) if dims is not None else ([], 0)
     return Plan(
         world_size=world_size,
