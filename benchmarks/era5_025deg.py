@@ -290,7 +290,8 @@ def _print_plan_comparison(runs: dict, args) -> None:
         "ranks  plan params+grads+AdamW MiB  plan activations MiB  plan total MiB  measured MiB  measured/plan"
     )
     for world, results in runs.items():
-        memory = make_plan(small_config(args.store, LAYOUTS[world], args), world).memory
+        conf = small_config(args.store, LAYOUTS[world], args)
+        memory = make_plan(conf, world, device="cpu").memory  # measured on the CPU
         state = memory.param_bytes + memory.grad_bytes + memory.optimizer_bytes
         measured = max(r["rss_peak_mib"] - r["rss_before_mib"] for r in results)
         total = memory.total_bytes / MIB

@@ -175,8 +175,22 @@ def test_verify_nproc_2_prints_a_passing_table(tiny_config, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = result.stdout
     assert "verify: layout" in table and "'domain': 2" in table
+    # the default table: output, input gradient, ONE row for every parameter gradient
     quantities = [
-        line for line in table.splitlines() if line.startswith(("output", "input grad", "grad "))
+        line for line in table.splitlines() if line.startswith(("output", "input grad", "grad"))
     ]
-    assert len(quantities) > 10 and all(line.rstrip().endswith("PASS") for line in quantities)
-    assert "FAIL" not in table and " 0 failed" in table
+    assert [q.split()[0] for q in quantities] == ["output", "input", "grad:"]
+    assert all(line.rstrip().endswith("PASS") for line in quantities)
+    (grads,) = [q for q in quantities if q.startswith("grad:")]
+    n = int(grads.split()[1])  # "grad: N parameters, worst NAME ..."
+    assert n > 10 and f"{n + 2} passed, 0 failed" in table and "--all lists every row" in table
+    assert "FAIL" not in table
+
+
+def test_verify_all_hands_the_flag_to_the_ranks(tiny_config, monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "_run_worker", lambda module, n, extra, conf: seen.append(extra) or 0)
+    monkeypatch.setattr(cli, "_choose_device", lambda args, n: "cpu")
+    assert cli.main(["verify", "--config", str(tiny_config), "--nproc", "2", "--all"]) == 0
+    assert cli.main(["verify", "--config", str(tiny_config), "--nproc", "2"]) == 0
+    assert "--all" in seen[0] and "--all" not in seen[1]

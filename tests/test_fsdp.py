@@ -450,10 +450,10 @@ def test_apply_fsdp2_and_ddp_reject_a_2d_mesh():
 
 
 # --------------------------------------------------------------------------------------------
-# Granularity: blocks too small to pay for their collectives stay in their parent's unit
+# Granularity (SPEC §4): every opted-in block is its own unit unless the user asks to merge
 
 
-def test_fsdp2_units_keep_small_blocks_in_the_parent():
+def test_fsdp2_units_every_opted_in_block_by_default_merged_only_on_request():
     from credit_parallel.parallel.fsdp import FSDP2_MIN_UNIT_PARAMS, fsdp2_units
 
     model = SmallNet()
@@ -461,12 +461,13 @@ def test_fsdp2_units_keep_small_blocks_in_the_parent():
     mlp = sum(p.numel() for p in model.mlp_block.parameters())
     assert conv != mlp
     names = lambda units: [n for n, _ in units]  # noqa: E731
+    assert FSDP2_MIN_UNIT_PARAMS == 0
+    assert names(fsdp2_units(model)) == ["conv_block", "mlp_block"]  # the default
     assert names(fsdp2_units(model, 0)) == ["conv_block", "mlp_block"]
     assert names(fsdp2_units(model, max(conv, mlp))) == [
         "conv_block" if conv > mlp else "mlp_block"
     ]
     assert names(fsdp2_units(model, max(conv, mlp) + 1)) == []
-    assert names(fsdp2_units(model)) == [] and FSDP2_MIN_UNIT_PARAMS >= 100_000
     with pytest.raises(ValueError, match="fsdp2_min_unit_params"):
         fsdp2_units(model, -1)
 
@@ -496,10 +497,21 @@ def test_fsdp2_units_count_only_parameters_no_selected_child_holds():
 def _granularity_worker(rank, world, min_params):
     torch.manual_seed(0)
     model = SmallNet()
-    apply_fsdp2(model, None, {"trainer": {"fsdp2_min_unit_params": min_params}})
+    trainer = {} if min_params is None else {"fsdp2_min_unit_params": min_params}
+    apply_fsdp2(model, None, {"trainer": trainer})
     return [isinstance(m, FSDPModule) for m in (model, model.conv_block, model.mlp_block)]
 
 
-def test_apply_fsdp2_follows_the_minimum_unit_size():
+@pytest.mark.parametrize("world", [1, 2])
+def test_apply_fsdp2_shards_every_small_opted_in_block_by_default(world):
+    # two opted-in blocks of a few hundred parameters each: both FSDP units without any option
+    model = SmallNet()
+    assert all(
+        sum(p.numel() for p in b.parameters()) < 10_000 for b in (model.conv_block, model.mlp_block)
+    )
+    assert run_on_ranks(_granularity_worker, world, None) == [[True, True, True]] * world
+
+
+def test_apply_fsdp2_merges_small_blocks_only_with_the_option_set():
     assert run_on_ranks(_granularity_worker, 2, 1_000_000) == [[True, False, False]] * 2
     assert run_on_ranks(_granularity_worker, 2, 0) == [[True, True, True]] * 2

@@ -474,3 +474,52 @@ def test_predicted_halo_bytes_and_p2p_calls_equal_the_exchange_counters_of_a_rea
         assert counts["domain_p2p"] == p2p_calls
     total = predicted_halo_bytes(plan.layers, batch_size=2, dtype_bytes=8)
     assert total == sum(b for b, _ in measured)
+
+
+# --------------------------------------------------------------------------- FSDP2 unit merging
+class _Opted(nn.Module):
+    _fsdp2_shard = True
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class _TwoSmallBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = _Opted(2, 4)  # 76 parameters
+        self.b = _Opted(4, 2)  # 74 parameters
+        self.head = nn.Conv2d(2, 2, 1)  # 6 parameters, the root's own
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)))
+
+
+def test_plan_says_what_merging_small_fsdp2_units_saves_and_costs():
+    model = _TwoSmallBlocks()
+    plan = make_plan(_conf("fsdp2"), 2, model=model, input_shapes=[(2, 8, 8)])
+    # SPEC §4: both opted-in blocks are units of their own by default
+    assert plan.fsdp_units == ["a", "b", "<root>"]
+    assert plan.collectives["fsdp_all_gather"] == 5 and plan.collectives["fsdp_reduce_scatter"] == 3
+    (note,) = [n for n in plan.notes if n.startswith("FSDP2:")]
+    # merged: one unit (the root), 1 all-gather and 1 reduce-scatter: 4 and 2 fewer; the
+    # gathered parameters grow from root + largest block (6 + 76) to everything (156), fp32
+    assert note.startswith(
+        "FSDP2: 2 opted-in blocks under 1,000,000 parameters are units of their own (a, b)"
+    )
+    assert "trainer.fsdp2_min_unit_params: 1000000 would merge them" in note
+    assert "saving 4 all-gathers and 2 reduce-scatters per step" in note
+    assert f"costing {(156 - 82) * 4} B more peak" in note and "328 B -> 624 B" in note
+    assert note in format_plan(plan)
+    merged = make_plan(
+        _conf("fsdp2", fsdp2_min_unit_params=1_000_000), 2, model=model, input_shapes=[(2, 8, 8)]
+    )
+    assert merged.fsdp_units == ["<root>"]
+    assert merged.collectives["fsdp_all_gather"] == 1
+    assert not [n for n in merged.notes if n.startswith("FSDP2:")]
+    ddp = make_plan(_conf("ddp"), 2, model=model, input_shapes=[(2, 8, 8)])
+    assert not [n for n in ddp.notes if n.startswith("FSDP2:")]

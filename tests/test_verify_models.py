@@ -23,7 +23,7 @@ from credit_parallel import validate_sharding_constraints
 from credit_parallel.domain.rows import shard_sizes
 from credit_parallel.models import MODEL_TYPES, build_model
 from credit_parallel.testing import run_on_ranks
-from credit_parallel.tools.verify import format_table, judge, verify_layout
+from credit_parallel.tools.verify import format_table, judge, summarize, verify_layout
 
 __all__: list[str] = []
 
@@ -115,6 +115,20 @@ def _assert_all_pass(results, world):
         assert bool(spread) == (parallelism.get("tensor", 1) > 1), table
         assert len(rows) - len(spread) == _n_rows(model), table
         assert any(r[2] > 0 for r in rows if r[0].startswith("grad ")), "all-zero gradients"
+        # the default table: outputs and input gradients as they are, one row per group
+        summary = summarize(rows)
+        n_io = 4 if mtype == "pangu" else 2
+        assert [r[0] for r in summary[:n_io]] == [r[0] for r in rows[:n_io]]
+        grads = [r for r in rows if r[0].startswith("grad ")]
+        assert summary[n_io][0].startswith(f"grad: {len(grads)} parameters, worst ")
+        # the worst: the largest absolute error in float64, the largest relative one in float32
+        worst = max(grads, key=lambda r: r[1] if dtype == F64 else r[1] / max(r[2], 1e-30))
+        assert summary[n_io][:4] == (summary[n_io][0], *worst[1:4])
+        assert summary[n_io][0].endswith(worst[0][len("grad ") :])
+        assert len(summary) == n_io + 1 + bool(spread), summary
+        if spread:
+            assert summary[-1][0].startswith(f"tp ranks agree on grad: {len(spread)} parameters")
+        assert all(r[-1] == "PASS" for r in summary)
 
 
 def test_verify_two_ranks_domain2_and_tp2_every_model_float64_and_unet_float32():
@@ -168,3 +182,83 @@ def test_verify_eight_ranks_fsdp2_tp2_domain2_every_model_float64():
     layout = {"data": "fsdp2", "tensor": 2, "domain": 2}
     cases = [(UNET, layout, F64), (CROSSFORMER, layout, F64), (PANGU, layout, F64)]
     _assert_all_pass(run_on_ranks(_verify_cases, 8, cases, timeout=300), 8)
+
+
+# --------------------------------------------------------------------------- the summary table
+_RAW = [
+    ("output y", 1e-12, 1.0, "out"),
+    ("input grad x", 2e-12, 1.0, "out"),
+    ("grad a.weight", 3e-12, 1.0, "param"),
+    ("grad b.weight", 5e-9, 2.0, "param"),
+    ("grad c.bias", 4e-8, 0.5, "param"),
+    ("tp ranks agree on grad a.weight", 0.0, 1.0, "param"),
+    ("tp ranks agree on grad c.bias", 1e-13, 0.5, "param"),
+]
+
+
+def test_verify_summary_folds_each_parameter_group_and_keeps_its_worst_fail():
+    rows = judge(_RAW, F64)
+    summary = summarize(rows)
+    assert [r[0] for r in summary] == [
+        "output y",
+        "input grad x",
+        "grad: 3 parameters, worst c.bias",
+        "tp ranks agree on grad: 2 parameters, worst c.bias",
+    ]
+    assert summary[:2] == rows[:2]
+    # two of three gradients FAIL (abs > 1e-10): the group fails and shows the worst one's numbers
+    assert summary[2][1:] == (4e-8, 0.5, "abs <= 1e-10", "FAIL (2 of 3)")
+    assert summary[3][1:] == (1e-13, 0.5, "abs <= 1e-10", "PASS")
+    table = format_table(rows, {"tensor": 2}, 2, F64, full=False)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 4 + 2  # header, columns, 4 rows, counts, the --all hint
+    assert lines[-2] == "5 passed, 2 failed"  # every check counted, not the rows shown
+    assert "7 checks in 4 rows" in lines[-1] and "--all" in lines[-1]
+    full = format_table(rows, {"tensor": 2}, 2, F64, full=True).splitlines()
+    assert len(full) == 2 + 7 + 1 and full[-1] == "5 passed, 2 failed"
+    assert [line.split()[-1] for line in full[2:-1]].count("FAIL") == 2
+
+
+def test_verify_summary_worst_is_relative_under_float32_and_all_pass_stays_pass():
+    raw = [
+        ("grad a.weight", 1e-6, 1e-3, "param"),  # relative 1e-3: FAIL at rel 1e-4
+        ("grad b.weight", 1e-5, 1.0, "param"),  # larger abs error, relative 1e-5: PASS
+    ]
+    (row,) = summarize(judge(raw, torch.float32))
+    assert row[0] == "grad: 2 parameters, worst a.weight" and row[-1] == "FAIL (1 of 2)"
+    passing = [("grad a.weight", 1e-9, 1e-3, "param"), ("grad b.weight", 1e-7, 1.0, "param")]
+    (row,) = summarize(judge(passing, torch.float32))
+    assert row[0] == "grad: 2 parameters, worst a.weight" and row[-1] == "PASS"  # 1e-6 > 1e-7
+
+
+def _verify_main_worker(rank, world, path, extra):
+    import contextlib
+    import io
+
+    from credit_parallel.tools import verify
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = verify.main(["--config", path, *extra])
+    return status, out.getvalue()
+
+
+def test_verify_main_prints_the_summary_by_default_and_every_row_with_all(tmp_path):
+    import yaml
+
+    conf = {"model": UNET, "trainer": {"parallelism": {"tensor": 2}, "seed": 1, "batch_size": 2}}
+    path = tmp_path / "tp2.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    (status, summary), _ = run_on_ranks(_verify_main_worker, 2, str(path), [])
+    (status_all, full), _ = run_on_ranks(_verify_main_worker, 2, str(path), ["--all"])
+    assert status == status_all == 0  # the exit status does not depend on the table's form
+    n_params = len(list(build_model(UNET).parameters()))
+    rows = [line for line in summary.splitlines()[2:] if line.endswith(("PASS", "FAIL"))]
+    full_rows = [line for line in full.splitlines()[2:] if line.endswith(("PASS", "FAIL"))]
+    assert [r.split(":")[0].split()[0] for r in rows] == ["output", "input", "grad", "tp"]
+    spread = [r for r in full_rows if r.startswith("tp ranks agree on grad ")]
+    assert len(full_rows) == 2 + n_params + len(spread) and spread
+    assert f"grad: {n_params} parameters, worst " in summary
+    assert f"tp ranks agree on grad: {len(spread)} parameters, worst " in summary
+    counts = f"{len(full_rows)} passed, 0 failed"
+    assert counts in summary and counts in full and "--all lists every row" not in full

@@ -143,7 +143,7 @@ def _cmd_verify(args) -> int:
     args.config = resolve_config(args.config)
     conf, n = _load_and_check(args.config, args.nproc)
     _choose_device(args, n)
-    extra = ["--config", args.config, "--dtype", args.dtype]
+    extra = ["--config", args.config, "--dtype", args.dtype] + (["--all"] if args.all else [])
     return _run_worker("credit_parallel.tools.verify", n, extra, conf)
 
 
@@ -154,7 +154,7 @@ def _cmd_plan(args) -> int:
     if args.world_size < 1:
         raise CLIError(f"--world-size must be >= 1, got {args.world_size}")
     conf = load_config(resolve_config(args.config))
-    plan = make_plan(conf, args.world_size)
+    plan = make_plan(conf, args.world_size, device=args.device)
     print(format_plan(plan))
     if args.compile:
         from .planner.compile_report import compile_breaks, format_compile_breaks
@@ -259,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="print every row (one per parameter gradient and per tp-replicated parameter); "
+        "default: one row per group, its worst parameter named",
+    )
     _add_device_argument(p)
     p.set_defaults(func=_cmd_verify)
 
@@ -270,6 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 when a constraint is violated")
     p.add_argument(
         "--compile", action="store_true", help="list the graph breaks per compiled block"
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="the device type the memory is counted for (only the convolution workspace "
+        "differs: cuDNN's bounded workspace on cuda, im2col columns on cpu); auto (default): "
+        "cuda when this machine sees a GPU, else cpu; the report shows the other's total too",
     )
     p.set_defaults(func=_cmd_plan)
 

@@ -155,7 +155,8 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "checkpoint_every": (0, _number("trainer", "checkpoint_every", int, 0)),
     "dtype": ("float32", _choice("trainer", "dtype", ("float32", "float64"))),
     "activation_checkpoint": (False, _flag("trainer", "activation_checkpoint")),
-    "fsdp2_min_unit_params": (1_000_000, _number("trainer", "fsdp2_min_unit_params", int, 0)),
+    # 0: every _fsdp2_shard block is its own FSDP2 unit (SPEC §4); N > 0 merges smaller ones
+    "fsdp2_min_unit_params": (0, _number("trainer", "fsdp2_min_unit_params", int, 0)),
     # torch.compile per block after domain conversion / TP, before FSDP2 (credit_parallel.compile)
     "compile": (False, _flag("trainer", "compile")),
     "dist_timeout_s": (DEFAULT_DIST_TIMEOUT_S, _seconds),
@@ -295,7 +296,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     dtype: str = "float32"
     activation_checkpoint: bool = False
-    fsdp2_min_unit_params: int = 1_000_000
+    fsdp2_min_unit_params: int = 0
     compile: bool = False
     dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
     save_dir: str | None = None

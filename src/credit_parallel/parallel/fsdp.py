@@ -6,11 +6,11 @@ Recipe of :func:`fully_shard_model` (the order matters; it takes typed arguments
 1. the mixed-precision policy from ``param_dtype`` / ``reduce_dtype``;
 2. activation checkpointing of the opted-in blocks (before sharding, so FSDP2's hooks wrap the
    checkpointed forward and re-gather parameters for the recomputation);
-3. ``fully_shard`` on every submodule that opts in with ``_fsdp2_shard = True`` and is big
-   enough to pay for its collectives (:func:`fsdp2_units`: at least
-   ``trainer.fsdp2_min_unit_params`` parameters of its own, default
-   :data:`FSDP2_MIN_UNIT_PARAMS`), children before parents, then on the root, which takes every
-   parameter left over;
+3. ``fully_shard`` on every submodule that opts in with ``_fsdp2_shard = True`` (SPEC §4: every
+   opted-in block is its own unit by default; :func:`fsdp2_units`), children before parents,
+   then on the root, which takes every parameter left over.  ``trainer.fsdp2_min_unit_params:
+   N`` (default 0) is the user's opt-in to merge opted-in blocks of fewer than N parameters of
+   their own into their parent's unit; ``credit-parallel plan`` says when that would pay;
 4. over the flattened dp x domain axis: the gradient divide factor dp (sum over domain ranks,
    average over dp; SPEC §4).
 
@@ -94,11 +94,13 @@ def fsdp2_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-# A unit of its own costs an all-gather in forward, another in backward and a reduce-scatter,
-# each with a fixed price (NCCL latency of 10-30 us, FSDP2's Python hooks and copy-in/out of
-# 50-200 us) that only a unit with megabytes of parameters hides (1M float32 parameters = 4 MB:
-# ~13 us at 300 GB/s).  Smaller opted-in blocks stay in their parent's (or the root's) unit.
-FSDP2_MIN_UNIT_PARAMS = 1_000_000
+# SPEC §4: a model declares with ``_fsdp2_shard = True`` which parameters are gathered together
+# (its peak memory), so by default every opted-in block is its own unit.  A unit costs an
+# all-gather in forward, another in backward and a reduce-scatter, each with a fixed price that
+# only megabytes of parameters hide; merging small blocks into their parent's unit is the
+# user's choice (``trainer.fsdp2_min_unit_params``), which ``credit-parallel plan`` prices
+# (``planner/fsdp_merge.py``).
+FSDP2_MIN_UNIT_PARAMS = 0
 
 
 def fsdp2_units(
@@ -107,7 +109,7 @@ def fsdp2_units(
     """The opted-in blocks (:func:`fsdp2_blocks`) that get a ``fully_shard`` of their own, in
     pre-order: those whose parameters not managed by a selected descendant number at least
     ``min_params`` (full, unsharded sizes).  The rest stay in the nearest selected ancestor or
-    the root.  ``min_params=0`` selects every opted-in block."""
+    the root.  ``min_params=0`` (the default) selects every opted-in block."""
     if isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 0:
         raise ValueError(
             f"trainer.fsdp2_min_unit_params must be an integer >= 0, got {min_params!r}"
@@ -187,9 +189,9 @@ def apply_fsdp2(
 
     Args:
         model: the model (after domain conversion and tensor parallelism, if any); every
-            submodule with ``_fsdp2_shard = True`` holding at least
-            ``trainer.fsdp2_min_unit_params`` parameters of its own becomes an FSDP2 unit
-            (:func:`fsdp2_units`), then the root.
+            submodule with ``_fsdp2_shard = True`` becomes an FSDP2 unit, then the root
+            (``trainer.fsdp2_min_unit_params: N``, default 0, merges opted-in blocks of fewer
+            than N parameters of their own into their parent's unit: :func:`fsdp2_units`).
         dp_mesh: the 1-D mesh to shard over (dp, or the flattened dp x domain axis); None: the
             whole world.
         conf: the full config; ``trainer.amp`` true -> bf16 parameters/compute with fp32
@@ -233,10 +235,9 @@ def fully_shard_model(
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
 
-    ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` that holds at least
-    ``min_unit_params`` (``trainer.fsdp2_min_unit_params``) parameters of its own
-    (:func:`fsdp2_units`; children before
-    parents), then to the root; ``dp_mesh=None`` shards over a 1-D mesh of the whole world.
+    ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
+    parents; with ``min_unit_params`` = ``trainer.fsdp2_min_unit_params`` > 0 only those holding
+    at least that many parameters of their own: :func:`fsdp2_units`), then to the root; ``dp_mesh=None`` shards over a 1-D mesh of the whole world.
     ``dp_mesh`` may be the flattened dp x domain axis; pass ``gradient_divide_factor=dp`` then,
     so that the reduce-scatter sums over the domain ranks and averages over dp only (the default
     divides by the whole shard group).  ``param_dtype`` / ``reduce_dtype``: FSDP2's

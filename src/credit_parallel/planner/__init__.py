@@ -3,7 +3,8 @@
 ``trace.py`` builds the model on the meta device and records every domain-layer call;
 ``cost.py`` asks each layer for its geometry and estimates halo bytes, collectives and memory;
 ``make.py`` puts the rank layout, the levels and the constraints together (:func:`make_plan`);
-``report.py`` prints it (:func:`format_plan`).
+``report.py`` prints it (:func:`format_plan`); ``fsdp_merge.py`` prices merging small FSDP2
+units (a note of the plan).
 """
 
 from __future__ import annotations

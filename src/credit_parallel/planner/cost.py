@@ -32,7 +32,9 @@ __all__ = [
     "DEFAULT_BUCKET_CAP_MB",
     "DomainLayerPlan",
     "MemoryEstimate",
+    "PLAN_DEVICES",
     "activation_parts",
+    "conv_workspace_bytes",
     "fsdp_units",
     "layer_call_plan",
     "local_numel",
@@ -111,10 +113,22 @@ class MemoryEstimate:
     activation_dtype_bytes: int
     # activation gradients alive at once in backward: the largest layer's output and input grads
     backward_transient_bytes: int = 0
-    workspace_bytes: int = 0  # the largest convolution's im2col column buffer
+    # the convolution workspace counted for ``workspace_device`` (conv_workspace_bytes): the
+    # largest convolution's im2col columns on the CPU, 0 on CUDA (cuDNN's bounded workspace)
+    workspace_bytes: int = 0
     batch_bytes: int = 0  # this rank's inputs and targets
     input_bytes: int = 0  # the inputs' part of batch_bytes (autograd saves them too)
     exchange_bytes: int = 0  # halo-extended inputs saved by domain layers, gathered globes
+    workspace_device: str = "cpu"  # the device type workspace_bytes is counted for
+    im2col_bytes: int = 0  # the largest convolution's im2col columns (what the CPU allocates)
+
+    def total_on(self, device: str) -> int:
+        """:attr:`total_bytes` with the convolution workspace counted for ``device``."""
+        return (
+            self.total_bytes
+            - self.workspace_bytes
+            + conv_workspace_bytes(self.im2col_bytes, device)
+        )
 
     @property
     def state_bytes(self) -> int:
@@ -131,6 +145,39 @@ class MemoryEstimate:
             + self.workspace_bytes
             + self.batch_bytes
         )
+
+
+# --------------------------------------------------------------------------- conv workspace
+PLAN_DEVICES = ("cpu", "cuda")
+
+
+# What a convolution allocates besides its input, output and weights, by device type.
+#
+# CPU: PyTorch's slow_conv2d (float64 always; float32 where oneDNN does not take the call)
+# materialises the im2col columns of the WHOLE batch, (batch, C_in/groups x kh x kw,
+# out_h x out_w), in forward and again for the weight gradient
+# (aten/src/ATen/native/ConvolutionMM2d.cpp, compute_columns2d); a 1x1 stride-1 unpadded kernel
+# uses a view.  oneDNN's float32 kernels need at most that.  Counted: the largest call's columns.
+#
+# CUDA: cuDNN takes a workspace the size its chosen engine asks for, but PyTorch bounds it by the
+# memory that is free at the call: with cudnn.benchmark it only considers engines whose
+# workspace fits the caching allocator's largest free block and halves the allocation on OOM
+# (aten/src/ATen/native/cudnn/Conv_v8.cpp, get_available_workspace / generate_and_filter_plans;
+# Conv_v7.cpp getMaxWorkspaceSize likewise), and without benchmark it tries the heuristic's
+# engines in order, moving to the next one when the workspace allocation runs out of memory
+# (Conv_v8.cpp try_configs, Conv_v7.cpp), down to implicit-GEMM engines that need no workspace
+# ("expresses the convolution as a matrix product without forming the matrix that holds the
+# input", cuDNN's CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_GEMM).  torch.backends.cudnn.benchmark_limit
+# (default 10) bounds how many engines the v8 benchmark times, not their memory.  The workspace
+# therefore only uses memory left free and never decides whether a step fits: counted 0.
+# (Deterministic dilated convolutions, as verify runs them, skip cuDNN for PyTorch's CUDA
+# slow_conv_dilated2d, whose columns are one sample's: not modelled.)
+def conv_workspace_bytes(im2col_bytes: int, device: str) -> int:
+    """Bytes of convolution workspace a step needs on ``device`` ("cpu" or "cuda") given the
+    largest convolution's im2col columns (see the comment above for the sources)."""
+    if device not in PLAN_DEVICES:
+        raise ValueError(f"device must be one of {PLAN_DEVICES}, got {device!r}")
+    return im2col_bytes if device == "cpu" else 0
 
 
 # --------------------------------------------------------------------------- cost functions
@@ -331,13 +378,15 @@ def activation_parts(
     batch_size: int,
     act_bytes: int,
     data_bytes: int,
-) -> dict[str, int]:
+    device: str = "cpu",
+) -> dict:
     """Per-rank activation memory at the peak of a step, by part (``MemoryEstimate`` fields).
 
     ``trace``: the meta trace (``trace.saved``: what autograd saves, ``leaf_outputs``,
     ``conv_columns``, ``model_outputs``) at batch 1 in the model's dtype; ``heights``: the
     model's global heights (the levels); ``act_bytes``: activation element bytes (2 under amp);
-    ``data_bytes``: element bytes of inputs and targets."""
+    ``data_bytes``: element bytes of inputs and targets; ``device``: the device type the
+    convolution workspace is counted for (:func:`conv_workspace_bytes`)."""
     saved = 0
     for shape, nbytes in trace.saved:
         itemsize = max(1, nbytes // max(1, math.prod(shape)))
@@ -360,7 +409,9 @@ def activation_parts(
     return {
         "activation_bytes": saved * batch_size,
         "backward_transient_bytes": 2 * largest * act_bytes * batch_size,
-        "workspace_bytes": columns * act_bytes * batch_size,
+        "workspace_bytes": conv_workspace_bytes(columns * act_bytes * batch_size, device),
+        "workspace_device": device,
+        "im2col_bytes": columns * act_bytes * batch_size,
         "batch_bytes": batch * data_bytes * batch_size,
         "input_bytes": inputs * data_bytes * batch_size,
         "exchange_bytes": exchange * batch_size,

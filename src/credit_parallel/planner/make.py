@@ -36,6 +36,7 @@ from ..layout.mesh import full_rank_layout
 from ..layout.run_config import TrainerConfig, trainer_option
 from ..parallel.fsdp import FSDP2_MIN_UNIT_PARAMS
 from .cost import (
+    PLAN_DEVICES,
     DomainLayerPlan,
     MemoryEstimate,
     activation_parts,
@@ -46,10 +47,11 @@ from .cost import (
     predicted_halo_bytes,
     tp_split_dims,
 )
+from .fsdp_merge import merge_advice
 from .tp_partial import tp_partial_gradient_findings
 from .trace import build_meta_model, conversion_plan, model_input_shapes, plan_targets, trace_model
 
-__all__ = ["MAX_RANKS_LISTED", "Plan", "RankEntry", "make_plan"]
+__all__ = ["MAX_RANKS_LISTED", "Plan", "RankEntry", "make_plan", "resolve_plan_device"]
 
 SHARD_DIM = -2  # latitude, as convert_to_domain_parallel shards it by default
 MAX_RANKS_LISTED = 64  # every rank is listed up to this world size, else a sample
@@ -105,6 +107,26 @@ class Plan:
     @property
     def ok(self) -> bool:
         return not self.violations
+
+
+_FIRST_STEP_NOTE = (
+    "first step only: one all-gather of local heights per domain layer call (cached per input "
+    "shape afterwards; not counted above)"
+)
+
+
+def resolve_plan_device(device: str) -> str:
+    """The device type a plan counts memory for: "cuda" / "cpu" as given; "auto": CUDA when
+    this machine sees a CUDA GPU, else the CPU (the choice ``train --device auto`` makes for
+    one local rank).  A plan made on a machine without GPUs for a GPU cluster says
+    ``--device cuda``; the report shows the other device's total too."""
+    from ..layout.device import visible_gpu_count
+
+    if device == "auto":
+        return "cuda" if visible_gpu_count() > 0 else "cpu"
+    if device not in PLAN_DEVICES:
+        raise ValueError(f"--device must be one of auto, cuda, cpu; got {device!r}")
+    return device
 
 
 # --------------------------------------------------------------------------- the plan
@@ -312,7 +334,7 @@ def _window_constraints(model, shapes, layers, n: int, violations: list, notes: 
 
 def _memory(
     model, trace, layers, shapes, levels, *, data, dp, tp, n, batch_size, amp, violations, notes,
-    min_unit_params=FSDP2_MIN_UNIT_PARAMS,
+    min_unit_params=FSDP2_MIN_UNIT_PARAMS, device="cpu",
 ):  # fmt: skip
     """(MemoryEstimate, tp targets, FSDP units, local parameter numels) of one rank."""
     split, tp_listed = tp_split_dims(model, tp, violations)
@@ -329,6 +351,11 @@ def _memory(
         local_numels[pname] = local_numel(p.shape, split.get(pname), tp, fsdp_dp)
     param_bytes = sum(local_numels.values()) * _PARAM_BYTES
     units = fsdp_units(model, min_unit_params) if data == DataMode.FSDP2 else []
+    if units:
+        item = 2 if amp else _PARAM_BYTES
+        advice = merge_advice(model, min_unit_params, split=split, tp=tp, item_bytes=item)
+        if advice is not None:
+            notes.append(advice)
     params = dict(model.named_parameters())
     largest_unit = max(
         (
@@ -341,7 +368,7 @@ def _memory(
     act_bytes = 2 if amp else param_dtype.itemsize
     parts = activation_parts(
         trace, layers, shapes, {h for h, _ in levels}, n,
-        batch_size=batch_size, act_bytes=act_bytes, data_bytes=param_dtype.itemsize,
+        batch_size=batch_size, act_bytes=act_bytes, data_bytes=param_dtype.itemsize, device=device,
     )  # fmt: skip
     memory = MemoryEstimate(
         param_bytes=param_bytes,
@@ -379,18 +406,22 @@ def make_plan(
     parallelism: Mapping | None = None,
     dims: ParallelDims | None = None,
     trainer: TrainerConfig | None = None,
+    device: str = "auto",
 ) -> Plan:
     """Plan a run of ``conf`` on ``world_size`` ranks, without starting any process.
 
     ``conf`` is the FULL config (``model:``, ``trainer: {parallelism: ..., batch_size, amp}``).
     ``model``/``input_shapes`` override building ``conf["model"]`` and the input-shape rules
     (for models outside the registry; per-sample shapes without the batch dim).  A caller that
-    parsed the run config passes ``parallelism`` (the block), ``dims`` and ``trainer``.  Raises
+    parsed the run config passes ``parallelism`` (the block), ``dims`` and ``trainer``.
+    ``device`` ("cuda", "cpu", "auto": :func:`resolve_plan_device`): the device type whose
+    convolution workspace the memory counts (``cost.conv_workspace_bytes``).  Raises
     ``ValueError`` only for an unusable config: a bad ``trainer.parallelism`` block, a world
     size that is not an integer >= 1, a missing/unknown ``model.type`` or bad model arguments,
     or a model that cannot be traced on the meta device; every other problem is a violation.
     """
     block = parallelism if parallelism is not None else parse_parallelism_conf(conf)
+    device = resolve_plan_device(device)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--world-size must be an integer >= 1, got {world_size!r}")
     violations: list[str] = []
@@ -409,7 +440,7 @@ def make_plan(
     # ---- memory and communication
     memory, tp_listed, units, local_numels = _memory(
         model, trace, layers, shapes, levels, data=data, dp=dp, tp=tp, n=n, batch_size=batch_size, amp=amp,
-        violations=violations, notes=notes,
+        violations=violations, notes=notes, device=device,
         min_unit_params=(
             trainer.fsdp2_min_unit_params if trainer is not None
             else trainer_option(conf, "fsdp2_min_unit_params")
@@ -433,10 +464,7 @@ def make_plan(
         grad_sizes_bytes=[v * _PARAM_BYTES for v in local_numels.values()],
     )
     if n > 1 and layers:
-        notes.append(
-            "first step only: one all-gather of local heights per domain layer call (cached "
-            "per input shape afterwards; not counted above)"
-        )
+        notes.append(_FIRST_STEP_NOTE)
     ranks, omitted = _rank_entries(dims) if dims is not None else ([], 0)
     return Plan(
         world_size=world_size,

@@ -171,23 +171,44 @@ def _memory_section(plan: Plan) -> list[str]:
         f"backward peak   {_human(m.backward_transient_bytes):>12}  activation gradients alive "
         "at once: the largest layer's output and input gradients"
     )
-    out.append(
-        f"conv workspace  {_human(m.workspace_bytes):>12}  the largest convolution's im2col "
-        "columns (C_in x kernel x output positions)"
-    )
+    out.append(f"conv workspace  {_human(m.workspace_bytes):>12}  {_workspace_reason(m)}")
     out.append(f"batch           {_human(m.batch_bytes):>12}  this rank's inputs and targets")
+    other = "cpu" if m.workspace_device == "cuda" else "cuda"
+    elsewhere = (
+        f"; with --device {other}: {_human(m.total_on(other))}"
+        if m.total_on(other) != m.total_bytes
+        else ""
+    )
     out.append(
-        f"total           {_human(m.total_bytes):>12}  peak of a step; not counted: the "
-        "framework's own per-process memory (torch kernels/caches, the CUDA context) and "
-        "prefetched batches"
+        f"total           {_human(m.total_bytes):>12}  peak of a step on {m.workspace_device}"
+        f"{elsewhere}; not counted: the framework's own per-process memory (torch "
+        "kernels/caches, the CUDA context) and prefetched batches"
     )
     if plan.fsdp_units:
         out.append(
             f"FSDP2 units: {len(plan.fsdp_units)} (largest unsharded while in use: "
-            f"{_human(m.fsdp_largest_unit_bytes)}): {', '.join(plan.fsdp_units)}; opted-in blocks "
-            "under trainer.fsdp2_min_unit_params parameters stay in their parent's unit"
+            f"{_human(m.fsdp_largest_unit_bytes)}): {', '.join(plan.fsdp_units)}; every "
+            "_fsdp2_shard block is a unit unless trainer.fsdp2_min_unit_params: N merges those "
+            "under N parameters into their parent's unit"
         )
     return out
+
+
+def _workspace_reason(m) -> str:
+    """Which convolution workspace the memory counts, and why (``cost.conv_workspace_bytes``)."""
+    if m.workspace_device == "cuda":
+        return (
+            "counted for cuda: cuDNN's workspace is bounded by the memory free at the call "
+            "(PyTorch takes engines whose workspace fits the caching allocator's largest free "
+            "block, and falls back on OOM down to implicit-GEMM engines that need none), so it "
+            "never decides whether a step fits; the CPU would allocate the largest "
+            f"convolution's im2col columns, {_human(m.im2col_bytes)} (--device cpu)"
+        )
+    return (
+        "counted for cpu: the largest convolution's im2col columns (C_in/groups x kernel x "
+        "output positions, whole batch), which PyTorch's CPU convolution allocates; on cuda "
+        "cuDNN's bounded workspace counts 0 (--device cuda)"
+    )
 
 
 def _communication_section(plan: Plan) -> list[str]:

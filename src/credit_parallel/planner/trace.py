@@ -154,17 +154,30 @@ class Trace:
     # inputs excluded): (shape, bytes) at batch 1
     saved: list = field(default_factory=list)
     # per convolution call, its im2col buffer at batch 1 (elements): C_in/groups x kernel x
-    # output positions, the column matrix CPU convolution (and cuDNN's GEMM algorithms) build
+    # output positions, the column matrix PyTorch's CPU convolution builds (cost.py
+    # conv_workspace_bytes: what a GPU allocates instead)
     conv_columns: list = field(default_factory=list)
 
 
 def _conv_columns(mod, args, out) -> int:
+    """Elements of the im2col columns PyTorch's CPU convolution allocates for one sample
+    (``aten/src/ATen/native/ConvolutionMM2d.cpp`` ``compute_columns2d``: ``(batch,
+    C_in * kh * kw, out_h * out_w)``; a 1x1 kernel of stride 1 without padding uses a view of
+    the input, no buffer (a string padding of a 1x1 kernel is 0); a grouped convolution runs group by group, ``C_in / groups``)."""
     x = next(_tensors(args), None)
     if x is None or not isinstance(out, torch.Tensor):
         return 0
+    groups = max(1, int(getattr(mod, "groups", 1)))
     if isinstance(mod, (nn.ConvTranspose2d, nn.ConvTranspose3d)):  # columns of the input
-        return mod.out_channels * math.prod(mod.kernel_size) * math.prod(x.shape[2:])
-    return mod.in_channels * math.prod(mod.kernel_size) * math.prod(out.shape[2:])
+        return mod.out_channels // groups * math.prod(mod.kernel_size) * math.prod(x.shape[2:])
+    pointwise = (
+        all(k == 1 for k in mod.kernel_size)
+        and all(s == 1 for s in mod.stride)
+        and (isinstance(mod.padding, str) or all(p == 0 for p in mod.padding))
+    )
+    if pointwise:
+        return 0
+    return mod.in_channels // groups * math.prod(mod.kernel_size) * math.prod(out.shape[2:])
 
 
 def trace_model(model: nn.Module, input_shapes, targets) -> Trace:

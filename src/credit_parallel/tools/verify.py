@@ -44,7 +44,16 @@ from ..parallel.composition import get_domain_manager, parallelize
 from ..train.loss import local_lat_weights
 from ..train.step import TrainStep, batch_keys, latitude_weighted_loss
 
-__all__ = ["layout_run", "main", "quiet_sequential_gathers", "reference_run", "verify_layout"]
+__all__ = [
+    "format_table",
+    "judge",
+    "layout_run",
+    "main",
+    "quiet_sequential_gathers",
+    "reference_run",
+    "summarize",
+    "verify_layout",
+]
 
 
 def _global_batch(conf: dict, dataset, batch: int, dtype) -> dict:
@@ -271,20 +280,73 @@ def judge(rows, dtype) -> list[tuple]:
     return out
 
 
-def format_table(judged, layout: dict, world: int, dtype, device=None, pinned=None) -> str:
+# Per-parameter checks: one summary row per group unless ``--all`` (longest prefix first).
+GROUP_PREFIXES = ("tp ranks agree on grad ", "grad ")
+
+
+def _severity(row) -> float:
+    """How far a judged row is from its tolerance, comparable within a group: the absolute
+    error under an absolute tolerance, the relative one under a relative tolerance."""
+    _, err, ref, shown, _ = row
+    return err if shown.startswith("abs") else err / max(ref, 1e-30)
+
+
+def summarize(judged) -> list[tuple]:
+    """The judged rows with each per-parameter group (:data:`GROUP_PREFIXES`: parameter
+    gradients, tp agreement of replicated gradients) folded into ONE row at the group's first
+    position: its count, its worst parameter (largest error against the tolerance) with that
+    parameter's errors, and PASS only when every row of the group passes (a FAIL anywhere makes
+    the group FAIL, naming how many failed and the worst).  Other rows (outputs, input
+    gradients, functional-call findings) are kept as they are."""
+    groups: dict[str, list] = {}
+    order: list = []
+    for row in judged:
+        prefix = next((p for p in GROUP_PREFIXES if row[0].startswith(p)), None)
+        if prefix is None:
+            order.append(row)
+            continue
+        if prefix not in groups:
+            groups[prefix] = []
+            order.append(prefix)
+        groups[prefix].append(row)
+    out = []
+    for item in order:
+        if not isinstance(item, str):
+            out.append(item)
+            continue
+        rows = groups[item]
+        failed = [r for r in rows if r[-1] == "FAIL"]
+        worst = max(failed or rows, key=_severity)
+        what = "parameter" if len(rows) == 1 else "parameters"
+        verdict = f"FAIL ({len(failed)} of {len(rows)})" if failed else "PASS"
+        label = f"{item.rstrip()}: {len(rows)} {what}, worst {worst[0][len(item) :]}"
+        out.append((label, worst[1], worst[2], worst[3], verdict))
+    return out
+
+
+def format_table(
+    judged, layout: dict, world: int, dtype, device=None, pinned=None, full: bool = True
+) -> str:
     """The table rank 0 prints; the header names the device and, on a GPU, the determinism
-    settings the comparison ran under (``pinned``)."""
-    width = max(len(r[0]) for r in judged)
+    settings the comparison ran under (``pinned``).  ``full=False``: one row per
+    per-parameter group (:func:`summarize`); the pass/fail counts are those of every check."""
+    shown_rows = judged if full else summarize(judged)
+    width = max(len(r[0]) for r in shown_rows)
     where = f" on {device}" if device is not None else ""
     lines = [
         f"verify: layout {layout} on {world} rank(s){where}, {str(dtype).replace('torch.', '')}"
         + (f"; determinism: {pinned}" if pinned else ""),
         f"{'quantity'.ljust(width)}  {'max abs err':>12}  {'max |ref|':>10}  {'tolerance':>12}  result",
     ]
-    for name, err, ref, shown, verdict in judged:
+    for name, err, ref, shown, verdict in shown_rows:
         lines.append(f"{name.ljust(width)}  {err:12.3e}  {ref:10.3e}  {shown:>12}  {verdict}")
     failed = sum(1 for r in judged if r[-1] == "FAIL")
     lines.append(f"{len(judged) - failed} passed, {failed} failed")
+    if len(shown_rows) < len(judged):
+        lines.append(
+            f"({len(judged)} checks in {len(shown_rows)} rows: one row per parameter group with "
+            "its worst parameter; --all lists every row)"
+        )
     return "\n".join(lines)
 
 
@@ -296,6 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--all", action="store_true", help="every row, not one per parameter group")
     args = ap.parse_args(argv)
     conf = load_config(args.config)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
@@ -322,7 +385,8 @@ def main(argv=None) -> int:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if rank == 0:
         layout = parse_parallelism_conf(conf)
-        print(format_table(rows, layout, world, dtype, device, pinned), flush=True)
+        table = format_table(rows, layout, world, dtype, device, pinned, full=args.all)
+        print(table, flush=True)
     failed = any(r[-1] == "FAIL" for r in rows)
     # only after success (see train.main)
     if dist.is_initialized():
