@@ -9,8 +9,8 @@ lowest first (docs/architecture.md draws them):
                   checkpoint, data/*, device, run_config, launch (process-group init)
     composition   parallelize(): domain -> TP -> FSDP2/DDP
     planner       plan (layout planner and cost model, without processes)
-    training      train.loss, train.step (the one step), train.trainer, preflight
-    entry points  train.main, verify, mesh_demo, testing (the multi-rank test harness)
+    training      train.loss, train.step (the one step), train.trainer, preflight, forecast/*
+    entry points  train.main, forecast.command, verify, mesh_demo, testing (the test harness)
     tools         tools/* (benchmark suite, launcher and failure forensics)
     cli           the command line
 
@@ -59,6 +59,9 @@ LAYER_OF = {
     "train": "training",
     "preflight": "training",
     "train.main": "entry",
+    # the rollout, the store and the scores sit beside the trainer; the command is an entry point
+    "forecast": "training",
+    "forecast.command": "entry",
     "verify": "entry",
     "mesh_demo": "entry",
     "testing": "entry",

@@ -177,6 +177,9 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     "path": (None, _optional_path("data", "path")),
     "upper_air_variables": ((), _strings("data", "upper_air_variables")),
     "surface_variables": ((), _strings("data", "surface_variables")),
+    # input-only channels: the forcing at each input time, and time-invariant fields
+    "dynamic_forcing_variables": ((), _strings("data", "dynamic_forcing_variables")),
+    "static_variables": ((), _strings("data", "static_variables")),
     "levels": (None, _levels),
     "history_len": (1, _number("data", "history_len", int, 1)),
     "forecast_len": (1, _number("data", "forecast_len", int, 1)),
@@ -319,6 +322,8 @@ class DataConfig:
     path: str | None = None
     upper_air_variables: tuple = ()
     surface_variables: tuple = ()
+    dynamic_forcing_variables: tuple = ()
+    static_variables: tuple = ()
     levels: tuple | None = None
     history_len: int = 1
     forecast_len: int = 1

@@ -122,6 +122,8 @@ class Trainer:
             if guard_requested(self.tc.domain_guard)
             else None,
             shard_inputs=False,  # the loader reads this rank's rows already
+            n_forcing=int(getattr(self.dataset, "n_forcing", 0) or 0),
+            n_static=int(getattr(self.dataset, "n_static", 0) or 0),
         )
 
     def _build_model(self, model):
