@@ -4,6 +4,12 @@
   back without gathering the globe, dynamic forcing per step, 4-D and 5-D models);
 - ``store``: ``ForecastStore`` (ONE zarr store ``DIR/forecast.zarr`` written by rows from every
   rank, a background writer thread per rank, completion marks for ``--resume``);
+- ``metrics``: the exact metrics (``weighted_rmse``, ``anomaly_correlation``, ``crps``,
+  ``spread`` and their per-initial-time forms ``spatial_*``): local rows in, the GLOBAL value
+  out, whatever the split of rows, initial times and members over ranks;
+- ``scores``: ``ScoreAccumulator`` (per variable, level and lead, SPEC §7's columns),
+  ``write_scores`` (scores.csv / .json / .png), ``plot_field_map``, ``climatology``;
+- ``ensemble``: ``perturb`` (the seeded initial-state perturbation, the same whatever the layout);
 - ``command``: the worker of ``credit-parallel forecast`` (one process per rank, like
   ``credit_parallel.train.main``).
 
@@ -19,6 +25,19 @@ _EXPORTS = {
     "ForecastStore": "store",
     "BackgroundWriter": "store",
     "run_forecast": "command",
+    "anomaly_correlation": "metrics",
+    "crps": "metrics",
+    "gather_members": "metrics",
+    "spatial_acc": "metrics",
+    "spatial_crps": "metrics",
+    "spatial_mse": "metrics",
+    "spatial_variance": "metrics",
+    "spread": "metrics",
+    "weighted_rmse": "metrics",
+    "ScoreAccumulator": "scores",
+    "climatology": "scores",
+    "plot_field_map": "scores",
+    "write_scores": "scores",
 }
 
 __all__ = sorted(_EXPORTS)
