@@ -38,6 +38,7 @@ _EXPORTS = {
     "climatology": "scores",
     "plot_field_map": "scores",
     "write_scores": "scores",
+    "perturb": "ensemble",
 }
 
 __all__ = sorted(_EXPORTS)
