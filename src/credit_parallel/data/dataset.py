@@ -107,7 +107,8 @@ class ERA5Dataset(Dataset):
     (tensorstore when it can read the store, else zarr), ``"tensorstore"`` or ``"zarr"``
     (``data.reader``; ``.reader`` is the one chosen; ``chunk_reader.py``).
 
-    Attributes: ``channels_in``, ``channels_out``, ``grid_shape`` ``(H, W)``, ``variable_names``
+    Attributes: ``channels_in``, ``channels_out``, ``grid_shape`` ``(H, W)``, ``variable_units``
+    (the store's ``units`` attribute per variable), ``variable_names``
     (the channels of ONE time step, in order), ``channel_names_in`` / ``channel_names_out`` (every
     channel of x / y: ``"T_500@t-1"``, ``"T_500@t"``, ``"T_500@t+1"``, offsets from the last
     input time),
@@ -157,6 +158,8 @@ class ERA5Dataset(Dataset):
         ds, self._store = open_store(self.path, "ERA5Dataset")
         self._find_dims(ds)
         self._check_variables(ds)
+        names = self._read_variables + self.static_variables
+        self.variable_units = {n: str(ds[n].attrs.get("units", "")) for n in names}
         self._level_positions, self.levels = self._select_levels(ds, levels)
         self._time_positions, self.times = self._select_times(ds, time_slice)
 
@@ -388,7 +391,6 @@ class ERA5Dataset(Dataset):
         """Per channel of one time step, the std divided by (float64)."""
         return np.array(self._std[: self.channels_per_step], dtype=np.float64)
 
-    # ---- reading ---------------------------------------------------------------------------
     @property
     def bytes_read(self) -> int:
         """Bytes of the selected variables' chunks fetched from the store by this process."""

@@ -1,0 +1,540 @@
+"""Worker of ``credit-parallel forecast``: one process per rank (torchrun or the CLI's launcher),
+or the whole job on one process.
+
+Per rank: the dataset's rows of this domain rank over the whole store (``ERA5Dataset`` by rows),
+the model built and parallelised as in training (``trainer.parallelism``, or ``--parallelism``)
+with the checkpoint's weights (:mod:`.weights`), then the pending initial times spread over the
+data-parallel groups (group ``g`` takes the ``g``-th, ``g + dp``-th, ... one per round).  Each
+initial time rolls out on this rank's rows (:func:`.rollout.rollout`; the dynamic forcing of
+each lead read by rows), each step is denormalised to physical units and handed to the
+background writer (:class:`.store.BackgroundWriter`; only tensor-parallel rank 0 of each domain
+position writes: its tp peers hold the same rows) while the next step computes, and scored
+against the dataset's truth where it has one (:class:`.scores.ScoreAccumulator`, exact global
+sums).  After each round every rank flushes its writer, all meet at a barrier, and rank 0 marks
+the round's initial times complete; a rank that dies leaves its peers waiting at most
+``trainer.dist_timeout_s`` (every collective's bound), and the complete times intact.
+
+Everything that can be wrong with the input is checked before the store is created: initial
+times (dataset, history, forcing), the checkpoint (keys and shapes), the store
+(``--resume`` / ``--overwrite``), the layout.  Ensembles (``--members M``): the M members of an
+initial time run as the batch of one rollout, perturbed by :func:`.ensemble.perturb`.
+
+Rank 0 reports progress: a tqdm bar on a terminal, else one plain line per step
+``forecast init T step k/N steps/s S writer_lag L``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["main", "run_forecast"]
+
+# a test hook: "RANK:ROUND" makes that rank fail at the start of that round (0-based)
+FAIL_ENV = "CREDIT_PARALLEL_FORECAST_FAIL_AT"
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _forecast_dataset(conf: dict, domain_rank: int, domain_size: int):
+    """This domain rank's rows of the WHOLE store's time axis, one step per sample."""
+    from ..data.dataset import dataset_from_conf
+
+    data = {k: v for k, v in conf["data"].items() if k not in ("time_slice", "valid_time_slice")}
+    return dataset_from_conf(
+        {**conf, "data": data}, forecast_len=1, domain_shard=(domain_rank, domain_size)
+    )
+
+
+def _build_model(conf: dict, dims, device, dtype):
+    from ..composition import RecipeOptions
+    from ..model_init import build_parallel_model
+    from ..models import build_model
+    from ..run_config import TrainerConfig
+
+    tc = TrainerConfig.from_conf(conf)
+    options = RecipeOptions.from_trainer(tc)
+    model_conf = conf["model"]
+    return build_parallel_model(
+        lambda: build_model(model_conf).to(dtype),
+        device=device,
+        seed=tc.seed,
+        dims=dims,
+        options=options,
+    )
+
+
+class _Progress:
+    """Rank 0's report: a tqdm bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, stream, total: int, enabled: bool):
+        self.stream, self.enabled, self.bar = stream, enabled, None
+        if enabled and getattr(stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="forecast", unit="step", file=stream)
+
+    def step(self, init: str, k: int, n: int, rate: float, lag: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(init=init, steps_s=f"{rate:.2f}", writer_lag=lag)
+            self.bar.update(1)
+        else:
+            line = f"forecast init {init} step {k}/{n} steps/s {rate:.3g} writer_lag {lag}"
+            print(line, file=self.stream, flush=True)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Fields:
+    """Model outputs (normalised, this rank's rows) -> physical channels and store variables."""
+
+    def __init__(self, dataset, device):
+        self.dataset = dataset
+        self.mean = torch.as_tensor(dataset.channel_mean, device=device).view(-1, 1, 1)
+        self.std = torch.as_tensor(dataset.channel_std, device=device).view(-1, 1, 1)
+        n_levels = len(dataset.levels)
+        self.slices = []
+        c = 0
+        for name in dataset.upper_air_variables:
+            self.slices.append((name, slice(c, c + n_levels), True))
+            c += n_levels
+        for name in dataset.surface_variables:
+            self.slices.append((name, slice(c, c + 1), False))
+            c += 1
+
+    def physical(self, outputs) -> torch.Tensor:
+        from .scores import flatten_channels
+
+        return flatten_channels(outputs).double() * self.std + self.mean  # (B, C, rows, W)
+
+    def truth(self, step: np.ndarray, device) -> torch.Tensor:
+        """One time step of :meth:`ERA5Dataset.read_steps` in physical units, ``(1, C, rows, W)``."""
+        prognostic = torch.from_numpy(step[: self.dataset.channels_per_step]).to(device)
+        return (prognostic.double() * self.std + self.mean).unsqueeze(0)
+
+    def variables(self, physical: torch.Tensor):
+        """``(name, values)`` per store variable of one batch entry (CPU float32 numpy)."""
+        host = physical.to("cpu", torch.float32).numpy()
+        for name, channels, upper in self.slices:
+            yield name, host[channels] if upper else host[channels.start]
+
+
+def _store_variables(dataset) -> list:
+    from .store import StoreVariable
+
+    units = dataset.variable_units
+    return [StoreVariable(n, True, units.get(n, "")) for n in dataset.upper_air_variables] + [
+        StoreVariable(n, False, units.get(n, "")) for n in dataset.surface_variables
+    ]
+
+
+def _check_store(path: Path, resume: bool, overwrite: bool, times, variables, members) -> None:
+    """Refuse an existing store without ``--resume`` / ``--overwrite``, or one ``--resume``
+    cannot continue (other initial times, leads, variables or members)."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    if not path.exists() or overwrite:
+        return
+    if not resume:
+        raise ValueError(
+            f"{path} exists; pass --resume to continue it or --overwrite to replace it"
+        )
+    import xarray as xr
+
+    try:
+        ds = xr.open_zarr(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable store is reported in one line
+        raise ValueError(f"--resume: {path} is not a readable forecast store ({exc})") from None
+    same = (
+        np.array_equal(ds["init_time"].values, times.init_times)
+        and ds.sizes.get("lead_time") == len(times.lead_times)
+        and sorted(v.name for v in variables) == sorted(n for n in ds.data_vars if n != "complete")
+        and ds.sizes.get("member", 1) == members
+    )
+    if not same:
+        raise ValueError(
+            f"--resume: {path} holds other initial times, leads, variables or members than "
+            "this run; pass the same flags, or --overwrite"
+        )
+
+
+def _score_group(dims, rank: int):
+    """The ranks holding the other initial times of this rank's rows: same tp and domain
+    coordinate (every rank creates every such group, in the same order)."""
+    if dims.world_size == 1:
+        return None
+    mine = None
+    for t in range(dims.tp):
+        for d in range(dims.domain):
+            ranks = [
+                r
+                for r in range(dims.world_size)
+                if dims.coords(r)["tp"] == t and dims.coords(r)["domain"] == d
+            ]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
+
+
+def _member_states(state: tuple, members: int, seed: int, manager) -> tuple:
+    """The batch of ``members`` perturbed copies of a one-sample state (``members == 1``: the
+    state itself)."""
+    if members == 1:
+        return state
+    try:
+        from .ensemble import perturb
+    except ImportError:
+        raise ValueError("--members > 1 needs credit_parallel.forecast.ensemble") from None
+    copies = [perturb(state, m, seed, manager=manager) for m in range(members)]
+    return tuple(torch.cat([c[i] for c in copies]) for i in range(len(state)))
+
+
+def _maybe_fail(rank: int, round_index: int) -> None:
+    spec = os.environ.get(FAIL_ENV)
+    if spec and spec == f"{rank}:{round_index}":
+        raise RuntimeError(f"{FAIL_ENV}: rank {rank} stops at round {round_index} (test hook)")
+
+
+class _Run:
+    """One rank's forecast: the dataset rows, the model, the writer, the scores."""
+
+    def __init__(self, conf: dict, args, stream):
+        from ..composition import get_domain_manager
+        from ..config import ParallelDims
+        from ..device import device_for_process_group
+        from ..run_config import TrainerConfig
+        from .inputs import resolve_init_times
+        from .store import STORE_NAME
+        from .weights import load_forecast_weights
+
+        self.conf, self.args = conf, args
+        self.rank, world = _world()
+        self.dims = ParallelDims.from_conf(conf, world)
+        self.coords = self.dims.coords(self.rank)
+        tc = TrainerConfig.from_conf(conf)
+        self.seed, self.amp = tc.seed, tc.amp
+        self.dtype = torch.float64 if tc.dtype == "float64" else torch.float32
+        self.device = device_for_process_group()
+        self.dataset = _forecast_dataset(conf, self.coords["domain"], self.dims.domain)
+        self.times = resolve_init_times(
+            self.dataset.times,
+            init_times=args.init_times,
+            init_range=args.init_range,
+            steps=args.steps,
+            history_len=self.dataset.history_len,
+            needs_forcing=self.dataset.n_forcing > 0,
+        )
+        self.output = Path(args.output)
+        self.store_path = self.output / STORE_NAME
+        self.variables = _store_variables(self.dataset)
+        _check_store(
+            self.store_path, args.resume, args.overwrite, self.times, self.variables, args.members
+        )
+        self.model = _build_model(conf, self.dims, self.device, self.dtype)
+        self.manifest = load_forecast_weights(self.model, args.checkpoint)
+        self.manager = get_domain_manager(self.model)
+        self.fields = _Fields(self.dataset, self.device)
+        self.rows = self.dataset.rows
+        self.report = _Progress(stream, 0, self.rank == 0 and args.progress)
+        _barrier()  # every rank checked the store before rank 0 touches it
+
+    # ---------------------------------------------------------------- the store
+    def open_store(self):
+        from ..domain.rows import shard_range
+        from .store import ForecastStore, config_attrs, remove_store, row_chunk_for
+
+        args, ds = self.args, self.dataset
+        if self.rank == 0 and (args.overwrite or not self.store_path.exists()):
+            remove_store(self.store_path)
+            height = ds.grid_shape[0]
+            ranges = [shard_range(height, self.dims.domain, d) for d in range(self.dims.domain)]
+            ForecastStore.create(
+                self.store_path,
+                variables=self.variables,
+                init_times=self.times.init_times,
+                lead_times=self.times.lead_times,
+                latitude=ds.latitude,
+                longitude=ds.longitude,
+                levels=ds.levels if ds.upper_air_variables else (),
+                members=args.members,
+                row_chunk=row_chunk_for(ranges),
+                attrs=config_attrs(self.conf, self.manifest.get("checkpoint", args.checkpoint)),
+            )
+        _barrier()
+        self.store = ForecastStore.open(self.store_path, args.members)
+
+    def scores(self):
+        from .scores import ScoreAccumulator, climatology
+
+        clim = climatology(
+            self.conf,
+            domain_shard=(self.coords["domain"], self.dims.domain),
+            path=getattr(self.args, "climatology", None),
+        )
+        return ScoreAccumulator.for_dataset(
+            self.dataset,
+            list(self.times.lead_times),
+            lat_weights_local=self.dataset.row_lat_weights.double(),
+            climatology=clim.to(self.device),
+            manager=self.manager,
+            members=self.args.members,
+            dp_group=_score_group(self.dims, self.rank),
+        )
+
+    # ---------------------------------------------------------------- one initial time
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, self.dtype).unsqueeze(0)
+
+    def initial_state(self, position: int) -> tuple:
+        from ..train.step import INPUT_KEYS
+
+        ds = self.dataset
+        sample = ds.compose_input(ds.read_steps(position - ds.history_len + 1, position + 1))
+        keys = next(k for k in INPUT_KEYS if all(name in sample for name in k))
+        state = tuple(self._tensor(sample[k].numpy()) for k in keys)
+        return _member_states(state, self.args.members, self.seed, self.manager)
+
+    def forcing(self, position: int):
+        ds, members = self.dataset, self.args.members
+        if ds.n_forcing == 0:
+            return None
+
+        def at(k: int) -> torch.Tensor:
+            step = ds.read_steps(position + k, position + k + 1)[0, ds.channels_per_step :]
+            return self._tensor(step).expand(members, -1, -1, -1)
+
+        return at
+
+    def forecast_one(self, i: int, real: bool, writer, acc, clock: dict) -> None:
+        """Roll out initial time ``i``; write and score it when ``real`` (else the round's
+        stand-in that keeps every dp group's collectives in step)."""
+        from .rollout import rollout
+
+        position, members = self.times.positions[i], self.args.members
+        label = str(np.datetime64(self.times.init_times[i], "m"))
+        steps = len(self.times.lead_times)
+        writes = real and self.coords["tp"] == 0
+        outputs = rollout(
+            self.model,
+            self.initial_state(position),
+            steps,
+            forcing=self.forcing(position),
+            manager=self.manager,
+            amp=self.amp,
+            n_static=self.dataset.n_static,
+        )
+        for k, out in enumerate(outputs, start=1):
+            physical = self.fields.physical(out)  # (members, C, rows, W)
+            for m in range(members if writes else 0):
+                index = (i, m, k - 1) if members > 1 else (i, k - 1)
+                for name, values in self.fields.variables(physical[m]):
+                    writer.put(name, index, self.rows, values)
+            if real and k <= self.times.truth_steps[i]:
+                truth = self.fields.truth(
+                    self.dataset.read_steps(position + k, position + k + 1)[0], self.device
+                )
+                pred = physical if members == 1 else physical.unsqueeze(1)
+                acc.add([label], k, pred, truth)
+            clock["steps"] += 1
+            rate = clock["steps"] / max(time.perf_counter() - clock["start"], 1e-9)
+            if real:
+                self.report.step(label, k, steps, rate, writer.lag)
+
+    # ---------------------------------------------------------------- all of them
+    def run(self) -> dict:
+        from .store import BackgroundWriter
+
+        self.open_store()
+        done = self.store.complete_times()
+        pending = [i for i in range(len(done)) if not done[i]]
+        skipped = len(done) - len(pending)
+        if skipped:
+            self.report.write(f"resume: {skipped} initial time(s) already complete, skipped")
+        acc = self.scores()
+        writer = BackgroundWriter(self.store)
+        dp, group = self.dims.dp, self.coords["dp"]
+        rounds = -(-len(pending) // dp)
+        clock = {"steps": 0, "start": time.perf_counter()}
+        try:
+            for r in range(rounds):
+                _maybe_fail(self.rank, r)
+                j = r * dp + group
+                self.forecast_one(
+                    pending[min(j, len(pending) - 1)], j < len(pending), writer, acc, clock
+                )
+                writer.flush()
+                _barrier()  # every rank flushed this round's rows
+                if self.rank == 0:
+                    self.store.mark_complete(pending[r * dp : (r + 1) * dp])
+        finally:
+            writer.close()
+        elapsed = time.perf_counter() - clock["start"]
+        rows = acc.result()
+        self.report.close()
+        return {
+            "store": str(self.store_path),
+            "computed": [str(self.times.init_times[i]) for i in pending],
+            "skipped": skipped,
+            "scores": rows,
+            "elapsed_s": elapsed,
+            "steps": clock["steps"],
+            "write_blocked_s": writer.blocked_s,
+            "write_s": writer.write_s,
+            "written_chunks": sorted(self.store.written_chunks),
+        }
+
+
+def _finish(run: _Run, result: dict, stream) -> None:
+    """Rank 0: scores.csv / .json / .png, a map of the first variable at the last scored lead,
+    and the summary lines."""
+    from .scores import plot_field_map, write_scores
+
+    times, out = run.times, run.output
+    steps = len(times.lead_times)
+    if result["computed"] and times.scored_to < steps:
+        print(
+            f"scores: the dataset holds the truth up to lead {times.scored_to} of {steps} "
+            "for these initial times; later leads are not scored",
+            file=stream,
+            flush=True,
+        )
+    if result["scores"]:
+        paths = write_scores(out, result["scores"])
+        print(f"scores in {', '.join(str(p) for p in paths.values())}", file=stream, flush=True)
+        for row in result["scores"]:
+            level = "" if row["level"] is None else f" {row['level']}"
+            acc = "" if row.get("acc") is None else f" acc {row['acc']:.4f}"
+            print(
+                f"  {row['variable']}{level} +{row['lead_time_hours']:g}h rmse "
+                f"{row['rmse']:.5g}{acc}",
+                file=stream,
+            )
+    variable = run.variables[0]
+    level = run.dataset.levels[0] if variable.upper else None
+    lead = max(1, times.scored_to) if result["computed"] else 1
+    png = plot_field_map(
+        run.store_path, variable.name, lead, out / f"map_{variable.name}.png", level=level
+    )
+    share = result["write_blocked_s"] / max(result["elapsed_s"], 1e-9)
+    print(
+        f"forecast: {len(result['computed'])} initial time(s) x {steps} steps in "
+        f"{result['elapsed_s']:.1f} s; writes on the critical path {100 * share:.1f}%; store "
+        f"{run.store_path}; map {png}",
+        file=stream,
+        flush=True,
+    )
+
+
+def run_forecast(conf: dict, args, *, stream=None) -> dict:
+    """Forecast as ``args`` says (the flags of ``credit-parallel forecast``: ``checkpoint``,
+    ``steps``, ``output``, ``init_times`` / ``init_range``, ``members``, ``resume``,
+    ``overwrite``, ``progress``) under ``conf``'s layout; every rank calls it.  Returns this
+    rank's summary (store path, initial times computed, scores rows, timings)."""
+    stream = stream if stream is not None else sys.stdout
+    run = _Run(conf, args, stream)
+    result = run.run()
+    if run.rank == 0:
+        _finish(run, result, stream)
+    _barrier()
+    return result
+
+
+def build_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags of ``credit-parallel forecast`` (SPEC §7), shared by the CLI and the worker."""
+    ap.add_argument("--config", required=True)
+    ap.add_argument(
+        "--checkpoint",
+        required=True,
+        help="step_* directory, a directory of them, or a miles-credit checkpoint file",
+    )
+    ap.add_argument("--steps", type=int, required=True, help="forecast steps (dataset time steps)")
+    ap.add_argument("--output", required=True, help="DIR: DIR/forecast.zarr, scores, map")
+    times = ap.add_mutually_exclusive_group(required=True)
+    times.add_argument("--init-times", nargs="+", metavar="T", help="ISO initial times")
+    times.add_argument(
+        "--init-range",
+        nargs=3,
+        metavar=("START", "END", "STEP"),
+        help="initial times START..END every STEP (hours, 6h, 1d)",
+    )
+    ap.add_argument("--members", type=int, default=1, help="ensemble members (default 1)")
+    ap.add_argument(
+        "--parallelism",
+        default=None,
+        help="data=MODE,tensor=T,domain=N (overrides trainer.parallelism)",
+    )
+    ap.add_argument(
+        "--climatology",
+        default=None,
+        help="climatology file (default: the time mean of data.time_slice)",
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="skip complete initial times of DIR/forecast.zarr"
+    )
+    ap.add_argument("--overwrite", action="store_true", help="replace DIR/forecast.zarr")
+
+
+def apply_overrides(conf: dict, args) -> dict:
+    """``conf`` with ``--parallelism`` applied (a copy)."""
+    from .inputs import parse_parallelism_flag
+
+    conf = copy.deepcopy(conf)
+    if args.parallelism:
+        conf.setdefault("trainer", {})["parallelism"] = parse_parallelism_flag(args.parallelism)
+    if isinstance(args.members, bool) or args.members < 1:
+        raise ValueError(f"--members must be an integer >= 1, got {args.members!r}")
+    return conf
+
+
+def main(argv=None) -> int:
+    from ..config import load_config
+    from ..launch import init_distributed_from_env, under_launcher
+
+    ap = argparse.ArgumentParser(prog="python -m credit_parallel.forecast.command")
+    build_arguments(ap)
+    args = ap.parse_args(argv)
+    args.progress = True
+    conf = apply_overrides(load_config(args.config), args)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if under_launcher():
+        from ..preflight import dist_timeout_s
+
+        init_distributed_from_env(timeout_s=dist_timeout_s(conf))
+    run_forecast(conf, args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
