@@ -206,16 +206,21 @@ def _score_group(dims, rank: int):
     return mine
 
 
-def _member_states(state: tuple, members: int, seed: int, manager) -> tuple:
+def _member_states(state: tuple, members: int, seed: int, manager, extra: int, key: int):
     """The batch of ``members`` perturbed copies of a one-sample state (``members == 1``: the
-    state itself)."""
+    state itself): :func:`.ensemble.perturb` on the prognostic channels (``extra``: the forcing
+    and static channels at the end of the last input stay exact), keyed by the initial time's
+    dataset position ``key`` so every layout draws the same noise."""
     if members == 1:
         return state
-    try:
-        from .ensemble import perturb
-    except ImportError:
-        raise ValueError("--members > 1 needs credit_parallel.forecast.ensemble") from None
-    copies = [perturb(state, m, seed, manager=manager) for m in range(members)]
+    from .ensemble import perturb
+
+    channels = [s.shape[1] for s in state]
+    channels[-1] -= extra
+    copies = [
+        perturb(state, m, seed, manager=manager, channels=channels, init_times=[key])
+        for m in range(members)
+    ]
     return tuple(torch.cat([c[i] for c in copies]) for i in range(len(state)))
 
 
@@ -265,7 +270,8 @@ class _Run:
         self.manager = get_domain_manager(self.model)
         self.fields = _Fields(self.dataset, self.device)
         self.rows = self.dataset.rows
-        self.report = _Progress(stream, 0, self.rank == 0 and args.progress)
+        total = len(self.times.positions) * args.steps
+        self.report = _Progress(stream, total, self.rank == 0 and args.progress)
         _barrier()  # every rank checked the store before rank 0 touches it
 
     # ---------------------------------------------------------------- the store
@@ -322,7 +328,9 @@ class _Run:
         sample = ds.compose_input(ds.read_steps(position - ds.history_len + 1, position + 1))
         keys = next(k for k in INPUT_KEYS if all(name in sample for name in k))
         state = tuple(self._tensor(sample[k].numpy()) for k in keys)
-        return _member_states(state, self.args.members, self.seed, self.manager)
+        extra = ds.n_forcing + ds.n_static
+        members = self.args.members
+        return _member_states(state, members, self.seed, self.manager, extra, position)
 
     def forcing(self, position: int):
         ds, members = self.dataset, self.args.members
