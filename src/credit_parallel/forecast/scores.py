@@ -381,7 +381,7 @@ def plot_field_map(
     fig.colorbar(mesh, ax=ax, label=f"{variable} ({units})" if units else variable)
     hours = _hours(ds["lead_time"].values[lead - 1])
     when = str(np.datetime_as_string(da["init_time"].values, unit="h"))
-    title = _label(variable, level if level_dim else None)
+    title = _label(variable, _level_value(level) if level_dim else None)
     ax.set_title(f"{title}  init {when}  +{hours:g} h")
     ax.set_xlabel("longitude")
     ax.set_ylabel("latitude")
