@@ -379,6 +379,14 @@ class _Run:
                 self.report.step(label, k, steps, rate, writer.lag)
 
     # ---------------------------------------------------------------- all of them
+    def _complete(self, writer, fence: int, items: list) -> None:
+        """Mark ``items`` complete once every rank has written its rows of them (its writer
+        passed ``fence``, then a barrier)."""
+        writer.wait(fence)
+        _barrier()
+        if self.rank == 0:
+            self.store.mark_complete(items)
+
     def run(self) -> dict:
         from .store import BackgroundWriter
 
@@ -393,6 +401,7 @@ class _Run:
         dp, group = self.dims.dp, self.coords["dp"]
         rounds = -(-len(pending) // dp)
         clock = {"steps": 0, "start": time.perf_counter()}
+        fences: list[int] = []
         try:
             for r in range(rounds):
                 _maybe_fail(self.rank, r)
@@ -400,10 +409,11 @@ class _Run:
                 self.forecast_one(
                     pending[min(j, len(pending) - 1)], j < len(pending), writer, acc, clock
                 )
-                writer.flush()
-                _barrier()  # every rank flushed this round's rows
-                if self.rank == 0:
-                    self.store.mark_complete(pending[r * dp : (r + 1) * dp])
+                fences.append(writer.fence())
+                if r > 0:  # round r-1's rows are written while round r computed
+                    self._complete(writer, fences[r - 1], pending[(r - 1) * dp : r * dp])
+            if rounds:
+                self._complete(writer, fences[-1], pending[(rounds - 1) * dp :])
         finally:
             writer.close()
         elapsed = time.perf_counter() - clock["start"]

@@ -236,7 +236,9 @@ def config_attrs(conf: dict, checkpoint: str, extra: dict | None = None) -> dict
 class BackgroundWriter:
     """A writer thread with a bounded queue: :meth:`put` hands it one write (blocking only when
     ``max_pending`` writes are waiting), :meth:`flush` waits until everything handed over is
-    written.  An exception in the thread is raised by the next ``put`` / ``flush``.
+    written, :meth:`fence` / :meth:`wait` until everything handed over before the fence is (so
+    the next initial time computes while the last one's writes finish).  An exception in the
+    thread is raised by the next ``put`` / ``flush`` / ``wait``.
 
     ``blocked_s``: the time the caller spent waiting on the writer (the write time left on the
     critical path); ``write_s``: the thread's time writing; ``lag``: writes not finished yet.
@@ -248,6 +250,9 @@ class BackgroundWriter:
         self.error: BaseException | None = None
         self.blocked_s = 0.0
         self.write_s = 0.0
+        self._tickets = 0  # fences handed out
+        self._passed = 0  # fences the thread has reached (every write before them done)
+        self._fence = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="forecast-writer", daemon=True)
         self._thread.start()
 
@@ -257,7 +262,11 @@ class BackgroundWriter:
             try:
                 if item is None:
                     return
-                if self.error is None:
+                if isinstance(item, int):  # a fence: everything before it is written
+                    with self._fence:
+                        self._passed = item
+                        self._fence.notify_all()
+                elif self.error is None:
                     started = time.perf_counter()
                     self.store.write(*item)
                     self.write_s += time.perf_counter() - started
@@ -265,6 +274,24 @@ class BackgroundWriter:
                 self.error = err
             finally:
                 self.queue.task_done()
+
+    def fence(self) -> int:
+        """A ticket that :meth:`wait` returns on once every write handed over before it is
+        written (the writes handed over after it may still be pending)."""
+        self._raise()
+        self._tickets += 1
+        started = time.perf_counter()
+        self.queue.put(self._tickets)
+        self.blocked_s += time.perf_counter() - started
+        return self._tickets
+
+    def wait(self, ticket: int) -> None:
+        """Block until the writes before ``ticket`` are written."""
+        started = time.perf_counter()
+        with self._fence:
+            self._fence.wait_for(lambda: self._passed >= ticket or self.error is not None)
+        self.blocked_s += time.perf_counter() - started
+        self._raise()
 
     def _raise(self) -> None:
         if self.error is not None:
