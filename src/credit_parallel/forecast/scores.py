@@ -264,10 +264,6 @@ class ScoreAccumulator:
                 rows.append(row)
         return rows
 
-    def scored_leads(self) -> list[int]:
-        """Forecast steps (1-based) that have at least one scored initial time on THIS rank."""
-        return [k + 1 for k in range(len(self.lead_hours)) if float(self.sums[k, 0, _COUNT]) > 0]
-
 
 # ------------------------------------------------------------------ files
 def _columns(rows: list[dict]) -> list[str]:
