@@ -192,7 +192,14 @@ def _members_worker(rank, world, domain, counts):
 
 @pytest.mark.parametrize(
     "world,domain,counts",
-    [(1, 1, (4,)), (2, 1, (2, 2)), (4, 1, (1, 1, 1, 1)), (4, 2, (2, 2)), (2, 1, (3, 1))],
+    [
+        (1, 1, (4,)),
+        (2, 1, (2, 2)),
+        (4, 1, (1, 1, 1, 1)),
+        (4, 2, (2, 2)),
+        (2, 1, (3, 1)),
+        (2, 1, (4, 0)),
+    ],
 )
 def test_crps_and_spread_do_not_depend_on_the_member_split(world, domain, counts):
     _, truth, _, ens, w = _fields(members=4)

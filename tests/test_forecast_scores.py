@@ -139,15 +139,16 @@ def test_add_refuses_a_repeated_time_a_bad_lead_and_wrong_channels():
     assert acc.result()[0]["acc"] is None  # no climatology: acc stays empty
 
 
-def _sharded_worker(rank, world, ensemble):
+def _sharded_worker(rank, world, ensemble, split=(2, 2)):
     torch.set_default_dtype(torch.float64)
     truth, pred, ens, clim, w = _case()
     manager = DomainParallelManager(world, 2)
     a, b = shard_range(H, 2, manager.domain_rank)
     kw = {}
-    if ensemble:  # every initial time on every dp rank, the members split 2 + 2 over dp
+    if ensemble:  # every initial time on every dp rank, the members split over dp
         times = torch.arange(T)
-        mine = slice(2 * manager.dp_rank, 2 * manager.dp_rank + 2)
+        start = sum(split[: manager.dp_rank])
+        mine = slice(start, start + split[manager.dp_rank])
         source = [tuple(p[mine] for p in step) for step in ens]
         kw = {"members": M, "member_group": manager.data_parallel_group}
     else:  # initial times over dp, uneven: 3 + 1
@@ -166,10 +167,10 @@ def _sharded_worker(rank, world, ensemble):
     return _accumulate(acc, truth, source, times, slice(a, b), ensemble)
 
 
-@pytest.mark.parametrize("ensemble", [False, True])
-def test_scores_at_4_ranks_equal_one_process(ensemble):
+@pytest.mark.parametrize("ensemble,split", [(False, None), (True, (2, 2)), (True, (4, 0))])
+def test_scores_at_4_ranks_equal_one_process(ensemble, split):
     want = _single(ensemble)
-    for rows in run_on_ranks(_sharded_worker, 4, ensemble):
+    for rows in run_on_ranks(_sharded_worker, 4, ensemble, split):
         assert len(rows) == len(want)
         for got, ref in zip(rows, want):
             assert got.keys() == ref.keys()

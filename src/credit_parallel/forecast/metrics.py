@@ -189,8 +189,8 @@ def spatial_crps(
     member_group=None,
 ) -> torch.Tensor:
     """Global latitude-weighted spatial mean of the fair CRPS, ``(B, C, [Z])``."""
-    _check_fields(members[0], truth, lat_weights_local, "spatial_crps")
-    ordered = _sorted_members(members, member_group)
+    ordered = _sorted_members(members, member_group)  # a rank may hold no member
+    _check_fields(ordered[0], truth, lat_weights_local, "spatial_crps")
     field = _fair_crps_field(ordered, _f64(truth))
     return _spatial_means([field], lat_weights_local, manager)[0]
 
@@ -200,10 +200,12 @@ def spatial_variance(
 ) -> torch.Tensor:
     """Global latitude-weighted spatial mean of the unbiased ensemble variance, ``(B, C, [Z])``
     (needs at least two members in all)."""
-    _check_fields(members[0], members[0], lat_weights_local, "spatial_variance")
     ordered = _sorted_members(members, member_group)
     if ordered.shape[0] < 2:
-        raise ValueError("spread/spatial_variance: the ensemble needs at least 2 members, got 1")
+        raise ValueError(
+            f"spread/spatial_variance: the ensemble needs at least 2 members, got {ordered.shape[0]}"
+        )
+    _check_fields(ordered[0], ordered[0], lat_weights_local, "spatial_variance")
     var = ((ordered - ordered.mean(dim=0)) ** 2).sum(dim=0) / (ordered.shape[0] - 1)
     return _spatial_means([var], lat_weights_local, manager)[0]
 

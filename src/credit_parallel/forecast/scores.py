@@ -83,7 +83,10 @@ def flatten_channels(fields, member_axis: bool = False) -> torch.Tensor:
     ``([M,] B, C, H, W)`` tensor in the dataset's channel order."""
     fields = tuple(fields) if isinstance(fields, (tuple, list)) else (fields,)
     lead = 3 if member_axis else 2  # ([M,] B, C) in front of the levels
-    parts = [f.reshape(*f.shape[: lead - 1], -1, *f.shape[-2:]) for f in fields]
+    parts = [
+        f.reshape(*f.shape[: lead - 1], math.prod(f.shape[lead - 1 : -2]), *f.shape[-2:])
+        for f in fields
+    ]  # explicit sizes: a rank may hold no member
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=lead - 1)
 
 
