@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import shard_range
@@ -93,3 +94,29 @@ def test_perturbation_at_4_domain_ranks_is_bitwise_the_one_process_rows():
             )
             for g, w in zip(got, want):
                 assert torch.equal(g, w[..., a:b, :])
+
+
+class _Tiles2x2:
+    """The attributes SPEC §3b gives a 2-D domain manager (latitude x longitude tiles, domain
+    rank ``lat * Q + lon``), over the 4 ranks of the world: what ``perturb`` reads of one."""
+
+    def __init__(self, rank):
+        self.domain_rank, self.domain_world_size, self.domain_shape = rank, 4, (2, 2)
+        self.domain_group, self.device = dist.group.WORLD, torch.device("cpu")
+
+
+def _tile_worker(rank, world):
+    lat, lon = divmod(rank, 2)
+    (a, b), (c, d) = shard_range(H, 2, lat), shard_range(W - 1, 2, lon)  # 15 columns: 8 / 7
+    flat, five = _states()
+    tile = flat[..., a:b, c:d]
+    return perturb(tile, 1, 7, manager=_Tiles2x2(rank), init_times=[10, 11])
+
+
+def test_perturbation_on_2x2_latitude_longitude_tiles_is_bitwise_the_whole_field():
+    flat, _ = _states()
+    whole = perturb(flat[..., : W - 1], 1, 7, init_times=[10, 11])
+    for rank, got in enumerate(run_on_ranks(_tile_worker, 4)):
+        lat, lon = divmod(rank, 2)
+        (a, b), (c, d) = shard_range(H, 2, lat), shard_range(W - 1, 2, lon)
+        assert torch.equal(got, whole[..., a:b, c:d])

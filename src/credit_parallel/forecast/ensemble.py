@@ -12,12 +12,14 @@ NumPy ``PCG64`` stream seeded by ``SeedSequence((seed, member, t, input, h))``, 
 (channels, [levels,] all longitudes) at a time.  A rank draws only its own rows, so the
 perturbation of a row never depends on how the rows (or the initial times, keyed by ``t``, not
 by their position in a batch) are split over ranks: the perturbed state at domain 4 is bitwise
-the rows of the perturbed state at domain 1.
+the rows of the perturbed state at domain 1.  On a 2-D domain (SPEC §3b: latitude x longitude
+tiles) a rank draws its rows whole and keeps its columns, so the tiles agree the same way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,25 +38,44 @@ def row_noise(
     return np.random.Generator(np.random.PCG64(stream)).standard_normal(shape)
 
 
-def _first_row(local_height: int, manager) -> int:
-    """The global index of this rank's first row (the heights of the lower domain ranks)."""
+@dataclass(frozen=True)
+class _Tile:
+    """Where this rank's tile lies in the global grid: its first row, its first column and the
+    global width (a latitude-only layout: first column 0, the width its own)."""
+
+    first_row: int
+    first_col: int
+    width: int
+
+
+def _tile(x: torch.Tensor, manager) -> _Tile:
+    """This rank's tile from every domain rank's (rows, columns), gathered over the domain group
+    in domain rank order ``lat * Q + lon`` (SPEC §3b; ``Q = 1`` without ``domain_shape``)."""
+    height, width = int(x.shape[-2]), int(x.shape[-1])
     if manager is None or manager.domain_world_size == 1:
-        return 0
-    mine = torch.tensor([local_height], dtype=torch.int64, device=manager.device)
-    heights = gather_small(mine, manager.domain_group).flatten().tolist()
-    return int(sum(heights[: manager.domain_rank]))
+        return _Tile(0, 0, width)
+    _, q = getattr(manager, "domain_shape", (manager.domain_world_size, 1))
+    lat, lon = divmod(manager.domain_rank, q)
+    mine = torch.tensor([height, width], dtype=torch.int64, device=manager.device)
+    sizes = gather_small(mine, manager.domain_group).view(-1, q, 2).tolist()  # [lat][lon]
+    first_row = sum(sizes[r][0][0] for r in range(lat))
+    first_col = sum(sizes[lat][c][1] for c in range(lon))
+    return _Tile(first_row, first_col, sum(sizes[lat][c][1] for c in range(q)))
 
 
-def _noise(x: torch.Tensor, count: int, first_row: int, key: tuple, times: Sequence[int]):
-    """Noise for the leading ``count`` channels of ``x`` (B, C, [Z,] H_local, W): one stream per
-    (initial time, global row)."""
+def _noise(x: torch.Tensor, count: int, tile: _Tile, key: tuple, times: Sequence[int]):
+    """Noise for the leading ``count`` channels of ``x`` (B, C, [Z,] H_local, W_local): one
+    stream per (initial time, global row), drawn for the whole row and cut to this tile's
+    columns."""
     seed, member, which = key
-    batch, height = x.shape[0], x.shape[-2]
-    row_shape = (count, *x.shape[2:-2], x.shape[-1])
-    noise = np.empty((batch, height, *row_shape))
+    batch, height, width = x.shape[0], x.shape[-2], x.shape[-1]
+    row_shape = (count, *x.shape[2:-2], tile.width)
+    columns = slice(tile.first_col, tile.first_col + width)
+    noise = np.empty((batch, height, *row_shape[:-1], width))
     for b in range(batch):
         for r in range(height):
-            noise[b, r] = row_noise(row_shape, seed, member, times[b], which, first_row + r)
+            row = row_noise(row_shape, seed, member, times[b], which, tile.first_row + r)
+            noise[b, r] = row[..., columns]
     # (B, H, C, [Z,] W) -> (B, C, [Z,] H, W)
     return torch.from_numpy(np.moveaxis(noise, 1, -2))
 
@@ -100,13 +121,13 @@ def perturb(
         raise ValueError(f"perturb: {len(times)} init_times for a batch of {batch}")
     counts = _per_input(channels, len(inputs), "channels")
     scales = _per_input(scale, len(inputs), "scale")
-    first_row = _first_row(inputs[0].shape[-2], manager)
+    tile = _tile(inputs[0], manager)
     out = []
     for which, (x, count, sigma) in enumerate(zip(inputs, counts, scales)):
         count = x.shape[1] if count is None else int(count)
         if not 0 <= count <= x.shape[1]:
             raise ValueError(f"perturb: channels {count} outside 0..{x.shape[1]} of input {which}")
-        noise = _noise(x, count, first_row, (seed, member, which), times)
+        noise = _noise(x, count, tile, (seed, member, which), times)
         sigma = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)
         sigma = sigma.view(-1, *([1] * (x.dim() - 2))) if sigma.numel() > 1 else sigma[0]
         delta = (noise * sigma).to(device=x.device, dtype=x.dtype)
