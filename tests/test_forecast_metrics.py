@@ -225,3 +225,37 @@ def test_gather_members_with_uneven_and_empty_parts():
     want = torch.cat([torch.full((r, 2), float(r)) for r in range(3)])
     for got in run_on_ranks(_gather_worker, 3):
         assert torch.equal(got, want)
+
+
+class _Tiles2x2:
+    """What the metrics read of a 2-D domain manager (SPEC §3b: its flattened domain group)."""
+
+    def __init__(self):
+        self.domain_group = dist.group.WORLD  # the 4 ranks: 2 x 2 tiles
+
+
+def _tile_worker(rank, world):
+    torch.set_default_dtype(torch.float64)
+    pred, truth, clim, ens, w = _fields()
+    lat, lon = divmod(rank, 2)
+    (a, b), (c, d) = shard_range(H, 2, lat), shard_range(W - 1, 2, lon)  # 8 / 7 columns
+
+    def tile(t):
+        return t[..., a:b, c:d]
+
+    return _all_metrics(
+        tile(pred[..., : W - 1]),
+        tile(truth[..., : W - 1]),
+        tile(clim[..., : W - 1]),
+        tile(ens[..., : W - 1]),
+        w[a:b],
+        manager=_Tiles2x2(),
+    )
+
+
+def test_metrics_on_2x2_latitude_longitude_tiles_equal_one_process():
+    pred, truth, clim, ens, w = (t[..., : W - 1] if t.dim() > 1 else t for t in _fields())
+    single = _all_metrics(pred, truth, clim, ens, w)
+    _assert_close(single, _numpy_metrics(pred, truth, clim, ens, w))
+    for per_rank in run_on_ranks(_tile_worker, 4):
+        _assert_close(per_rank, single)
