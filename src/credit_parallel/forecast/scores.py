@@ -469,7 +469,8 @@ def climatology(conf: dict, *, domain_shard=None, path=None) -> torch.Tensor:
     the dataset's channel order: the time mean at each grid point of the training range
     (``data.time_slice``) of the store ``data.path``, read by rows (``domain_shard=(domain_rank,
     domain_size)``; None: the whole globe), or the fields of the file ``path`` (zarr directory or
-    netCDF; same variable names, dims ``([level,] latitude, longitude)``)."""
+    netCDF; same variable names, dims ``([level,] latitude, longitude)``).  On latitude x
+    longitude tiles, take the tile's columns of the rows: ``climatology(...)[..., c0:c1]``."""
     if path is not None:
         return torch.from_numpy(_time_mean_from_file(path, conf, domain_shard))
     return torch.from_numpy(_time_mean_from_dataset(conf, domain_shard))
