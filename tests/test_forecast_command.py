@@ -293,3 +293,16 @@ def test_scores_beyond_the_data_score_what_exists_and_say_so(setup, tmp_path, ca
     } == {6.0, 12.0}
     ds = xr.open_zarr(tmp_path / "o" / "forecast.zarr")
     assert not np.isnan(ds["T"].values).any()  # every lead is still forecast and written
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_training_writes_its_final_checkpoint_unless_turned_off(setup, tmp_path, final):
+    from credit_parallel.train.main import run_training
+
+    conf = _conf(setup["store"])
+    conf["trainer"].update(steps=2, batch_size=2, checkpoint_every=0, validate_every=0)
+    if not final:
+        conf["trainer"]["final_checkpoint"] = False
+    run_training(conf, tmp_path / "run", progress=False, stream=io.StringIO())
+    found = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert found == (["step_00000002"] if final else [])

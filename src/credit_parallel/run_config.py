@@ -153,6 +153,8 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "validate_every": (0, _number("trainer", "validate_every", int, 0)),
     "val_batches": (2, _number("trainer", "val_batches", int, 1)),
     "checkpoint_every": (0, _number("trainer", "checkpoint_every", int, 0)),
+    # the last step's checkpoint is written at the end of every run unless this is false
+    "final_checkpoint": (True, _flag("trainer", "final_checkpoint")),
     "dtype": ("float32", _choice("trainer", "dtype", ("float32", "float64"))),
     "activation_checkpoint": (False, _flag("trainer", "activation_checkpoint")),
     "fsdp2_min_unit_params": (1_000_000, _number("trainer", "fsdp2_min_unit_params", int, 0)),
@@ -296,6 +298,7 @@ class TrainerConfig:
     validate_every: int = 0
     val_batches: int = 2
     checkpoint_every: int = 0
+    final_checkpoint: bool = True
     dtype: str = "float32"
     activation_checkpoint: bool = False
     fsdp2_min_unit_params: int = 1_000_000
