@@ -134,9 +134,17 @@ def _assert_same_store(a, b, rel=1e-5):
         assert np.abs(x - y).max() <= rel * scale, name
 
 
-def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup):
-    conf = _conf(setup["store"], parallelism={"data": "fsdp2", "tensor": 1, "domain": 2})
-    out = setup["root"] / "four"
+@pytest.mark.parametrize(
+    "parallelism",
+    [
+        {"data": "fsdp2", "tensor": 1, "domain": 2},  # 2 dp groups: 3 initial times, a stand-in
+        {"data": "none", "tensor": 2, "domain": 2},  # tp peers hold the same rows: one writes
+    ],
+    ids=["dp2_domain2", "tp2_domain2"],
+)
+def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup, parallelism):
+    conf = _conf(setup["store"], parallelism=parallelism)
+    out = setup["root"] / f"four_{parallelism['data']}_{parallelism['tensor']}"
     results = run_on_ranks(_worker, 4, conf, _args(setup["conf"], setup["ckpt"], out), timeout=300)
     _assert_same_store(setup["one"] / "forecast.zarr", out / "forecast.zarr")
     ds = xr.open_zarr(out / "forecast.zarr")

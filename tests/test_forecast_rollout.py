@@ -223,3 +223,59 @@ def test_rollout_loss_with_forcing_equals_the_rollout_written_out():
         total = total + ((y - targets[:, k * PROGNOSTIC : (k + 1) * PROGNOSTIC]) ** 2).mean()
         state = torch.cat([state[:, PROGNOSTIC:6], y, forcing[k + 1], state[:, -1:]], 1)
     assert (loss - total / 3).abs().item() <= 1e-14
+
+
+def _train_conf(store, parallelism):
+    return {
+        "model": {
+            "type": "unet",
+            "in_channels": 2 * 2 + 1 + 1,  # history 2 x (T_500, t2m) + tsi + orography
+            "out_channels": 2,
+            "image_height": 9,
+            "image_width": 16,
+            "base_channels": 4,
+            "channel_mults": [1, 2],
+            "norm_groups": 2,
+        },
+        "data": {
+            "path": str(store),
+            "upper_air_variables": ["T"],
+            "surface_variables": ["t2m"],
+            "levels": [500],
+            "history_len": 2,
+            "forecast_len": 3,
+            "dynamic_forcing_variables": ["tsi"],
+            "static_variables": ["orography"],
+            "time_slice": [0, 16],
+            "num_workers": 0,
+        },
+        "trainer": {
+            "parallelism": parallelism,
+            "steps": 2,
+            "batch_size": 2,
+            "lr": 0.01,
+            "seed": 5,
+            "dtype": "float64",
+            "dist_timeout_s": 60,
+        },
+    }
+
+
+def _train_worker(rank, world, store):
+    from credit_parallel.train.trainer import Trainer
+
+    trainer = Trainer(_train_conf(store, {"data": "none", "tensor": 1, "domain": 2}))
+    return [trainer.train_step() for _ in range(2)]
+
+
+def test_training_with_forcing_at_domain2_equals_one_process(store):
+    from credit_parallel.train.trainer import Trainer
+
+    reference = Trainer(_train_conf(store, {"data": "none", "tensor": 1, "domain": 1}))
+    assert reference.step_fn.n_forcing == 1 and reference.step_fn.n_static == 1
+    assert reference.dataset[0]["forcing"].shape == (2, 9, 16)  # steps 2 and 3 of the rollout
+    want = [reference.train_step() for _ in range(2)]
+    for got in run_on_ranks(_train_worker, 2, store, timeout=240):
+        for g, w in zip(got, want):
+            for key in ("loss", "grad_norm"):
+                assert abs(g[key] - w[key]) <= TOL, (key, g[key], w[key])
