@@ -314,3 +314,31 @@ def test_training_writes_its_final_checkpoint_unless_turned_off(setup, tmp_path,
     run_training(conf, tmp_path / "run", progress=False, stream=io.StringIO())
     found = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
     assert found == (["step_00000002"] if final else [])
+
+
+def test_members_spread_over_dp_groups_equal_one_process(setup, tmp_path):
+    inits = INITS[:2]
+    one = tmp_path / "one"
+    single = run_forecast(
+        _conf(setup["store"]),
+        _args(setup["conf"], setup["ckpt"], one, "--members", "2", inits=inits, steps=2),
+        stream=io.StringIO(),
+    )
+    conf = _conf(setup["store"], parallelism={"data": "ddp", "tensor": 1, "domain": 2})
+    four = tmp_path / "four"
+    args = _args(setup["conf"], setup["ckpt"], four, "--members", "2", inits=inits, steps=2)
+    results = run_on_ranks(_worker, 4, conf, args, timeout=300)
+    _assert_same_store(one / "forecast.zarr", four / "forecast.zarr")
+    ds = xr.open_zarr(four / "forecast.zarr")
+    assert ds["T"].dims == ("init_time", "member", "lead_time", "level", "latitude", "longitude")
+    assert float(np.abs(ds["T"].isel(member=1) - ds["T"].isel(member=0)).max()) > 1e-3
+    # each dp group ran one member: the two members of a row came from two ranks
+    groups: dict = {}  # member -> the dp groups (rank // 2: dp outermost) that wrote it
+    for rank, result in enumerate(results):
+        for _, chunk in result["written_chunks"]:
+            groups.setdefault(chunk[1], set()).add(rank // 2)
+    assert groups == {0: {0}, 1: {1}}
+    for result in results:
+        for a, b in zip(result["scores"], single["scores"]):
+            for key in ("rmse", "acc", "crps", "spread"):
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a, b)

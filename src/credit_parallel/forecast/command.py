@@ -17,7 +17,9 @@ the round's initial times complete; a rank that dies leaves its peers waiting at
 Everything that can be wrong with the input is checked before the store is created: initial
 times (dataset, history, forcing), the checkpoint (keys and shapes), the store
 (``--resume`` / ``--overwrite``), the layout.  Ensembles (``--members M``): the M members of an
-initial time run as the batch of one rollout, perturbed by :func:`.ensemble.perturb`.
+initial time are spread over ``gcd(M, dp)`` dp groups (a slot; the slots take the initial times),
+each running its share of the members as the batch of one rollout, perturbed by
+:func:`.ensemble.perturb`; the CRPS and spread gather the members over the slot.
 
 Rank 0 reports progress: a tqdm bar on a terminal, else one plain line per step
 ``forecast init T step k/N steps/s S writer_lag L``.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import sys
 import time
@@ -187,31 +190,32 @@ def _check_store(path: Path, resume: bool, overwrite: bool, times, variables, me
         )
 
 
-def _score_group(dims, rank: int):
-    """The ranks holding the other initial times of this rank's rows: same tp and domain
-    coordinate (every rank creates every such group, in the same order)."""
+def _groups(dims, rank: int, key) -> object:
+    """This rank's group among the groups of ranks that share ``key(coords)`` (every rank
+    creates every group, in the same order); None on one process."""
     if dims.world_size == 1:
         return None
+    keys = [key(dims.coords(r)) for r in range(dims.world_size)]
     mine = None
-    for t in range(dims.tp):
-        for d in range(dims.domain):
-            ranks = [
-                r
-                for r in range(dims.world_size)
-                if dims.coords(r)["tp"] == t and dims.coords(r)["domain"] == d
-            ]
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine = group
+    for k in sorted(set(keys)):
+        group = dist.new_group([r for r in range(dims.world_size) if keys[r] == k])
+        if k == keys[rank]:
+            mine = group
     return mine
 
 
-def _member_states(state: tuple, members: int, seed: int, manager, extra: int, key: int):
-    """The batch of ``members`` perturbed copies of a one-sample state (``members == 1``: the
-    state itself): :func:`.ensemble.perturb` on the prognostic channels (``extra``: the forcing
-    and static channels at the end of the last input stay exact), keyed by the initial time's
-    dataset position ``key`` so every layout draws the same noise."""
-    if members == 1:
+def member_split(members: int, dp: int) -> int:
+    """Over how many dp groups the members of one initial time are spread: the largest number
+    dividing both (each of them runs ``members / split`` members as one batch)."""
+    return math.gcd(members, dp) if members > 1 else 1
+
+
+def _member_states(state: tuple, members: range, seed: int, manager, extra: int, key: int):
+    """The batch of the perturbed copies ``members`` of a one-sample state (the control alone:
+    the state itself): :func:`.ensemble.perturb` on the prognostic channels (``extra``: the
+    forcing and static channels at the end of the last input stay exact), keyed by the initial
+    time's dataset position ``key`` so every layout draws the same noise."""
+    if list(members) == [0]:
         return state
     from .ensemble import perturb
 
@@ -219,7 +223,7 @@ def _member_states(state: tuple, members: int, seed: int, manager, extra: int, k
     channels[-1] -= extra
     copies = [
         perturb(state, m, seed, manager=manager, channels=channels, init_times=[key])
-        for m in range(members)
+        for m in members
     ]
     return tuple(torch.cat([c[i] for c in copies]) for i in range(len(state)))
 
@@ -272,6 +276,12 @@ class _Run:
         self.rows = self.dataset.rows
         total = len(self.times.positions) * args.steps
         self.report = _Progress(stream, total, self.rank == 0 and args.progress)
+        # the members of an initial time over `split` dp groups (a slot), `per` members each
+        self.split = member_split(args.members, self.dims.dp)
+        self.slot, part = divmod(self.coords["dp"], self.split)
+        per = args.members // self.split
+        self.members = range(part * per, (part + 1) * per)
+        self.slots = self.dims.dp // self.split
         _barrier()  # every rank checked the store before rank 0 touches it
 
     # ---------------------------------------------------------------- the store
@@ -314,8 +324,15 @@ class _Run:
             climatology=clim.to(self.device),
             manager=self.manager,
             members=self.args.members,
-            dp_group=_score_group(self.dims, self.rank),
+            dp_group=_groups(self.dims, self.rank, lambda c: (c["tp"], c["domain"])),
+            member_group=self._member_group(),
         )
+
+    def _member_group(self):
+        """The ranks holding the other members of this rank's initial times and rows."""
+        split = self.split
+        group = _groups(self.dims, self.rank, lambda c: (c["tp"], c["domain"], c["dp"] // split))
+        return group if split > 1 else None
 
     # ---------------------------------------------------------------- one initial time
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
@@ -329,11 +346,10 @@ class _Run:
         keys = next(k for k in INPUT_KEYS if all(name in sample for name in k))
         state = tuple(self._tensor(sample[k].numpy()) for k in keys)
         extra = ds.n_forcing + ds.n_static
-        members = self.args.members
-        return _member_states(state, members, self.seed, self.manager, extra, position)
+        return _member_states(state, self.members, self.seed, self.manager, extra, position)
 
     def forcing(self, position: int):
-        ds, members = self.dataset, self.args.members
+        ds, members = self.dataset, len(self.members)
         if ds.n_forcing == 0:
             return None
 
@@ -362,10 +378,10 @@ class _Run:
             n_static=self.dataset.n_static,
         )
         for k, out in enumerate(outputs, start=1):
-            physical = self.fields.physical(out)  # (members, C, rows, W)
-            for m in range(members if writes else 0):
+            physical = self.fields.physical(out)  # (this rank's members, C, rows, W)
+            for n, m in enumerate(self.members if writes else ()):
                 index = (i, m, k - 1) if members > 1 else (i, k - 1)
-                for name, values in self.fields.variables(physical[m]):
+                for name, values in self.fields.variables(physical[n]):
                     writer.put(name, index, self.rows, values)
             if real and k <= self.times.truth_steps[i]:
                 truth = self.fields.truth(
@@ -398,7 +414,7 @@ class _Run:
             self.report.write(f"resume: {skipped} initial time(s) already complete, skipped")
         acc = self.scores()
         writer = BackgroundWriter(self.store)
-        dp, group = self.dims.dp, self.coords["dp"]
+        dp, group = self.slots, self.slot  # one initial time per slot and round
         rounds = -(-len(pending) // dp)
         clock = {"steps": 0, "start": time.perf_counter()}
         fences: list[int] = []
