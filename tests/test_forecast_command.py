@@ -254,8 +254,10 @@ def test_bad_initial_times_stop_with_one_line_and_no_store(setup, case, tmp_path
 def test_checkpoint_of_another_model_names_the_keys(setup, tmp_path, capsys):
     code, err = _cli(
         "--config", setup["plain_conf"], "--checkpoint", setup["ckpt"], "--steps", 2,
-        "--output", tmp_path / "o", "--init-times", INITS[0], capsys=capsys,
+        "--output", tmp_path / "o", "--init-times", INITS[0],
+        "--parallelism", "data=none,tensor=1,domain=2", "--nproc", 2, capsys=capsys,
     )  # fmt: skip
+    # found before any rank starts (the model on the meta device against the checkpoint's keys)
     assert code != 0 and "does not match the model" in err and "stem.conv.weight" in err, err
     assert len(err.splitlines()) == 1 and not (tmp_path / "o" / "forecast.zarr").exists()
 

@@ -156,6 +156,12 @@ def _cmd_forecast(args) -> int:
         dp_world_size(block, n)
     if not os.path.exists(args.checkpoint):
         raise CLIError(f"--checkpoint {args.checkpoint!r} does not exist")
+    from .launch import under_launcher
+
+    if not under_launcher():  # fail in seconds, before any rank starts, with one line
+        from .forecast.command import preflight
+
+        preflight(conf, args)
     _choose_device(args, n)
     extra = [
         "--config",

@@ -489,6 +489,33 @@ def _finish(run: _Run, result: dict, stream) -> None:
     )
 
 
+def preflight(conf: dict, args) -> None:
+    """What can be checked in one process before any rank starts, each problem one line
+    (``ValueError`` / ``CheckpointError``): the initial times against the dataset's time axis
+    (history, forcing), the store (``--resume`` / ``--overwrite``) and the checkpoint's keys
+    and shapes against the model (built on the meta device, no tensor read)."""
+    from ..data.dataset import dataset_from_conf
+    from .inputs import resolve_init_times
+    from .store import STORE_NAME
+    from .weights import check_weights
+
+    data = {k: v for k, v in conf["data"].items() if k not in ("time_slice", "valid_time_slice")}
+    dataset = dataset_from_conf(
+        {**conf, "data": data}, forecast_len=1, rows=(0, 0), cache_limit_bytes=0
+    )
+    times = resolve_init_times(
+        dataset.times,
+        init_times=args.init_times,
+        init_range=args.init_range,
+        steps=args.steps,
+        history_len=dataset.history_len,
+        needs_forcing=dataset.n_forcing > 0,
+    )
+    store = Path(args.output) / STORE_NAME
+    _check_store(store, args.resume, args.overwrite, times, _store_variables(dataset), args.members)
+    check_weights(conf["model"], args.checkpoint)
+
+
 def run_forecast(conf: dict, args, *, stream=None) -> dict:
     """Forecast as ``args`` says (the flags of ``credit-parallel forecast``: ``checkpoint``,
     ``steps``, ``output``, ``init_times`` / ``init_range``, ``members``, ``resume``,

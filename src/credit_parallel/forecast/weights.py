@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 
-__all__ = ["load_forecast_weights", "map_credit_keys", "resolve_checkpoint"]
+__all__ = ["check_weights", "load_forecast_weights", "map_credit_keys", "resolve_checkpoint"]
 
 _PREFIXES = ("module.", "_orig_mod.")
 
@@ -104,33 +104,16 @@ def _load_credit_file(path: Path, model: torch.nn.Module) -> dict:
         )
     own = get_state_dict(model, [])[0]
     mapped = map_credit_keys(state, own)
-    missing = [k for k in own if k not in mapped]
-    unexpected = [k for k in mapped if k not in own]
-    shapes = [
-        f"{k}: checkpoint {tuple(mapped[k].shape)} vs model {tuple(_full_shape(own[k]))}"
-        for k in own
-        if k in mapped and tuple(mapped[k].shape) != tuple(_full_shape(own[k]))
-    ]
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing in checkpoint: {', '.join(missing[:3])}")
-        if unexpected:
-            parts.append(f"unexpected in checkpoint: {', '.join(unexpected[:3])}")
-        if shapes:
-            parts.append(f"shape mismatch: {'; '.join(shapes[:3])}")
+    parts = _differences(
+        {k: tuple(v.shape) for k, v in own.items()}, {k: tuple(v.shape) for k, v in mapped.items()}
+    )
+    if parts:
         raise CheckpointError(
-            f"checkpoint {str(path)!r} does not match the model "
-            f"({len(missing) + len(unexpected) + len(shapes)} differences): " + "; ".join(parts)
+            f"checkpoint {str(path)!r} does not match the model: " + "; ".join(parts)
         )
     mapped = {k: v.to(dtype=own[k].dtype) for k, v in mapped.items()}
     set_model_state_dict(model, mapped, options=StateDictOptions(full_state_dict=True, strict=True))
     return {"checkpoint": str(path), "format": "miles-credit"}
-
-
-def _full_shape(value) -> tuple:
-    """The global shape of a (possibly DTensor) parameter."""
-    return tuple(value.shape)
 
 
 def load_forecast_weights(model: torch.nn.Module, path) -> dict:
@@ -142,3 +125,62 @@ def load_forecast_weights(model: torch.nn.Module, path) -> dict:
     manifest = dict(load_checkpoint(resolved, model))
     manifest.update(checkpoint=str(resolved), format="credit-parallel")
     return manifest
+
+
+def _differences(own: dict, stored: dict) -> list[str]:
+    missing = [k for k in own if k not in stored]
+    unexpected = [k for k in stored if k not in own]
+    shapes = [
+        f"{k}: checkpoint {stored[k]} vs model {own[k]}"
+        for k in own
+        if k in stored and stored[k] != own[k]
+    ]
+    parts = []
+    for what, keys in (
+        ("missing in checkpoint", missing),
+        ("unexpected in checkpoint", unexpected),
+        ("shape mismatch", shapes),
+    ):
+        if keys:
+            more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
+            parts.append(f"{what}: {', '.join(keys[:3])}{more}")
+    return parts
+
+
+def check_weights(model_conf: dict, path) -> None:
+    """Compare the checkpoint's parameter names and shapes with the model ``model_conf`` builds
+    (on the meta device: no memory, no process group), without reading a tensor;
+    ``CheckpointError`` naming the first differing keys.  What the CLI checks before any rank
+    starts."""
+    import torch.distributed.checkpoint as dcp
+
+    from ..checkpoint import read_manifest
+    from ..models import build_model
+
+    resolved = resolve_checkpoint(path)
+    with torch.device("meta"):
+        model = build_model(model_conf)
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if resolved.is_file():
+        try:
+            payload = torch.load(resolved, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported in one line
+            raise CheckpointError(
+                f"checkpoint {str(resolved)!r} could not be read ({type(exc).__name__}: {exc})"
+            ) from None
+        state = payload.get("model_state_dict", payload) if isinstance(payload, dict) else {}
+        state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        stored = {k: tuple(v.shape) for k, v in map_credit_keys(state, own).items()}
+    else:
+        read_manifest(resolved)  # complete?
+        meta = dcp.FileSystemReader(str(resolved)).read_metadata().state_dict_metadata
+        stored = {
+            k[len("model.") :]: tuple(getattr(v, "size", ()))
+            for k, v in meta.items()
+            if k.startswith("model.")
+        }
+    parts = _differences(own, stored)
+    if parts:
+        raise CheckpointError(
+            f"checkpoint {str(resolved)!r} does not match the model: " + "; ".join(parts)
+        )
