@@ -344,3 +344,25 @@ def test_members_spread_over_dp_groups_equal_one_process(setup, tmp_path):
         for a, b in zip(result["scores"], single["scores"]):
             for key in ("rmse", "acc", "crps", "spread"):
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a, b)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_plain_lines_in_batch_jobs_and_a_bar_on_a_terminal(setup, tmp_path):
+    import re
+
+    args = _args(setup["conf"], setup["ckpt"], tmp_path / "plain", inits=INITS[:1], steps=2)
+    args.progress = True
+    stream = io.StringIO()
+    run_forecast(_conf(setup["store"]), args, stream=stream)
+    line = r"forecast init 2020-01-02T00:00 step (\d)/2 steps/s [\d.e+-]+ writer_lag \d+"
+    assert [m.group(1) for m in re.finditer(line, stream.getvalue())] == ["1", "2"]
+    args = _args(setup["conf"], setup["ckpt"], tmp_path / "bar", inits=INITS[:1], steps=2)
+    args.progress = True
+    terminal = _Terminal()
+    run_forecast(_conf(setup["store"]), args, stream=terminal)
+    text = terminal.getvalue()
+    assert "forecast:" in text and "2/2" in text and not re.search(line, text)
