@@ -160,36 +160,6 @@ def _store_variables(dataset) -> list:
     ]
 
 
-def _check_store(path: Path, resume: bool, overwrite: bool, times, variables, members) -> None:
-    """Refuse an existing store without ``--resume`` / ``--overwrite``, or one ``--resume``
-    cannot continue (other initial times, leads, variables or members)."""
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite exclude each other")
-    if not path.exists() or overwrite:
-        return
-    if not resume:
-        raise ValueError(
-            f"{path} exists; pass --resume to continue it or --overwrite to replace it"
-        )
-    import xarray as xr
-
-    try:
-        ds = xr.open_zarr(path)
-    except Exception as exc:  # noqa: BLE001 - any unreadable store is reported in one line
-        raise ValueError(f"--resume: {path} is not a readable forecast store ({exc})") from None
-    same = (
-        np.array_equal(ds["init_time"].values, times.init_times)
-        and ds.sizes.get("lead_time") == len(times.lead_times)
-        and sorted(v.name for v in variables) == sorted(n for n in ds.data_vars if n != "complete")
-        and ds.sizes.get("member", 1) == members
-    )
-    if not same:
-        raise ValueError(
-            f"--resume: {path} holds other initial times, leads, variables or members than "
-            "this run; pass the same flags, or --overwrite"
-        )
-
-
 def _groups(dims, rank: int, key) -> object:
     """This rank's group among the groups of ranks that share ``key(coords)`` (every rank
     creates every group, in the same order); None on one process."""
@@ -243,7 +213,7 @@ class _Run:
         from ..device import device_for_process_group
         from ..run_config import TrainerConfig
         from .inputs import resolve_init_times
-        from .store import STORE_NAME
+        from .store import STORE_NAME, check_existing_store
         from .weights import load_forecast_weights
 
         self.conf, self.args = conf, args
@@ -266,7 +236,7 @@ class _Run:
         self.output = Path(args.output)
         self.store_path = self.output / STORE_NAME
         self.variables = _store_variables(self.dataset)
-        _check_store(
+        check_existing_store(
             self.store_path, args.resume, args.overwrite, self.times, self.variables, args.members
         )
         self.model = _build_model(conf, self.dims, self.device, self.dtype)
@@ -496,7 +466,7 @@ def preflight(conf: dict, args) -> None:
     and shapes against the model (built on the meta device, no tensor read)."""
     from ..data.dataset import dataset_from_conf
     from .inputs import resolve_init_times
-    from .store import STORE_NAME
+    from .store import STORE_NAME, check_existing_store
     from .weights import check_weights
 
     data = {k: v for k, v in conf["data"].items() if k not in ("time_slice", "valid_time_slice")}
@@ -512,7 +482,9 @@ def preflight(conf: dict, args) -> None:
         needs_forcing=dataset.n_forcing > 0,
     )
     store = Path(args.output) / STORE_NAME
-    _check_store(store, args.resume, args.overwrite, times, _store_variables(dataset), args.members)
+    check_existing_store(
+        store, args.resume, args.overwrite, times, _store_variables(dataset), args.members
+    )
     check_weights(conf["model"], args.checkpoint)
 
 

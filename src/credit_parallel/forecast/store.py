@@ -42,6 +42,7 @@ __all__ = [
     "BackgroundWriter",
     "ForecastStore",
     "StoreVariable",
+    "check_existing_store",
     "row_chunk_for",
 ]
 
@@ -214,6 +215,36 @@ class ForecastStore:
 
     def attrs(self) -> dict:
         return dict(self._group().attrs)
+
+
+def check_existing_store(
+    path: Path, resume: bool, overwrite: bool, times, variables, members
+) -> None:
+    """Refuse an existing store without ``--resume`` / ``--overwrite``, or one ``--resume``
+    cannot continue (other initial times, leads, variables or members)."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    if not path.exists() or overwrite:
+        return
+    if not resume:
+        raise ValueError(
+            f"{path} exists; pass --resume to continue it or --overwrite to replace it"
+        )
+    try:
+        ds = xr.open_zarr(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable store is reported in one line
+        raise ValueError(f"--resume: {path} is not a readable forecast store ({exc})") from None
+    same = (
+        np.array_equal(ds["init_time"].values, times.init_times)
+        and ds.sizes.get("lead_time") == len(times.lead_times)
+        and sorted(v.name for v in variables) == sorted(n for n in ds.data_vars if n != "complete")
+        and ds.sizes.get("member", 1) == members
+    )
+    if not same:
+        raise ValueError(
+            f"--resume: {path} holds other initial times, leads, variables or members than "
+            "this run; pass the same flags, or --overwrite"
+        )
 
 
 def remove_store(path) -> None:
