@@ -279,3 +279,68 @@ def test_training_with_forcing_at_domain2_equals_one_process(store):
         for g, w in zip(got, want):
             for key in ("loss", "grad_norm"):
                 assert abs(g[key] - w[key]) <= TOL, (key, g[key], w[key])
+
+
+class _Tiny5D(torch.nn.Module):
+    """(upper (B, 2*3, Z, H, W), surface (B, 2*2 + 1 + 1, H, W)) -> (3 upper, 2 surface)."""
+
+    def __init__(self):
+        super().__init__()
+        self.upper = torch.nn.Conv3d(6, 3, 3, padding=1)
+        self.surface = torch.nn.Conv2d(6, 2, 3, padding=1)
+        self.couple = torch.nn.Conv2d(3, 2, 1)
+
+    def forward(self, upper, surface):
+        u = self.upper(upper)
+        return u, self.surface(surface) + self.couple(u.mean(dim=2))
+
+
+def _build_5d():
+    torch.manual_seed(4)
+    return _Tiny5D().double()
+
+
+def _inputs_5d():
+    g = torch.Generator().manual_seed(5)
+    upper = torch.randn(1, 6, 2, 17, 16, generator=g, dtype=torch.float64)
+    surface = torch.randn(1, 6, 17, 16, generator=g, dtype=torch.float64)
+    forcing = [torch.randn(1, 1, 17, 16, generator=g, dtype=torch.float64) for _ in range(STEPS)]
+    return upper, surface, forcing
+
+
+def _rollout_5d_worker(rank, world):
+    from credit_parallel.domain.convert import convert_to_domain_parallel
+    from credit_parallel.domain.manager import DomainParallelManager
+
+    manager = DomainParallelManager(world, world)
+    model = convert_to_domain_parallel(_build_5d(), manager)
+    start, stop = shard_range(17, world, rank)
+    upper, surface, forcing = _inputs_5d()
+    state = (upper[..., start:stop, :], surface[..., start:stop, :])
+    outs = rollout(
+        model,
+        state,
+        STEPS,
+        forcing=lambda k: forcing[k][..., start:stop, :],
+        manager=manager,
+        n_static=1,
+    )
+    return (start, stop), [(u.clone(), s.clone()) for u, s in outs]
+
+
+def test_5d_rollout_with_surface_forcing_at_domain2_equals_one_process():
+    model = _build_5d().eval()
+    upper, surface, forcing = _inputs_5d()
+    reference = []
+    with torch.no_grad():
+        for k in range(STEPS):
+            u, s = model(upper, surface)
+            reference.append((u, s))
+            nxt = forcing[k + 1] if k + 1 < STEPS else forcing[k]
+            upper = torch.cat([upper[:, 3:], u], 1)
+            surface = torch.cat([surface[:, 2:4], s, nxt, surface[:, 5:]], 1)
+    assert (reference[1][1] - reference[0][1]).abs().max() > 1e-3
+    for (start, stop), outs in run_on_ranks(_rollout_5d_worker, 2, timeout=240):
+        for (u, s), (ru, rs) in zip(outs, reference):
+            assert (u - ru[..., start:stop, :]).abs().max() <= TOL
+            assert (s - rs[..., start:stop, :]).abs().max() <= TOL
