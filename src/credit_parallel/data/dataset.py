@@ -9,7 +9,10 @@ and surface variables with dims ``(time, latitude, longitude)``; the names ``lat
 Channel order of one time step (``ERA5Dataset.variable_names``): each upper-air variable in the
 order requested, each of its levels in the order requested (store order when ``levels=None``),
 named ``"<var>_<level>"`` (``"T_500"``); then the surface variables in the order requested.
-``x`` stacks ``history_len`` such steps, oldest first; ``y`` the next ``forecast_len`` steps.
+``x`` stacks ``history_len`` such steps, oldest first, then the dynamic forcing variables
+(``dynamic_forcing_variables``, dims ``(time, latitude, longitude)``) at the last input time, then
+the static ones (``static_variables``, dims ``(latitude, longitude)``); ``y`` the next
+``forecast_len`` steps (prognostic only; ``forcing`` the forcing of target times 1 .. L-1).
 
 Normalisation statistics live in a separate small zarr store (``default_stats_path(path)``,
 ``<name>_stats.zarr`` beside the data, unless ``stats_path`` is given): one variable per data
@@ -43,12 +46,7 @@ from .store import (
     open_store,
 )
 
-__all__ = [
-    "DEFAULT_CACHE_LIMIT_BYTES",
-    "ERA5Dataset",
-    "dataset_from_conf",
-    "latitude_weights",
-]
+__all__ = ["DEFAULT_CACHE_LIMIT_BYTES", "ERA5Dataset", "dataset_from_conf", "latitude_weights"]
 
 # Below this size (float32, selected variables, levels, times and rows) the whole selection is
 # read once and kept in memory, already normalised; above it each sample is read on demand.
