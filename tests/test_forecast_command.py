@@ -366,3 +366,13 @@ def test_progress_plain_lines_in_batch_jobs_and_a_bar_on_a_terminal(setup, tmp_p
     run_forecast(_conf(setup["store"]), args, stream=terminal)
     text = terminal.getvalue()
     assert "forecast:" in text and "2/2" in text and not re.search(line, text)
+
+
+def test_parallelism_flag_overrides_the_config_before_the_world_is_checked(setup, tmp_path):
+    conf = _conf(setup["store"], parallelism={"data": "fsdp2", "tensor": 2, "domain": 2})
+    path = tmp_path / "conf.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    argv = ["forecast", "--config", str(path), "--checkpoint", str(setup["ckpt"]), "--steps", "2"]
+    argv += ["--output", str(tmp_path / "o"), "--init-times", INITS[0], "--device", "cpu"]
+    assert cli.main([*argv, "--parallelism", "data=none,tensor=1,domain=1", "--nproc", "1"]) == 0
+    assert xr.open_zarr(tmp_path / "o" / "forecast.zarr")["complete"].values.tolist() == [1]

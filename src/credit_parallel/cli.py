@@ -143,17 +143,17 @@ def _cmd_train(args) -> int:
 def _cmd_forecast(args) -> int:
     """Check what can be checked without the model (layout, initial times, store, checkpoint
     path) in this process, then run the forecast worker on ``--nproc`` ranks."""
+    from .config import load_config, parse_parallelism_conf
     from .forecast.command import apply_overrides
+    from .mesh import dp_world_size
 
     args.config = resolve_config(args.config)
-    conf, n = _load_and_check(args.config, args.nproc)
-    conf = apply_overrides(conf, args)
-    if args.parallelism:
-        from .mesh import dp_world_size
-
-        block = conf["trainer"]["parallelism"]
-        n = args.nproc if args.nproc is not None else block["tensor"] * block["domain"]
-        dp_world_size(block, n)
+    conf = apply_overrides(load_config(args.config), args)  # --parallelism first
+    block = parse_parallelism_conf(conf)
+    n = args.nproc if args.nproc is not None else block["tensor"] * block["domain"]
+    if n < 1:
+        raise CLIError(f"--nproc must be >= 1, got {n}")
+    dp_world_size(block, n)  # ValueError naming tensor/domain when the layout does not fit
     if not os.path.exists(args.checkpoint):
         raise CLIError(f"--checkpoint {args.checkpoint!r} does not exist")
     from .launch import under_launcher
