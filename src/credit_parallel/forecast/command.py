@@ -435,7 +435,9 @@ def _finish(run: _Run, result: dict, stream) -> None:
     if result["scores"]:
         paths = write_scores(out, result["scores"])
         print(f"scores in {', '.join(str(p) for p in paths.values())}", file=stream, flush=True)
-        for row in result["scores"]:
+        hours = [row["lead_time_hours"] for row in result["scores"]]
+        shown = (min(hours), max(hours))  # the first and the last scored lead (all: the csv)
+        for row in (r for r in result["scores"] if r["lead_time_hours"] in shown):
             level = "" if row["level"] is None else f" {row['level']}"
             acc = "" if row.get("acc") is None else f" acc {row['acc']:.4f}"
             print(
