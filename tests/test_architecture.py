@@ -10,8 +10,9 @@ lowest first, are the packages (docs/architecture.md draws them):
     parallel      parallel/: tensor parallel, FSDP2/DDP, gradient collectives, compile, parallelize
     data          data/: the dataset read by rows, the loader
     planner       planner/: plan (layout planner and cost model, without processes)
-    training      train/: preflight, model build, the step, the trainer, checkpoints
-    forecast      forecast/: rollouts, the forecast store, exact scores
+    training      train/: preflight, model build, the step, the trainer, checkpoints;
+                  forecast/: rollouts, the forecast store, exact scores (the trainer's
+                  evaluate uses them), the forecast command
     testing       testing.py: the multi-rank test harness
     tools         tools/: verify, benchmarks, profiler, launcher, forensics, mesh demo
     cli           the command line
@@ -38,7 +39,6 @@ LAYERS = (
     "data",
     "planner",
     "training",
-    "forecast",
     "testing",
     "tools",
     "cli",
@@ -53,7 +53,7 @@ LAYER_OF = {
     "data": "data",
     "planner": "planner",
     "train": "training",
-    "forecast": "forecast",
+    "forecast": "training",
     "testing": "testing",
     "tools": "tools",
     "cli": "cli",

@@ -26,7 +26,7 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(credit_parallel._
 
 __all__: list[str] = []
 
-COMMANDS = ["train", "verify", "plan", "sample-data", "bench", "mesh-demo"]
+COMMANDS = ["train", "forecast", "verify", "plan", "sample-data", "bench", "mesh-demo"]
 H, W = 17, 32
 
 

@@ -111,14 +111,29 @@ def _hand_rollout_loss(model, batch, w, advance=True):
     return total / FORECAST
 
 
-def _hand_rmse(model, batch, w):
-    with torch.no_grad():
-        pu, ps = model(batch["x_upper"], batch["x_surface"])
-    ws = w.view(-1, 1)
-    eu = ((pu - batch["y_upper"][:, :N_UPPER]) ** 2 * ws).sum(dim=(0, 3, 4)).flatten()
-    es = ((ps - batch["y_surface"][:, :N_SURFACE]) ** 2 * ws).sum(dim=(0, 2, 3))
-    count = pu.shape[0] * H * W
-    return torch.sqrt(torch.cat([eu, es]) / count)
+def _hand_scores(model, batch, w, clim=None):
+    """Per forecast step: the RMSE per channel (upper variables x levels, then surface) and,
+    with a climatology ``(C, H, W)``, the uncentred ACC, the state advanced by hand."""
+    upper, surface = batch["x_upper"], batch["x_surface"]
+    ws = w.view(-1, 1) / (w.sum() * W)
+    out = []
+    for k in range(FORECAST):
+        with torch.no_grad():
+            pu, ps = model(upper, surface)
+        tu = batch["y_upper"][:, k * N_UPPER : (k + 1) * N_UPPER]
+        ts = batch["y_surface"][:, k * N_SURFACE : (k + 1) * N_SURFACE]
+        pred = torch.cat([pu.flatten(1, 2), ps], dim=1)
+        truth = torch.cat([tu.flatten(1, 2), ts], dim=1)
+        rmse = torch.sqrt(((pred - truth) ** 2 * ws).sum(dim=(2, 3)).mean(dim=0))
+        acc = None
+        if clim is not None:
+            a, b = pred - clim, truth - clim
+            s = [(v * ws).sum(dim=(2, 3)) for v in (a * b, a * a, b * b)]
+            acc = (s[0] / torch.sqrt(s[1] * s[2])).mean(dim=0)
+        out.append((rmse, acc))
+        upper = torch.cat([upper[:, N_UPPER:], pu], dim=1)
+        surface = torch.cat([surface[:, N_SURFACE:], ps], dim=1)
+    return out
 
 
 def test_advance_state_drops_the_oldest_step_and_appends_the_prediction():
@@ -162,27 +177,45 @@ def test_5d_history2_forecast2_trainer_loss_equals_hand_rollout(store):
     assert abs(record["loss"] - expected) <= TOL, (record["loss"], expected)
 
 
-def test_5d_evaluate_reports_rmse_per_variable_and_level(store):
+def test_5d_evaluate_scores_every_forecast_step_per_variable_and_level(store):
     trainer = Trainer(_conf(store), model=_model())
     metrics = trainer.evaluate()
     names = trainer.dataset.variable_names
-    assert list(metrics) == [f"rmse/{n}" for n in names] and len(names) == 8
+    assert len(names) == 8
+    assert list(metrics) == [f"rmse/{n}" for n in names] + [f"rmse@t+2/{n}" for n in names]
     batch = _hand_batch(trainer, 0, split="valid")
-    expected = _hand_rmse(_model(), batch, trainer.dataset.lat_weights.double())
-    for value, want in zip(metrics.values(), expected):
-        assert abs(value - float(want)) <= TOL
+    w = trainer.dataset.lat_weights.double()
+    clim = trainer.use_training_climatology()
+    assert clim.shape == (8, H, W)
+    expected = _hand_scores(_model(), batch, w, clim.double())
+    # the second step really differs from the first: the state advanced
+    assert float((expected[1][0] - expected[0][0]).abs().max()) > 1e-3
+    for k, suffix in enumerate(("", "@t+2")):
+        for n, want in zip(names, expected[k][0]):
+            assert abs(metrics[f"rmse{suffix}/{n}"] - float(want)) <= TOL
+    scored = trainer.evaluate()
+    assert [k for k in scored if k.startswith("acc")] == [f"acc/{n}" for n in names] + [
+        f"acc@t+2/{n}" for n in names
+    ]
+    for k, suffix in enumerate(("", "@t+2")):
+        for n, want in zip(names, expected[k][1]):
+            assert abs(scored[f"acc{suffix}/{n}"] - float(want)) <= TOL
+        assert all(-1 <= scored[f"acc{suffix}/{n}"] <= 1 for n in names)
 
 
 def _domain2_worker(rank, world, store):
     trainer = Trainer(_conf(store, {"data": "none", "tensor": 1, "domain": 2}), model=_model())
     records = [trainer.train_step() for _ in range(3)]
+    trainer.use_training_climatology()  # this rank's rows
     return records, trainer.evaluate()
 
 
 def test_5d_rollout_domain2_uneven_rows_matches_single_process(store):
     ref = Trainer(_conf(store), model=_model())
     ref_records = [ref.train_step() for _ in range(3)]
+    ref.use_training_climatology()
     ref_metrics = ref.evaluate()
+    assert len(ref_metrics) == 4 * 8  # rmse and acc, two forecast steps, 8 channels
     for records, metrics in run_on_ranks(_domain2_worker, 2, store, timeout=240):
         for got, want in zip(records, ref_records):
             for key in ("loss", "grad_norm", "lr"):

@@ -1,7 +1,8 @@
-"""The ``credit-parallel`` command line: train, verify, plan, sample-data, rechunk, bench, mesh-demo.
+"""The ``credit-parallel`` command line: train, forecast, verify, plan, sample-data, rechunk, bench,
+mesh-demo.
 
 Every command has ``--help``; exit status 0 on success and non-zero with a one-line reason on
-any error.  ``train``/``verify`` start ``--nproc`` local ranks through PyTorch's elastic
+any error.  ``train``/``forecast``/``verify`` start ``--nproc`` local ranks through PyTorch's elastic
 launcher (torchrun) unless they already run under one (torchrun / SLURM), in which case they
 run as the worker directly.
 """
@@ -139,6 +140,52 @@ def _cmd_train(args) -> int:
     return _run_worker("credit_parallel.train.main", n, extra, conf)
 
 
+def _cmd_forecast(args) -> int:
+    """Check what can be checked without the model (layout, initial times, store, checkpoint
+    path) in this process, then run the forecast worker on ``--nproc`` ranks."""
+    from .forecast.command import apply_overrides
+    from .layout.config import load_config, parse_parallelism_conf
+    from .layout.mesh import dp_world_size
+
+    args.config = resolve_config(args.config)
+    conf = apply_overrides(load_config(args.config), args)  # --parallelism first
+    block = parse_parallelism_conf(conf)
+    n = args.nproc if args.nproc is not None else block["tensor"] * block["domain"]
+    if n < 1:
+        raise CLIError(f"--nproc must be >= 1, got {n}")
+    dp_world_size(block, n)  # ValueError naming tensor/domain when the layout does not fit
+    if not os.path.exists(args.checkpoint):
+        raise CLIError(f"--checkpoint {args.checkpoint!r} does not exist")
+    from .layout.launch import under_launcher
+
+    if not under_launcher():  # fail in seconds, before any rank starts, with one line
+        from .forecast.command import preflight
+
+        preflight(conf, args)
+    _choose_device(args, n)
+    extra = [
+        "--config",
+        args.config,
+        "--checkpoint",
+        os.path.abspath(args.checkpoint),
+        "--steps",
+        str(args.steps),
+        "--output",
+        args.output,
+        "--members",
+        str(args.members),
+    ]
+    if args.init_times:
+        extra += ["--init-times", *args.init_times]
+    else:
+        extra += ["--init-range", *args.init_range]
+    for flag in ("parallelism", "climatology"):
+        if getattr(args, flag):
+            extra += [f"--{flag}", getattr(args, flag)]
+    extra += [f"--{flag}" for flag in ("resume", "overwrite") if getattr(args, flag)]
+    return _run_worker("credit_parallel.forecast.command", n, extra, conf)
+
+
 def _cmd_verify(args) -> int:
     args.config = resolve_config(args.config)
     conf, n = _load_and_check(args.config, args.nproc)
@@ -255,6 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_argument(p)
     p.set_defaults(func=_cmd_train)
 
+    p = sub.add_parser(
+        "forecast", help="roll a checkpoint out from initial times into DIR/forecast.zarr, scored"
+    )
+    from .forecast.command import build_arguments
+
+    build_arguments(p)
+    p.add_argument(
+        "--nproc", type=int, default=None, help="local ranks to start (default tensor*domain)"
+    )
+    _add_device_argument(p)
+    p.set_defaults(func=_cmd_forecast)
+
     p = sub.add_parser("verify", help="compare the layout with a single-process run on one batch")
     p.add_argument("--config", required=True, help=CONFIG_HELP)
     p.add_argument("--nproc", type=int, default=None)
@@ -287,6 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_plan)
 
+    _add_tool_commands(sub)
+    return ap
+
+
+def _add_tool_commands(sub) -> None:
+    """The commands around the run: sample data, rechunking, the benchmark, the mesh demo."""
     p = sub.add_parser(
         "sample-data", help="write the small ERA5-like demo dataset (33 x 64, both poles)"
     )
@@ -320,7 +385,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor", default="2")
     p.add_argument("--domain", default="1")
     p.set_defaults(func=_cmd_mesh_demo)
-    return ap
 
 
 def main(argv=None) -> int:

@@ -27,6 +27,8 @@ _EXPORTS = {
     "zonal_angular_speed": "sample",
     "SAMPLE_UPPER_AIR_VARIABLES": "sample",
     "SAMPLE_SURFACE_VARIABLES": "sample",
+    "SAMPLE_FORCING_VARIABLES": "sample",
+    "SAMPLE_STATIC_VARIABLES": "sample",
     "ERA5Dataset": "dataset",
     "dataset_from_conf": "dataset",
     "latitude_weights": "dataset",

@@ -9,7 +9,10 @@ and surface variables with dims ``(time, latitude, longitude)``; the names ``lat
 Channel order of one time step (``ERA5Dataset.variable_names``): each upper-air variable in the
 order requested, each of its levels in the order requested (store order when ``levels=None``),
 named ``"<var>_<level>"`` (``"T_500"``); then the surface variables in the order requested.
-``x`` stacks ``history_len`` such steps, oldest first; ``y`` the next ``forecast_len`` steps.
+``x`` stacks ``history_len`` such steps, oldest first, then the dynamic forcing variables
+(``dynamic_forcing_variables``, dims ``(time, latitude, longitude)``) at the last input time, then
+the static ones (``static_variables``, dims ``(latitude, longitude)``); ``y`` the next
+``forecast_len`` steps (prognostic only; ``forcing`` the forcing of target times 1 .. L-1).
 
 Normalisation statistics live in a separate small zarr store (``default_stats_path(path)``,
 ``<name>_stats.zarr`` beside the data, unless ``stats_path`` is given): one variable per data
@@ -29,26 +32,21 @@ import torch
 import xarray as xr
 from torch.utils.data import Dataset
 
-from ..domain.rows import shard_range
 from .chunk_reader import ChunkReader, choose_reader
+from .selection import format_level, level_index, name_list, positive_int, row_range, time_label
 from .store import (
     LAT_NAMES,
     LEVEL_NAMES,
     LON_NAMES,
-    STATISTICS,
     TIME_NAMES,
     default_stats_path,
     direct_float32_array,
     find_dim,
+    load_channel_stats,
     open_store,
 )
 
-__all__ = [
-    "DEFAULT_CACHE_LIMIT_BYTES",
-    "ERA5Dataset",
-    "dataset_from_conf",
-    "latitude_weights",
-]
+__all__ = ["DEFAULT_CACHE_LIMIT_BYTES", "ERA5Dataset", "dataset_from_conf", "latitude_weights"]
 
 # Below this size (float32, selected variables, levels, times and rows) the whole selection is
 # read once and kept in memory, already normalised; above it each sample is read on demand.
@@ -73,68 +71,6 @@ def latitude_weights(lat_degrees, dtype: torch.dtype = torch.float32) -> torch.T
     if weights.sum() <= 0.0:
         raise ValueError("latitude_weights: all latitudes are poles; cos(lat) has no mass")
     return torch.as_tensor(weights / weights.mean(), dtype=dtype)
-
-
-def _as_name_list(names, key: str) -> list[str]:
-    if names is None:
-        return []
-    if isinstance(names, str):
-        names = [names]
-    names = list(names)
-    for name in names:
-        if not isinstance(name, str):
-            raise ValueError(f"ERA5Dataset: {key} must be variable names, got {name!r}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"ERA5Dataset: {key} lists a variable twice: {names}")
-    return names
-
-
-def _positive_int(value, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"ERA5Dataset: {key} must be an integer >= 1, got {value!r}")
-    return int(value)
-
-
-def _row_range(rows, domain_shard, height: int) -> tuple[int, int] | None:
-    if domain_shard is not None:
-        if rows is not None:
-            raise ValueError("ERA5Dataset: pass rows or domain_shard, not both")
-        ok = isinstance(domain_shard, tuple | list) and len(domain_shard) == 2
-        if not ok or not 0 <= domain_shard[0] < domain_shard[1]:
-            raise ValueError(
-                "ERA5Dataset: domain_shard must be (domain_rank, domain_size) with "
-                f"0 <= domain_rank < domain_size, got {domain_shard!r}"
-            )
-        return shard_range(height, int(domain_shard[1]), int(domain_shard[0]))
-    if rows is None:
-        return None
-    ok = isinstance(rows, tuple | list) and len(rows) == 2
-    ok = ok and all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in rows)
-    if not ok or not 0 <= rows[0] <= rows[1] <= height:
-        raise ValueError(
-            f"ERA5Dataset: rows must be a (start, stop) pair of ints with 0 <= start <= stop <= "
-            f"{height} (the store's latitude count), got {rows!r}"
-        )
-    return int(rows[0]), int(rows[1])
-
-
-def _level_index(positions) -> tuple:
-    """The level selection of one read: ``(slice, True)`` when the positions are one ascending
-    block of the store's levels (a basic selection, one request), else ``(array, False)``."""
-    if not positions:
-        return slice(0, 0), True
-    first = positions[0]
-    if list(positions) == list(range(first, first + len(positions))):
-        return slice(first, first + len(positions)), True
-    return np.asarray(positions), False
-
-
-def _time_label(offset: int) -> str:
-    return "t" if offset == 0 else f"t{offset:+d}"
-
-
-def _format_level(level: float) -> str:
-    return str(int(level)) if float(level).is_integer() else str(level)
 
 
 class ERA5Dataset(Dataset):
@@ -169,7 +105,8 @@ class ERA5Dataset(Dataset):
     (tensorstore when it can read the store, else zarr), ``"tensorstore"`` or ``"zarr"``
     (``data.reader``; ``.reader`` is the one chosen; ``chunk_reader.py``).
 
-    Attributes: ``channels_in``, ``channels_out``, ``grid_shape`` ``(H, W)``, ``variable_names``
+    Attributes: ``channels_in``, ``channels_out``, ``grid_shape`` ``(H, W)``, ``variable_units``
+    (the store's ``units`` attribute per variable), ``variable_names``
     (the channels of ONE time step, in order), ``channel_names_in`` / ``channel_names_out`` (every
     channel of x / y: ``"T_500@t-1"``, ``"T_500@t"``, ``"T_500@t+1"``, offsets from the last
     input time),
@@ -196,18 +133,16 @@ class ERA5Dataset(Dataset):
         rows: tuple[int, int] | None = None,
         domain_shard: tuple[int, int] | None = None,
         reader: str = "auto",
+        dynamic_forcing_variables: Sequence[str] = (),
+        static_variables: Sequence[str] = (),
     ):
         super().__init__()
         self.path = Path(path)
-        self.history_len = _positive_int(history_len, "history_len")
-        self.forecast_len = _positive_int(forecast_len, "forecast_len")
-        self.upper_air_variables = _as_name_list(upper_air_variables, "upper_air_variables")
-        self.surface_variables = _as_name_list(surface_variables, "surface_variables")
-        both = set(self.upper_air_variables) & set(self.surface_variables)
-        if both:
-            raise ValueError(
-                f"ERA5Dataset: {sorted(both)} listed as both upper-air and surface variables"
-            )
+        self.history_len = positive_int(history_len, "history_len")
+        self.forecast_len = positive_int(forecast_len, "forecast_len")
+        self._set_variables(
+            upper_air_variables, surface_variables, dynamic_forcing_variables, static_variables
+        )
         if not self.upper_air_variables and not self.surface_variables:
             raise ValueError(
                 "ERA5Dataset: no variables requested; pass upper_air_variables and/or "
@@ -221,6 +156,8 @@ class ERA5Dataset(Dataset):
         ds, self._store = open_store(self.path, "ERA5Dataset")
         self._find_dims(ds)
         self._check_variables(ds)
+        names = self._read_variables + self.static_variables
+        self.variable_units = {n: str(ds[n].attrs.get("units", "")) for n in names}
         self._level_positions, self.levels = self._select_levels(ds, levels)
         self._time_positions, self.times = self._select_times(ds, time_slice)
 
@@ -241,7 +178,7 @@ class ERA5Dataset(Dataset):
         self.longitude = ds[self._lon_dim].values.astype(np.float64)
         self.grid_shape = (self.latitude.size, self.longitude.size)
         self.lat_weights = latitude_weights(self.latitude)
-        self.rows = _row_range(rows, domain_shard, self.grid_shape[0])
+        self.rows = row_range(rows, domain_shard, self.grid_shape[0])
         first, stop = self.rows if self.rows is not None else (0, self.grid_shape[0])
         self.sample_grid_shape = (stop - first, self.grid_shape[1])
         self.row_lat_weights = self.lat_weights[first:stop]
@@ -250,17 +187,18 @@ class ERA5Dataset(Dataset):
         if self.normalize:
             self._mean, self._std = self._load_stats(stats_path)
         else:
-            self._mean = np.zeros(self.channels_per_step)
-            self._std = np.ones(self.channels_per_step)
+            n = self._channels_read + len(self.static_variables)
+            self._mean, self._std = np.zeros(n), np.ones(n)
 
         self._mean32 = np.asarray(self._mean, dtype=np.float32)
         self._std32 = np.asarray(self._std, dtype=np.float32)
-        self._level_index, self._level_block = _level_index(self._level_positions)
+        self._static = self._read_static(ds)
+        self._level_index, self._level_block = level_index(self._level_positions)
         self._direct = self._direct_arrays(ds)
         self.reader = choose_reader(reader, self.path, self._direct)
         self._reader = ChunkReader(self.reader, self.path, self._direct, self._store)
 
-        self.nbytes = n_times * self.channels_per_step * int(np.prod(self.sample_grid_shape)) * 4
+        self.nbytes = n_times * self._channels_read * int(np.prod(self.sample_grid_shape)) * 4
         self.cached = self.nbytes <= cache_limit_bytes
         self._ds = ds
         self._cache = None
@@ -271,23 +209,55 @@ class ERA5Dataset(Dataset):
             ds.close()
 
     # ---- construction helpers -------------------------------------------------------------
+    def _set_variables(self, upper, surface, forcing, static) -> None:
+        self.upper_air_variables = name_list(upper, "upper_air_variables")
+        self.surface_variables = name_list(surface, "surface_variables")
+        self.forcing_variables = name_list(forcing, "dynamic_forcing_variables")
+        self.static_variables = name_list(static, "static_variables")
+        kinds = (
+            self.upper_air_variables,
+            self.surface_variables,
+            self.forcing_variables,
+            self.static_variables,
+        )
+        listed = [name for names in kinds for name in names]
+        twice = sorted({name for name in listed if listed.count(name) > 1})
+        if twice:
+            raise ValueError(
+                f"ERA5Dataset: {twice} listed as more than one kind of variable (upper-air, "
+                "surface, dynamic forcing, static)"
+            )
+        # the variables read per time step: the prognostic ones, then the dynamic forcing
+        self._read_variables = (
+            self.upper_air_variables + self.surface_variables + self.forcing_variables
+        )
+
     def _name_channels(self) -> None:
         self.variable_names = [
-            f"{name}_{_format_level(level)}"
+            f"{name}_{format_level(level)}"
             for name in self.upper_air_variables
             for level in self.levels
         ] + list(self.surface_variables)
         self.n_upper_channels = len(self.upper_air_variables) * len(self.levels)
         self.channels_per_step = len(self.variable_names)
-        self.channels_in = self.history_len * self.channels_per_step
+        self.n_forcing = len(self.forcing_variables)
+        self.n_static = len(self.static_variables)
+        self._channels_read = self.channels_per_step + self.n_forcing
+        self.channels_in = (
+            self.history_len * self.channels_per_step + self.n_forcing + self.n_static
+        )
         self.channels_out = self.forecast_len * self.channels_per_step
-        self.channel_names_in = [
-            f"{name}@{_time_label(step - self.history_len + 1)}"
-            for step in range(self.history_len)
-            for name in self.variable_names
-        ]
+        self.channel_names_in = (
+            [
+                f"{name}@{time_label(step - self.history_len + 1)}"
+                for step in range(self.history_len)
+                for name in self.variable_names
+            ]
+            + [f"{name}@t" for name in self.forcing_variables]
+            + list(self.static_variables)
+        )
         self.channel_names_out = [
-            f"{name}@{_time_label(step + 1)}"
+            f"{name}@{time_label(step + 1)}"
             for step in range(self.forecast_len)
             for name in self.variable_names
         ]
@@ -295,7 +265,7 @@ class ERA5Dataset(Dataset):
     def _direct_arrays(self, ds: xr.Dataset) -> dict:
         """The variables zarr decodes straight into a sample (``store.direct_float32_array``)."""
         direct = {}
-        for name in self.upper_air_variables + self.surface_variables:
+        for name in self._read_variables:
             dims = [self._time_dim, self._lat_dim, self._lon_dim]
             if name in self.upper_air_variables:
                 dims.insert(1, self._level_dim)
@@ -326,6 +296,8 @@ class ERA5Dataset(Dataset):
         for kind, names, dims in (
             ("upper-air", self.upper_air_variables, spatial | {self._level_dim}),
             ("surface", self.surface_variables, spatial),
+            ("dynamic forcing", self.forcing_variables, spatial),
+            ("static", self.static_variables, {self._lat_dim, self._lon_dim}),
         ):
             for name in names:
                 if name not in ds.data_vars:
@@ -337,7 +309,8 @@ class ERA5Dataset(Dataset):
                     raise ValueError(
                         f"ERA5Dataset: {kind} variable {name!r} has dims {ds[name].dims}, "
                         f"expected {sorted(d for d in dims if d is not None)}; is it listed as the "
-                        "right kind (upper_air_variables vs surface_variables)?"
+                        "right kind (upper_air_variables, surface_variables, "
+                        "dynamic_forcing_variables or static_variables)?"
                     )
 
     def _select_levels(self, ds: xr.Dataset, levels):
@@ -354,7 +327,7 @@ class ERA5Dataset(Dataset):
             if matches.size == 0:
                 raise ValueError(
                     f"ERA5Dataset: level {level!r} is not in {str(self.path)!r}; available "
-                    f"{self._level_dim} values: {[_format_level(v) for v in store_levels]}"
+                    f"{self._level_dim} values: {[format_level(v) for v in store_levels]}"
                 )
             positions.append(int(matches[0]))
         if len(set(positions)) != len(positions):
@@ -388,45 +361,17 @@ class ERA5Dataset(Dataset):
 
     def _load_stats(self, stats_path):
         stats_path = default_stats_path(self.path) if stats_path is None else Path(stats_path)
-        if not stats_path.exists():
-            raise FileNotFoundError(
-                f"ERA5Dataset: normalize=True but no statistics store at {str(stats_path)!r}; "
-                "pass stats_path=, write one with "
-                "credit_parallel.data.compute_normalization_stats(path, out_path), "
-                "or use normalize=False"
-            )
-        stats, _ = open_store(stats_path, "ERA5Dataset statistics")
-        means, stds = [], []
-        for name in self.upper_air_variables + self.surface_variables:
-            if name not in stats.data_vars:
-                raise ValueError(
-                    f"ERA5Dataset: variable {name!r} has no statistics in {str(stats_path)!r}; "
-                    "recompute them with compute_normalization_stats"
-                )
-            variable = stats[name].load()
-            mean = variable.isel(statistic=STATISTICS.index("mean"))
-            std = variable.isel(statistic=STATISTICS.index("std"))
-            if name in self.upper_air_variables:
-                stat_levels = variable[self._level_dim].values.astype(np.float64)
-                for level in self.levels:
-                    matches = np.flatnonzero(np.isclose(stat_levels, level))
-                    if matches.size == 0:
-                        raise ValueError(
-                            f"ERA5Dataset: no statistics for {name!r} at level "
-                            f"{_format_level(level)} in {str(stats_path)!r}"
-                        )
-                    means.append(float(mean.values[matches[0]]))
-                    stds.append(float(std.values[matches[0]]))
-            else:
-                means.append(float(mean.values))
-                stds.append(float(std.values))
-        stats.close()
-        mean, std = np.asarray(means), np.asarray(stds)
-        bad = [
-            self.variable_names[c]
-            for c in range(std.size)
-            if not np.isfinite(std[c]) or std[c] <= 0
-        ]
+        upper = set(self.upper_air_variables)
+        names = self._read_variables + self.static_variables
+        mean, std = load_channel_stats(
+            stats_path,
+            [(n, n in upper) for n in names],
+            self.levels,
+            self._level_dim,
+            "ERA5Dataset",
+        )
+        channel_names = self.variable_names + self.forcing_variables + self.static_variables
+        bad = [channel_names[c] for c in range(std.size) if not np.isfinite(std[c]) or std[c] <= 0]
         if bad:
             raise ValueError(
                 f"ERA5Dataset: channels {bad} have a zero or non-finite std in "
@@ -437,21 +382,18 @@ class ERA5Dataset(Dataset):
     @property
     def channel_mean(self) -> np.ndarray:
         """Per channel of one time step (``variable_names``), the mean subtracted (float64)."""
-        return np.array(self._mean, dtype=np.float64)
+        return np.array(self._mean[: self.channels_per_step], dtype=np.float64)
 
     @property
     def channel_std(self) -> np.ndarray:
         """Per channel of one time step, the std divided by (float64)."""
-        return np.array(self._std, dtype=np.float64)
+        return np.array(self._std[: self.channels_per_step], dtype=np.float64)
 
-    # ---- reading ---------------------------------------------------------------------------
     @property
     def bytes_read(self) -> int:
         """Bytes of the selected variables' chunks fetched from the store by this process."""
         counts = self._store.chunk_bytes
-        return sum(
-            counts.get(name, 0) for name in self.upper_air_variables + self.surface_variables
-        )
+        return sum(counts.get(name, 0) for name in self._read_variables + self.static_variables)
 
     @property
     def read_counter(self):
@@ -478,12 +420,12 @@ class ERA5Dataset(Dataset):
         """
         if self._cache is not None:
             return self._cache[start:stop]
-        out = np.empty((stop - start, self.channels_per_step, *self.sample_grid_shape), np.float32)
+        out = np.empty((stop - start, self._channels_read, *self.sample_grid_shape), np.float32)
         times = self._time_positions[start:stop]
         step = int(times[1] - times[0]) if times.size > 1 else 1
         time_index = slice(int(times[0]), int(times[-1]) + 1, step)
         channel = 0
-        for name in self.upper_air_variables + self.surface_variables:
+        for name in self._read_variables:
             upper = name in self.upper_air_variables
             width = len(self._level_positions) if upper else 1
             target = out[:, channel : channel + width]
@@ -541,30 +483,86 @@ class ERA5Dataset(Dataset):
             window = np.array(window)  # a copy, never the cache
         inputs, targets = window[: self.history_len], window[self.history_len :]
         sample = {"time_index": torch.tensor(int(self._time_positions[index]), dtype=torch.int64)}
-        if not self.as_5d:
-            grid = self.sample_grid_shape
-            sample["x"] = torch.from_numpy(inputs.reshape(self.channels_in, *grid))
-            sample["y"] = torch.from_numpy(targets.reshape(self.channels_out, *grid))
-            return sample
-        n_levels = len(self.levels)
-        for prefix, block in (("x", inputs), ("y", targets)):
-            steps = block.shape[0]
-            upper = block[:, : self.n_upper_channels]
-            surface = block[:, self.n_upper_channels :]
-            sample[f"{prefix}_upper"] = torch.from_numpy(
-                np.ascontiguousarray(upper).reshape(-1, n_levels, *self.sample_grid_shape)
-            )
-            sample[f"{prefix}_surface"] = torch.from_numpy(
-                np.ascontiguousarray(surface).reshape(
-                    steps * surface.shape[1], *self.sample_grid_shape
+        sample.update(self.compose_input(inputs))
+        sample.update(self._compose(targets[:, : self.channels_per_step], "y", ()))
+        if self.n_forcing and self.forecast_len > 1:
+            # the forcing of the inputs of forecast steps 2 .. forecast_len (advance_state)
+            future = targets[:-1, self.channels_per_step :]
+            sample["forcing"] = torch.from_numpy(
+                np.ascontiguousarray(future).reshape(
+                    future.shape[0] * future.shape[1], *self.sample_grid_shape
                 )
             )
         return sample
+
+    def compose_input(self, steps: np.ndarray) -> dict:
+        """The model input of ``history_len`` time steps ``(history_len, channels, rows, W)`` as
+        :meth:`read_steps` returns them: ``{"x": ...}`` or ``{"x_upper": ..., "x_surface": ...}``
+        (tensors without a batch dim), the dynamic forcing of the last step and the static fields
+        appended after the prognostic channels (of ``x_surface`` for 5-D samples)."""
+        if steps.shape[0] != self.history_len:
+            raise ValueError(
+                f"ERA5Dataset.compose_input: {steps.shape[0]} time steps for history_len "
+                f"{self.history_len}"
+            )
+        extras = (steps[-1, self.channels_per_step :], self._static)
+        return self._compose(steps[:, : self.channels_per_step], "x", extras)
+
+    def _compose(self, block: np.ndarray, prefix: str, extras: tuple) -> dict:
+        grid = self.sample_grid_shape
+        steps = block.shape[0]
+        extras = tuple(e for e in extras if e is not None and e.shape[0])
+        if not self.as_5d:
+            flat = block.reshape(steps * block.shape[1], *grid)
+            flat = np.concatenate([flat, *extras]) if extras else np.ascontiguousarray(flat)
+            return {prefix: torch.from_numpy(flat)}
+        n_levels = len(self.levels)
+        upper = np.ascontiguousarray(block[:, : self.n_upper_channels]).reshape(
+            steps * len(self.upper_air_variables), n_levels, *grid
+        )
+        surface = np.ascontiguousarray(block[:, self.n_upper_channels :])
+        surface = surface.reshape(steps * surface.shape[1], *grid)
+        if extras:
+            surface = np.concatenate([surface, *extras])
+        return {
+            f"{prefix}_upper": torch.from_numpy(upper),
+            f"{prefix}_surface": torch.from_numpy(surface),
+        }
+
+    def read_steps(self, start: int, stop: int) -> np.ndarray:
+        """Positions ``start .. stop-1`` of the (sliced) time axis, normalised float32
+        ``(T, channels_per_step + n_forcing, rows, W)``: the prognostic channels of each time,
+        then its dynamic forcing (a copy)."""
+        if not 0 <= start <= stop <= len(self._time_positions):
+            raise IndexError(
+                f"ERA5Dataset.read_steps: [{start}, {stop}) outside the "
+                f"{len(self._time_positions)} selected times"
+            )
+        if start == stop:
+            return np.empty((0, self._channels_read, *self.sample_grid_shape), np.float32)
+        return np.array(self._read(start, stop))
+
+    @property
+    def static_fields(self) -> np.ndarray:
+        """The normalised static fields of the sample's rows, float32 ``(n_static, rows, W)``."""
+        return np.array(self._static)
+
+    def _read_static(self, ds: xr.Dataset) -> np.ndarray:
+        out = np.empty((self.n_static, *self.sample_grid_shape), np.float32)
+        for c, name in enumerate(self.static_variables):
+            raw = ds[name].isel({self._lat_dim: self._lat_index()})
+            raw = raw.transpose(self._lat_dim, self._lon_dim).values
+            out[c] = raw[::-1] if self._flip_lat else raw
+        channels = slice(self._channels_read, self._channels_read + self.n_static)
+        self._normalise(out[None], channels)
+        return out
 
 
 _CONF_KEYS = (
     "upper_air_variables",
     "surface_variables",
+    "dynamic_forcing_variables",
+    "static_variables",
     "levels",
     "history_len",
     "forecast_len",

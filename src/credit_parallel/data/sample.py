@@ -19,6 +19,16 @@ geostrophic wind of the wave; ``t2m`` adds a diurnal cycle that follows the sun 
 the solar zenith angle with a 3-hour lag, seasonal declination included).  Everything is a
 deterministic function of ``seed``.
 
+Dynamic forcing and static fields (for ``data.dynamic_forcing_variables`` /
+``data.static_variables``; configs that do not list them never read them):
+
+- ``tsi``, dims ``(time, latitude, longitude)``: top-of-atmosphere incoming solar radiation (W m-2),
+  the solar constant times the clipped cosine of the solar zenith angle at that time (no lag): it
+  drives ``t2m``'s diurnal cycle three hours later, so a model sees the cause of the cycle;
+- ``orography``, dims ``(latitude, longitude)``: an analytic surface height (m, seeded
+  independently of the flow so the other fields do not change), two smooth "mountain ranges";
+- ``land_sea_mask``, dims ``(latitude, longitude)``: 1 where ``orography`` > 0, else 0.
+
 Normalisation statistics (per variable and level mean / std over time, latitude and longitude,
 unweighted, ddof 0) are written as a SECOND zarr store at ``default_stats_path(path)``
 (``<name>_stats.zarr`` beside the data); see ``credit_parallel.data.dataset`` for its layout.
@@ -35,6 +45,8 @@ import xarray as xr
 from .store import compute_normalization_stats, default_stats_path
 
 __all__ = [
+    "SAMPLE_FORCING_VARIABLES",
+    "SAMPLE_STATIC_VARIABLES",
     "SAMPLE_SURFACE_VARIABLES",
     "SAMPLE_UPPER_AIR_VARIABLES",
     "write_sample_dataset",
@@ -43,6 +55,8 @@ __all__ = [
 
 SAMPLE_UPPER_AIR_VARIABLES = ("Z", "T", "U", "V")
 SAMPLE_SURFACE_VARIABLES = ("SP", "t2m")
+SAMPLE_FORCING_VARIABLES = ("tsi",)
+SAMPLE_STATIC_VARIABLES = ("orography", "land_sea_mask")
 
 _EARTH_RADIUS_M = 6.371e6
 _GRAVITY = 9.80665
@@ -50,6 +64,7 @@ _CORIOLIS_F0 = 1.0e-4  # constant f: geostrophic winds without the equatorial si
 _SURFACE_LEVEL_HPA = 1000.0  # surface fields are carried by the 1000 hPa flow
 _TIME_STEP_HOURS = 6
 _MAX_WAVENUMBER = 5
+_SOLAR_CONSTANT = 1361.0  # W m-2
 
 
 def zonal_angular_speed(lat_degrees, level_hpa: float) -> np.ndarray:
@@ -151,6 +166,36 @@ def _surface_fields(rng, times, lat, lon, hours):
     return {"SP": sp, "t2m": t2m}
 
 
+def _forcing_and_static(times, lat, lon) -> dict:
+    """``tsi`` (time, lat, lon) and the static ``orography`` / ``land_sea_mask`` (lat, lon)."""
+    lat_rad = np.deg2rad(lat)
+    sun = np.clip(_cos_solar_zenith(times, lat_rad, lon, lag_hours=0.0), 0.0, None)
+    lon_rad = np.deg2rad(lon)[None, :]
+    ridge = np.exp(-(((lat[:, None] - 40.0) / 15.0) ** 2)) * np.cos(lon_rad - 1.0) ** 2
+    plateau = np.exp(-(((lat[:, None] + 20.0) / 20.0) ** 2)) * np.cos(2.0 * lon_rad + 0.5)
+    orography = 2500.0 * ridge + 1200.0 * plateau - 300.0
+    return {
+        "tsi": _SOLAR_CONSTANT * sun,
+        "orography": orography,
+        "land_sea_mask": (orography > 0.0).astype(np.float64),
+    }
+
+
+def _encoding(ds: xr.Dataset, chunk: int, rows: int, compress: bool) -> dict:
+    """Chunks of ``chunk`` time steps and ``rows`` latitude rows (all longitudes) per variable."""
+    nlon = ds.sizes["longitude"]
+    encoding = {
+        name: {"chunks": (chunk, *ds[name].shape[1:-2], rows, nlon)}
+        for name in ds.data_vars
+        if "time" in ds[name].dims
+    }
+    encoding.update({name: {"chunks": (rows, nlon)} for name in SAMPLE_STATIC_VARIABLES})
+    if not compress:
+        for name in ds.data_vars:
+            encoding[name]["compressors"] = None
+    return encoding
+
+
 def write_sample_dataset(
     path,
     n_times: int = 64,
@@ -212,6 +257,10 @@ def write_sample_dataset(
         data_vars[name] = (("time", "level", "latitude", "longitude"), stacked)
     for name in SAMPLE_SURFACE_VARIABLES:
         data_vars[name] = (("time", "latitude", "longitude"), surface[name].astype(np.float32))
+    extra = _forcing_and_static(times, lat, lon)
+    data_vars["tsi"] = (("time", "latitude", "longitude"), extra["tsi"].astype(np.float32))
+    for name in SAMPLE_STATIC_VARIABLES:
+        data_vars[name] = (("latitude", "longitude"), extra[name].astype(np.float32))
     ds = xr.Dataset(
         data_vars,
         coords={
@@ -227,19 +276,14 @@ def write_sample_dataset(
         },
     )
     units = {"Z": "m2 s-2", "T": "K", "U": "m s-1", "V": "m s-1", "SP": "Pa", "t2m": "K"}
+    units.update({"tsi": "W m-2", "orography": "m", "land_sea_mask": "1"})
     for name, unit in units.items():
         ds[name].attrs["units"] = unit
     ds["level"].attrs["units"] = "hPa"
 
     path = Path(path)
-    chunk = min(time_chunk, n_times)
     rows = nlat if lat_chunk is None else min(lat_chunk, nlat)
-    encoding = {
-        name: {"chunks": (chunk, *ds[name].shape[1:-2], rows, nlon)} for name in ds.data_vars
-    }
-    if not compress:
-        for name in ds.data_vars:
-            encoding[name]["compressors"] = None
+    encoding = _encoding(ds, min(time_chunk, n_times), rows, compress)
     ds.to_zarr(path, mode="w", encoding=encoding, consolidated=False)
     stats = compute_normalization_stats(ds)
     stats.to_zarr(

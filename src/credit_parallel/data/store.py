@@ -32,6 +32,7 @@ __all__ = [
     "default_stats_path",
     "direct_float32_array",
     "find_dim",
+    "load_channel_stats",
     "open_store",
 ]
 
@@ -167,3 +168,45 @@ def compute_normalization_stats(data, out_path=None) -> xr.Dataset:
     if out_path is not None:
         out.to_zarr(Path(out_path), mode="w", consolidated=False)
     return out
+
+
+def load_channel_stats(stats_path: Path, variables, levels, level_dim, what: str):
+    """Per channel, the (mean, std) float64 arrays of ``variables`` from a statistics store.
+
+    ``variables``: ``(name, upper)`` pairs in channel order; an upper-air variable contributes
+    one channel per entry of ``levels`` (matched with ``np.isclose``), a surface, forcing or
+    static one a single channel.  ``what`` names the caller in errors.
+    """
+    if not stats_path.exists():
+        raise FileNotFoundError(
+            f"{what}: normalize=True but no statistics store at {str(stats_path)!r}; "
+            "pass stats_path=, write one with "
+            "credit_parallel.data.compute_normalization_stats(path, out_path), "
+            "or use normalize=False"
+        )
+    stats, _ = open_store(stats_path, f"{what} statistics")
+    means, stds = [], []
+    for name, upper in variables:
+        if name not in stats.data_vars:
+            raise ValueError(
+                f"{what}: variable {name!r} has no statistics in {str(stats_path)!r}; "
+                "recompute them with compute_normalization_stats"
+            )
+        variable = stats[name].load()
+        mean = variable.isel(statistic=STATISTICS.index("mean"))
+        std = variable.isel(statistic=STATISTICS.index("std"))
+        if not upper:
+            means.append(float(mean.values))
+            stds.append(float(std.values))
+            continue
+        stat_levels = variable[level_dim].values.astype(np.float64)
+        for level in levels:
+            matches = np.flatnonzero(np.isclose(stat_levels, level))
+            if matches.size == 0:
+                raise ValueError(
+                    f"{what}: no statistics for {name!r} at level {level:g} in {str(stats_path)!r}"
+                )
+            means.append(float(mean.values[matches[0]]))
+            stds.append(float(std.values[matches[0]]))
+    stats.close()
+    return np.asarray(means), np.asarray(stds)

@@ -153,6 +153,8 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "validate_every": (0, _number("trainer", "validate_every", int, 0)),
     "val_batches": (2, _number("trainer", "val_batches", int, 1)),
     "checkpoint_every": (0, _number("trainer", "checkpoint_every", int, 0)),
+    # the last step's checkpoint is written at the end of every run unless this is false
+    "final_checkpoint": (True, _flag("trainer", "final_checkpoint")),
     "dtype": ("float32", _choice("trainer", "dtype", ("float32", "float64"))),
     "activation_checkpoint": (False, _flag("trainer", "activation_checkpoint")),
     # 0: every _fsdp2_shard block is its own FSDP2 unit (SPEC §4); N > 0 merges smaller ones
@@ -178,6 +180,9 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     "path": (None, _optional_path("data", "path")),
     "upper_air_variables": ((), _strings("data", "upper_air_variables")),
     "surface_variables": ((), _strings("data", "surface_variables")),
+    # input-only channels: the forcing at each input time, and time-invariant fields
+    "dynamic_forcing_variables": ((), _strings("data", "dynamic_forcing_variables")),
+    "static_variables": ((), _strings("data", "static_variables")),
     "levels": (None, _levels),
     "history_len": (1, _number("data", "history_len", int, 1)),
     "forecast_len": (1, _number("data", "forecast_len", int, 1)),
@@ -294,6 +299,7 @@ class TrainerConfig:
     validate_every: int = 0
     val_batches: int = 2
     checkpoint_every: int = 0
+    final_checkpoint: bool = True
     dtype: str = "float32"
     activation_checkpoint: bool = False
     fsdp2_min_unit_params: int = 0
@@ -320,6 +326,8 @@ class DataConfig:
     path: str | None = None
     upper_air_variables: tuple = ()
     surface_variables: tuple = ()
+    dynamic_forcing_variables: tuple = ()
+    static_variables: tuple = ()
     levels: tuple | None = None
     history_len: int = 1
     forecast_len: int = 1

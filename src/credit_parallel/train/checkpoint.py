@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -242,7 +243,5 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
     else:
-        set_state_dict(
-            model, [], model_state_dict=state["model"], options=StateDictOptions(strict=True)
-        )
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     return manifest

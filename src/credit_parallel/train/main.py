@@ -4,7 +4,10 @@ CLI's own use of PyTorch's elastic launcher), or the whole job on one process.
 Rank 0 shows a progress bar (step, loss, samples/s, ETA) on a terminal and one plain line per
 logged step (``step N loss X grad_norm G lr L samples/s S``) when stdout is a file (batch
 jobs), writes ``metrics.csv`` and ``metrics.json`` and, at the end, ``loss_curve.png`` into the
-output directory.  ``--resume PATH`` continues from a checkpoint written under any layout.
+output directory.  ``--resume PATH`` continues from a checkpoint written under any layout.  Checkpoints go to
+``trainer.save_dir`` (default ``OUTPUT/checkpoints``) every ``trainer.checkpoint_every`` steps
+and, unless ``trainer.final_checkpoint: false``, after the last step (what ``credit-parallel
+forecast --checkpoint`` starts from).
 """
 
 from __future__ import annotations
@@ -180,8 +183,9 @@ def run_training(
             trainer.save(save_dir)
     report.close()
     trainer.close()
-    if tc.checkpoint_every and trainer.step % tc.checkpoint_every:
-        trainer.save(save_dir)
+    saved_last = bool(tc.checkpoint_every) and trainer.step % tc.checkpoint_every == 0
+    if trainer.step > s0 and not saved_last and (tc.checkpoint_every or tc.final_checkpoint):
+        trainer.save(save_dir)  # the final checkpoint (trainer.final_checkpoint, default true)
     result = {"steps": trainer.step, "history": trainer.history, "validation": validation}
     if rank == 0 and trainer.history:
         _write_metrics(out_dir, trainer.history, validation)

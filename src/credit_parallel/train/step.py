@@ -13,6 +13,12 @@ channels, then the state advances: the oldest time step (as many channels as the
 predicts) is dropped and the prediction appended.  With ``history_len == 1`` that is the
 prediction itself.  The state stays in its domain shard between steps.
 
+Dynamic forcing and static fields (``data.dynamic_forcing_variables`` / ``data.static_variables``)
+are input-only channels at the END of the last input (``x``, or ``x_surface`` of a 5-D model):
+``[history_len x prognostic (oldest first), forcing at the input time, static]``.  Advancing
+replaces the forcing channels with the next input time's (the batch's ``forcing`` key holds them
+for steps 2 .. ``forecast_len``) and keeps the static ones.
+
 Loss shares: each rank's loss is its share of the globally normalised loss (local sum divided
 by the global count), so summing gradients over the domain ranks (``op="sum"``) is exact for any
 shard sizes, and dp averaging (DDP/FSDP2) gives the mean over the global batch.
@@ -41,6 +47,7 @@ __all__ = [
     "TrainStep",
     "advance_state",
     "batch_keys",
+    "forcing_at",
     "latitude_weighted_loss",
     "replica_mean_loss",
     "rollout_loss",
@@ -65,18 +72,79 @@ def _as_tuple(value) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
-def advance_state(state: tuple, outputs: tuple) -> tuple:
-    """Drop the oldest time step of each input (as many channels as its output has) and append
-    the prediction: the input of the next forecast step."""
-    return tuple(
-        torch.cat([s[:, o.shape[1] :], o.to(s.dtype)], dim=1) for s, o in zip(state, outputs)
-    )
+def _per_input(value, n: int, what: str) -> tuple:
+    """An int (the last input's; the others 0) or a tuple of ``n`` ints, as a tuple of ``n``."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != n:
+            raise ValueError(f"advance_state: {what} has {len(value)} entries for {n} inputs")
+        return tuple(int(v) for v in value)
+    return (0,) * (n - 1) + (int(value),)
+
+
+def _forcing_tuple(forcing, n: int) -> tuple:
+    """``forcing`` as one entry per input: a tensor or tuple for the LAST input(s)."""
+    if forcing is None:
+        return (None,) * n
+    forcing = _as_tuple(forcing)
+    if len(forcing) > n:
+        raise ValueError(f"advance_state: {len(forcing)} forcing tensors for {n} inputs")
+    return (None,) * (n - len(forcing)) + tuple(forcing)
+
+
+def advance_state(state: tuple, outputs: tuple, forcing=None, *, n_forcing=0, n_static=0) -> tuple:
+    """The input of the next forecast step: per input, drop the oldest time step (as many
+    channels as its output has), append the prediction after the remaining history, replace the
+    ``n_forcing`` dynamic forcing channels with ``forcing`` (the next input time's) and keep the
+    ``n_static`` static channels.
+
+    ``n_forcing`` / ``n_static``: an int (channels at the end of the LAST input, as the dataset
+    lays them out) or one int per input.  ``forcing``: None when there is no forcing, else a
+    tensor (the last input's) or a tuple aligned with the last inputs, ``n_forcing`` channels.
+    """
+    n = len(state)
+    n_forcing, n_static = _per_input(n_forcing, n, "n_forcing"), _per_input(n_static, n, "n_static")
+    forcing = _forcing_tuple(forcing, n)
+    out = []
+    for s, o, f, nf, ns in zip(state, outputs, forcing, n_forcing, n_static):
+        if nf == 0 and ns == 0:
+            out.append(torch.cat([s[:, o.shape[1] :], o.to(s.dtype)], dim=1))
+            continue
+        if nf and (f is None or f.shape[1] != nf):
+            got = "none" if f is None else f"{f.shape[1]} channels"
+            raise ValueError(f"advance_state: {nf} forcing channels expected, got {got}")
+        history = s.shape[1] - nf - ns
+        parts = [s[:, o.shape[1] : history], o.to(s.dtype)]
+        if nf:
+            parts.append(f.to(s.dtype))
+        if ns:
+            parts.append(s[:, s.shape[1] - ns :])
+        out.append(torch.cat(parts, dim=1))
+    return tuple(out)
+
+
+def forcing_at(forcing: torch.Tensor | None, k: int, n_forcing: int):
+    """The forcing of forecast step ``k``'s input (``k >= 1``) from a batch's ``forcing`` key
+    (the forcing of steps 1 .. forecast_len - 1 stacked on channels), or None."""
+    if forcing is None or n_forcing == 0:
+        return None
+    return forcing[:, (k - 1) * n_forcing : k * n_forcing]
 
 
 def rollout_loss(
-    model, inputs: tuple, targets: tuple, loss_fn: LossFn, forecast_len: int = 1
+    model,
+    inputs: tuple,
+    targets: tuple,
+    loss_fn: LossFn,
+    forecast_len: int = 1,
+    *,
+    forcing: torch.Tensor | None = None,
+    n_forcing: int = 0,
+    n_static: int = 0,
 ) -> tuple[torch.Tensor, tuple]:
-    """Mean loss share over ``forecast_len`` autoregressive steps, and the last step's outputs."""
+    """Mean loss share over ``forecast_len`` autoregressive steps, and the last step's outputs.
+    ``forcing``: the batch's ``forcing`` tensor (``n_forcing`` channels per later step);
+    ``n_forcing`` / ``n_static``: the input-only channels of the last input (see
+    :func:`advance_state`)."""
     state = tuple(inputs)
     total = None
     outputs: tuple = ()
@@ -88,7 +156,10 @@ def rollout_loss(
         loss = loss_fn(outputs, step_targets)
         total = loss if total is None else total + loss
         if k + 1 < forecast_len:
-            state = advance_state(state, outputs)
+            step_forcing = forcing_at(forcing, k + 1, n_forcing)
+            state = advance_state(
+                state, outputs, step_forcing, n_forcing=n_forcing, n_static=n_static
+            )
     # no kernel a plain loop would not run: x / 1 is x
     return (total if forecast_len == 1 else total / forecast_len), outputs
 
@@ -138,7 +209,9 @@ class TrainStep:
     ``loss_fn``: see :data:`LossFn`.  ``shard_inputs``: shard global batches over the domain
     ranks of ``manager`` (False when the caller passes shards already).  ``max_norm``: clip to
     this global norm (``float("inf")`` measures without clipping; None skips the norm).
-    ``autocast``: a factory of the mixed-precision context.  ``guard``: a factory
+    ``n_forcing`` / ``n_static``: the input-only channels at the end of the last input (the
+    batch's ``forcing`` key feeds the forcing of later steps).  ``autocast``: a factory of the
+    mixed-precision context.  ``guard``: a factory
     ``guard(model)`` of a functional-call guard (``domain.guard.FunctionalCallGuard``) active
     around every model call when the domain is split; its findings collect in ``findings``
     (a raising guard stops at the first).  The optimizer's ``zero_grad`` and ``step`` stay with
@@ -155,6 +228,8 @@ class TrainStep:
     autocast: Callable = contextlib.nullcontext
     guard: Callable | None = None
     findings: list = field(default_factory=list)
+    n_forcing: int = 0
+    n_static: int = 0
 
     def shard(self, batch: dict) -> dict:
         """This rank's rows of a global batch, only through the model's own manager
@@ -171,15 +246,24 @@ class TrainStep:
             tuple(batch[k] for k in in_keys),
             tuple(batch[k] for k in out_keys),
             divide_by=divide_by,
+            forcing=batch.get("forcing"),
         )
 
     def forward_backward_tensors(
-        self, inputs: tuple, targets: tuple, *, divide_by: int = 1
+        self, inputs: tuple, targets: tuple, *, divide_by: int = 1, forcing=None
     ) -> tuple[torch.Tensor, tuple]:
-        """:meth:`forward_backward` for explicit tuples of input and target tensors."""
+        """:meth:`forward_backward` for explicit tuples of input and target tensors (and the
+        forcing of the later forecast steps)."""
         with self.autocast():
             share, outputs = rollout_loss(
-                self._model_call(), inputs, targets, self.loss_fn, self.forecast_len
+                self._model_call(),
+                inputs,
+                targets,
+                self.loss_fn,
+                self.forecast_len,
+                forcing=forcing,
+                n_forcing=self.n_forcing,
+                n_static=self.n_static,
             )
             if divide_by != 1:
                 share = share / divide_by

@@ -34,6 +34,8 @@ import torch.distributed as dist
 from ..data.loader import build_train_loader, register_row_batch
 from ..data.prefetch import DevicePrefetcher
 from ..domain.guard import FunctionalCallGuard, guard_requested
+from ..forecast.metrics import spatial_acc, spatial_mse
+from ..forecast.scores import climatology, flatten_channels
 from ..layout.config import DataMode, has_process_group
 from ..layout.device import autocast_for, batch_to_device, device_for_process_group
 from ..layout.run_config import TrainerConfig
@@ -48,7 +50,14 @@ from .checkpoint import (
 )
 from .model_init import build_parallel_model
 from .preflight import check_run
-from .step import TrainStep, batch_keys, latitude_weighted_loss, replica_mean_loss
+from .step import (
+    TrainStep,
+    advance_state,
+    batch_keys,
+    forcing_at,
+    latitude_weighted_loss,
+    replica_mean_loss,
+)
 
 __all__ = ["NonFiniteError", "Trainer"]
 
@@ -108,6 +117,8 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.tc))
         self.history: list[dict] = []
+        # this rank's rows of the validation climatology (normalised units): evaluate's ACC
+        self.climatology: torch.Tensor | None = None
         self.lat_weights = self.dataset.lat_weights.to(device=self.device, dtype=self.dtype)
         self.global_height = int(self.lat_weights.shape[0])
         self._lat_local = self.dataset.row_lat_weights.to(device=self.device, dtype=self.dtype)
@@ -122,6 +133,8 @@ class Trainer:
             if guard_requested(self.tc.domain_guard)
             else None,
             shard_inputs=False,  # the loader reads this rank's rows already
+            n_forcing=int(getattr(self.dataset, "n_forcing", 0) or 0),
+            n_static=int(getattr(self.dataset, "n_static", 0) or 0),
         )
 
     def _build_model(self, model):
@@ -248,37 +261,94 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Area-weighted RMSE per output channel (per variable and level for 5-D models) of the
-        first forecast step over ``val_batches`` batches, reduced over dp and domain (tp
-        replicas hold identical values and are counted once)."""
+        """Scores of every forecast step of ``forecast_len`` over ``val_batches`` validation
+        batches, per output channel (per variable and level for 5-D models), exact under any
+        layout (:mod:`credit_parallel.forecast.metrics`: global sums over the domain rows, the
+        mean over the batches of every dp rank).
+
+        Keys: ``rmse/<channel>`` (step 1) and ``rmse@t+<k>/<channel>`` (step k >= 2): the
+        latitude-weighted RMSE in the data's (normalised) units; with a ``climatology`` set
+        (:meth:`use_training_climatology`), ``acc/<channel>`` and ``acc@t+<k>/<channel>`` too.
+        """
         loader = self._loader_for("valid")
         batches = iter(loader)
         self.model.eval()
-        sums = None
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
-        w = self._lat_local.double().view(-1, 1)
+        steps = int(getattr(self.dataset, "forecast_len", 1) or 1)
+        sums = count = None
         for _ in range(self.tc.val_batches):
             batch = self._device_batch(next(batches))
-            in_keys, out_keys = batch_keys(batch)
-            outs = self.model(*(batch[k] for k in in_keys))
-            outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-            per_channel = []
-            for out, key in zip(outs, out_keys):
-                pred = out.double()
-                target = batch[key][:, : pred.shape[1]].double()
-                per_channel.append(((pred - target) ** 2 * w).sum(dim=(0, -2, -1)).flatten())
-            per_channel = torch.cat(per_channel)
-            sums = per_channel if sums is None else sums + per_channel
-            count += outs[0].shape[0] * self.global_height * outs[0].shape[-1]
+            part = self._score_rollout(batch, steps)  # (steps, 2, C) sums over the batch
+            sums = part if sums is None else sums + part
+            count = batch[batch_keys(batch)[0][0]].shape[0] + (0 if count is None else count)
         self.model.train()
-        tp = self.dims.tp
-        sums = _world_sum(sums) / tp
-        count = _world_sum(count.clone()) / (tp * self.domain_size)
-        rmse = torch.sqrt(sums / count)
+        total = torch.cat([sums.flatten(), sums.new_tensor([float(count)])])
+        total = self._sum_over_replicas(total)
+        means = total[:-1].view(sums.shape) / total[-1]
         names = getattr(loader.dataset, "variable_names", None) or [
-            f"ch{i}" for i in range(len(rmse))
+            f"ch{i}" for i in range(means.shape[-1])
         ]
-        return {f"rmse/{n}": float(v) for n, v in zip(names, rmse)}
+        metrics = {}
+        for k in range(steps):
+            suffix = "" if k == 0 else f"@t+{k + 1}"
+            metrics.update(
+                {f"rmse{suffix}/{n}": math.sqrt(float(v)) for n, v in zip(names, means[k, 0])}
+            )
+            if self.climatology is not None:
+                metrics.update({f"acc{suffix}/{n}": float(v) for n, v in zip(names, means[k, 1])})
+        return metrics
+
+    def _score_rollout(self, batch: dict, steps: int) -> torch.Tensor:
+        """Roll the model out over ``steps`` from one (row-sharded) batch; per step the sums
+        over the batch of the spatial MSE and ACC per channel (float64, ``(steps, 2, C)``)."""
+        in_keys, out_keys = batch_keys(batch)
+        state = tuple(batch[k] for k in in_keys)
+        rows = []
+        for k in range(steps):
+            outs = self.model(*state)
+            outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+            targets = tuple(
+                batch[key][:, k * o.shape[1] : (k + 1) * o.shape[1]]
+                for key, o in zip(out_keys, outs)
+            )
+            pred, truth = flatten_channels(outs), flatten_channels(targets)
+            mse = spatial_mse(pred, truth, self._lat_local, manager=self.manager)
+            acc = torch.zeros_like(mse)
+            if self.climatology is not None:
+                clim = self.climatology.to(self.device)
+                acc = spatial_acc(pred, truth, clim, self._lat_local, manager=self.manager)
+            rows.append(torch.stack([mse.sum(dim=0), acc.sum(dim=0)]))
+            if k + 1 < steps:
+                forcing = forcing_at(batch.get("forcing"), k + 1, self.step_fn.n_forcing)
+                state = advance_state(
+                    state,
+                    outs,
+                    forcing,
+                    n_forcing=self.step_fn.n_forcing,
+                    n_static=self.step_fn.n_static,
+                )
+        return torch.stack(rows)
+
+    def _sum_over_replicas(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the same on every domain and tp rank of a dp replica) summed over the dp
+        replicas: over the manager's data-parallel group, else over the world counted once per
+        tp rank."""
+        if not has_process_group():
+            return t
+        if self.manager is not None:
+            dist.all_reduce(t, group=self.manager.data_parallel_group)
+            return t
+        return _world_sum(t) / self.dims.tp
+
+    def use_training_climatology(self, path=None) -> torch.Tensor:
+        """Set ``climatology`` (what ``evaluate``'s ACC is against): the time mean of the
+        training range at each grid point of this rank's rows, read by rows from the store
+        (:func:`credit_parallel.forecast.scores.climatology`; ``path``: a climatology file
+        instead), in the data's normalised units.  Reads the whole training range once."""
+        raw = climatology(self.conf, domain_shard=(self.domain_rank, self.domain_size), path=path)
+        mean = torch.as_tensor(self.dataset.channel_mean).view(-1, 1, 1)
+        std = torch.as_tensor(self.dataset.channel_std).view(-1, 1, 1)
+        self.climatology = ((raw - mean) / std).to(device=self.device, dtype=torch.float64)
+        return self.climatology
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory) -> Path:

@@ -1,0 +1,575 @@
+"""Worker of ``credit-parallel forecast``: one process per rank (torchrun or the CLI's launcher),
+or the whole job on one process.
+
+Per rank: the dataset's rows of this domain rank over the whole store (``ERA5Dataset`` by rows),
+the model built and parallelised as in training (``trainer.parallelism``, or ``--parallelism``)
+with the checkpoint's weights (:mod:`.weights`), then the pending initial times spread over the
+data-parallel groups (group ``g`` takes the ``g``-th, ``g + dp``-th, ... one per round).  Each
+initial time rolls out on this rank's rows (:func:`.rollout.rollout`; the dynamic forcing of
+each lead read by rows), each step is denormalised to physical units and handed to the
+background writer (:class:`.store.BackgroundWriter`; only tensor-parallel rank 0 of each domain
+position writes: its tp peers hold the same rows) while the next step computes, and scored
+against the dataset's truth where it has one (:class:`.scores.ScoreAccumulator`, exact global
+sums).  After each round every rank flushes its writer, all meet at a barrier, and rank 0 marks
+the round's initial times complete; a rank that dies leaves its peers waiting at most
+``trainer.dist_timeout_s`` (every collective's bound), and the complete times intact.
+
+Everything that can be wrong with the input is checked before the store is created: initial
+times (dataset, history, forcing), the checkpoint (keys and shapes), the store
+(``--resume`` / ``--overwrite``), the layout.  Ensembles (``--members M``): the M members of an
+initial time are spread over ``gcd(M, dp)`` dp groups (a slot; the slots take the initial times),
+each running its share of the members as the batch of one rollout, perturbed by
+:func:`.ensemble.perturb`; the CRPS and spread gather the members over the slot.
+
+Rank 0 reports progress: a tqdm bar on a terminal, else one plain line per step
+``forecast init T step k/N steps/s S writer_lag L``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["main", "run_forecast"]
+
+# a test hook: "RANK:ROUND" makes that rank fail at the start of that round (0-based)
+FAIL_ENV = "CREDIT_PARALLEL_FORECAST_FAIL_AT"
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _forecast_dataset(conf: dict, domain_rank: int, domain_size: int):
+    """This domain rank's rows of the WHOLE store's time axis, one step per sample."""
+    from ..data.dataset import dataset_from_conf
+
+    data = {k: v for k, v in conf["data"].items() if k not in ("time_slice", "valid_time_slice")}
+    return dataset_from_conf(
+        {**conf, "data": data}, forecast_len=1, domain_shard=(domain_rank, domain_size)
+    )
+
+
+def _build_model(conf: dict, dims, device, dtype):
+    from ..layout.run_config import TrainerConfig
+    from ..models import build_model
+    from ..parallel.composition import RecipeOptions
+    from ..train.model_init import build_parallel_model
+
+    tc = TrainerConfig.from_conf(conf)
+    options = RecipeOptions.from_trainer(tc)
+    model_conf = conf["model"]
+    return build_parallel_model(
+        lambda: build_model(model_conf).to(dtype),
+        device=device,
+        seed=tc.seed,
+        dims=dims,
+        options=options,
+    )
+
+
+class _Progress:
+    """Rank 0's report: a tqdm bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, stream, total: int, enabled: bool):
+        self.stream, self.enabled, self.bar = stream, enabled, None
+        if enabled and getattr(stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="forecast", unit="step", file=stream)
+
+    def step(self, init: str, k: int, n: int, rate: float, lag: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(init=init, steps_s=f"{rate:.2f}", writer_lag=lag)
+            self.bar.update(1)
+        else:
+            line = f"forecast init {init} step {k}/{n} steps/s {rate:.3g} writer_lag {lag}"
+            print(line, file=self.stream, flush=True)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Fields:
+    """Model outputs (normalised, this rank's rows) -> physical channels and store variables."""
+
+    def __init__(self, dataset, device):
+        self.dataset = dataset
+        self.mean = torch.as_tensor(dataset.channel_mean, device=device).view(-1, 1, 1)
+        self.std = torch.as_tensor(dataset.channel_std, device=device).view(-1, 1, 1)
+        n_levels = len(dataset.levels)
+        self.slices = []
+        c = 0
+        for name in dataset.upper_air_variables:
+            self.slices.append((name, slice(c, c + n_levels), True))
+            c += n_levels
+        for name in dataset.surface_variables:
+            self.slices.append((name, slice(c, c + 1), False))
+            c += 1
+
+    def physical(self, outputs) -> torch.Tensor:
+        from .scores import flatten_channels
+
+        return flatten_channels(outputs).double() * self.std + self.mean  # (B, C, rows, W)
+
+    def truth(self, step: np.ndarray, device) -> torch.Tensor:
+        """One time step of :meth:`ERA5Dataset.read_steps` in physical units, ``(1, C, rows, W)``."""
+        prognostic = torch.from_numpy(step[: self.dataset.channels_per_step]).to(device)
+        return (prognostic.double() * self.std + self.mean).unsqueeze(0)
+
+    def variables(self, physical: torch.Tensor):
+        """``(name, values)`` per store variable of one batch entry (CPU float32 numpy)."""
+        host = physical.to("cpu", torch.float32).numpy()
+        for name, channels, upper in self.slices:
+            yield name, host[channels] if upper else host[channels.start]
+
+
+def _store_variables(dataset) -> list:
+    from .store import StoreVariable
+
+    units = dataset.variable_units
+    return [StoreVariable(n, True, units.get(n, "")) for n in dataset.upper_air_variables] + [
+        StoreVariable(n, False, units.get(n, "")) for n in dataset.surface_variables
+    ]
+
+
+def _groups(dims, rank: int, key) -> object:
+    """This rank's group among the groups of ranks that share ``key(coords)`` (every rank
+    creates every group, in the same order); None on one process."""
+    if dims.world_size == 1:
+        return None
+    keys = [key(dims.coords(r)) for r in range(dims.world_size)]
+    mine = None
+    for k in sorted(set(keys)):
+        group = dist.new_group([r for r in range(dims.world_size) if keys[r] == k])
+        if k == keys[rank]:
+            mine = group
+    return mine
+
+
+def member_split(members: int, dp: int) -> int:
+    """Over how many dp groups the members of one initial time are spread: the largest number
+    dividing both (each of them runs ``members / split`` members as one batch)."""
+    return math.gcd(members, dp) if members > 1 else 1
+
+
+def _member_states(state: tuple, members: range, seed: int, manager, extra: int, key: int):
+    """The batch of the perturbed copies ``members`` of a one-sample state (the control alone:
+    the state itself): :func:`.ensemble.perturb` on the prognostic channels (``extra``: the
+    forcing and static channels at the end of the last input stay exact), keyed by the initial
+    time's dataset position ``key`` so every layout draws the same noise."""
+    if list(members) == [0]:
+        return state
+    from .ensemble import perturb
+
+    channels = [s.shape[1] for s in state]
+    channels[-1] -= extra
+    copies = [
+        perturb(state, m, seed, manager=manager, channels=channels, init_times=[key])
+        for m in members
+    ]
+    return tuple(torch.cat([c[i] for c in copies]) for i in range(len(state)))
+
+
+def _maybe_fail(rank: int, round_index: int) -> None:
+    spec = os.environ.get(FAIL_ENV)
+    if spec and spec == f"{rank}:{round_index}":
+        raise RuntimeError(f"{FAIL_ENV}: rank {rank} stops at round {round_index} (test hook)")
+
+
+class _Run:
+    """One rank's forecast: the dataset rows, the model, the writer, the scores."""
+
+    def __init__(self, conf: dict, args, stream):
+        from ..layout.config import ParallelDims
+        from ..layout.device import device_for_process_group
+        from ..layout.run_config import TrainerConfig
+        from ..parallel.composition import get_domain_manager
+        from .inputs import resolve_init_times
+        from .store import STORE_NAME, check_existing_store
+        from .weights import load_forecast_weights
+
+        self.conf, self.args = conf, args
+        self.rank, world = _world()
+        self.dims = ParallelDims.from_conf(conf, world)
+        self.coords = self.dims.coords(self.rank)
+        tc = TrainerConfig.from_conf(conf)
+        self.seed, self.amp = tc.seed, tc.amp
+        self.dtype = torch.float64 if tc.dtype == "float64" else torch.float32
+        self.device = device_for_process_group()
+        self.dataset = _forecast_dataset(conf, self.coords["domain"], self.dims.domain)
+        self.times = resolve_init_times(
+            self.dataset.times,
+            init_times=args.init_times,
+            init_range=args.init_range,
+            steps=args.steps,
+            history_len=self.dataset.history_len,
+            needs_forcing=self.dataset.n_forcing > 0,
+        )
+        self.output = Path(args.output)
+        self.store_path = self.output / STORE_NAME
+        self.variables = _store_variables(self.dataset)
+        check_existing_store(
+            self.store_path, args.resume, args.overwrite, self.times, self.variables, args.members
+        )
+        self.model = _build_model(conf, self.dims, self.device, self.dtype)
+        self.manifest = load_forecast_weights(self.model, args.checkpoint)
+        self.manager = get_domain_manager(self.model)
+        self.fields = _Fields(self.dataset, self.device)
+        self.rows = self.dataset.rows
+        total = len(self.times.positions) * args.steps
+        self.report = _Progress(stream, total, self.rank == 0 and args.progress)
+        # the members of an initial time over `split` dp groups (a slot), `per` members each
+        self.split = member_split(args.members, self.dims.dp)
+        self.slot, part = divmod(self.coords["dp"], self.split)
+        per = args.members // self.split
+        self.members = range(part * per, (part + 1) * per)
+        self.slots = self.dims.dp // self.split
+        _barrier()  # every rank checked the store before rank 0 touches it
+
+    # ---------------------------------------------------------------- the store
+    def open_store(self):
+        from ..domain.rows import shard_range
+        from .store import ForecastStore, config_attrs, remove_store, row_chunk_for
+
+        args, ds = self.args, self.dataset
+        if self.rank == 0 and (args.overwrite or not self.store_path.exists()):
+            remove_store(self.store_path)
+            height = ds.grid_shape[0]
+            ranges = [shard_range(height, self.dims.domain, d) for d in range(self.dims.domain)]
+            ForecastStore.create(
+                self.store_path,
+                variables=self.variables,
+                init_times=self.times.init_times,
+                lead_times=self.times.lead_times,
+                latitude=ds.latitude,
+                longitude=ds.longitude,
+                levels=ds.levels if ds.upper_air_variables else (),
+                members=args.members,
+                row_chunk=row_chunk_for(ranges),
+                attrs=config_attrs(self.conf, self.manifest.get("checkpoint", args.checkpoint)),
+            )
+        _barrier()
+        self.store = ForecastStore.open(self.store_path, args.members)
+
+    def scores(self):
+        from .scores import ScoreAccumulator, climatology
+
+        clim = climatology(
+            self.conf,
+            domain_shard=(self.coords["domain"], self.dims.domain),
+            path=getattr(self.args, "climatology", None),
+        )
+        return ScoreAccumulator.for_dataset(
+            self.dataset,
+            list(self.times.lead_times),
+            lat_weights_local=self.dataset.row_lat_weights.double(),
+            climatology=clim.to(self.device),
+            manager=self.manager,
+            members=self.args.members,
+            dp_group=_groups(self.dims, self.rank, lambda c: (c["tp"], c["domain"])),
+            member_group=self._member_group(),
+        )
+
+    def _member_group(self):
+        """The ranks holding the other members of this rank's initial times and rows."""
+        split = self.split
+        group = _groups(self.dims, self.rank, lambda c: (c["tp"], c["domain"], c["dp"] // split))
+        return group if split > 1 else None
+
+    # ---------------------------------------------------------------- one initial time
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, self.dtype).unsqueeze(0)
+
+    def initial_state(self, position: int) -> tuple:
+        from ..train.step import INPUT_KEYS
+
+        ds = self.dataset
+        sample = ds.compose_input(ds.read_steps(position - ds.history_len + 1, position + 1))
+        keys = next(k for k in INPUT_KEYS if all(name in sample for name in k))
+        state = tuple(self._tensor(sample[k].numpy()) for k in keys)
+        extra = ds.n_forcing + ds.n_static
+        return _member_states(state, self.members, self.seed, self.manager, extra, position)
+
+    def forcing(self, position: int):
+        ds, members = self.dataset, len(self.members)
+        if ds.n_forcing == 0:
+            return None
+
+        def at(k: int) -> torch.Tensor:
+            step = ds.read_steps(position + k, position + k + 1)[0, ds.channels_per_step :]
+            return self._tensor(step).expand(members, -1, -1, -1)
+
+        return at
+
+    def forecast_one(self, i: int, real: bool, writer, acc, clock: dict) -> None:
+        """Roll out initial time ``i``; write and score it when ``real`` (else the round's
+        stand-in that keeps every dp group's collectives in step)."""
+        from .rollout import rollout
+
+        position, members = self.times.positions[i], self.args.members
+        label = str(np.datetime64(self.times.init_times[i], "m"))
+        steps = len(self.times.lead_times)
+        writes = real and self.coords["tp"] == 0
+        outputs = rollout(
+            self.model,
+            self.initial_state(position),
+            steps,
+            forcing=self.forcing(position),
+            manager=self.manager,
+            amp=self.amp,
+            n_static=self.dataset.n_static,
+        )
+        for k, out in enumerate(outputs, start=1):
+            physical = self.fields.physical(out)  # (this rank's members, C, rows, W)
+            for n, m in enumerate(self.members if writes else ()):
+                index = (i, m, k - 1) if members > 1 else (i, k - 1)
+                for name, values in self.fields.variables(physical[n]):
+                    writer.put(name, index, self.rows, values)
+            if real and k <= self.times.truth_steps[i]:
+                truth = self.fields.truth(
+                    self.dataset.read_steps(position + k, position + k + 1)[0], self.device
+                )
+                pred = physical if members == 1 else physical.unsqueeze(1)
+                acc.add([label], k, pred, truth)
+            clock["steps"] += 1
+            rate = clock["steps"] / max(time.perf_counter() - clock["start"], 1e-9)
+            if real:
+                self.report.step(label, k, steps, rate, writer.lag)
+
+    # ---------------------------------------------------------------- all of them
+    def _complete(self, writer, fence: int, items: list) -> None:
+        """Mark ``items`` complete once every rank has written its rows of them (its writer
+        passed ``fence``, then a barrier)."""
+        writer.wait(fence)
+        _barrier()
+        if self.rank == 0:
+            self.store.mark_complete(items)
+
+    def run(self) -> dict:
+        from .store import BackgroundWriter
+
+        self.open_store()
+        done = self.store.complete_times()
+        pending = [i for i in range(len(done)) if not done[i]]
+        skipped = len(done) - len(pending)
+        if skipped:
+            self.report.write(f"resume: {skipped} initial time(s) already complete, skipped")
+        acc = self.scores()
+        writer = BackgroundWriter(self.store)
+        dp, group = self.slots, self.slot  # one initial time per slot and round
+        rounds = -(-len(pending) // dp)
+        clock = {"steps": 0, "start": time.perf_counter()}
+        fences: list[int] = []
+        try:
+            for r in range(rounds):
+                _maybe_fail(self.rank, r)
+                j = r * dp + group
+                self.forecast_one(
+                    pending[min(j, len(pending) - 1)], j < len(pending), writer, acc, clock
+                )
+                fences.append(writer.fence())
+                if r > 0:  # round r-1's rows are written while round r computed
+                    self._complete(writer, fences[r - 1], pending[(r - 1) * dp : r * dp])
+            if rounds:
+                self._complete(writer, fences[-1], pending[(rounds - 1) * dp :])
+        finally:
+            writer.close()
+        elapsed = time.perf_counter() - clock["start"]
+        rows = acc.result()
+        self.report.close()
+        return {
+            "store": str(self.store_path),
+            "computed": [str(self.times.init_times[i]) for i in pending],
+            "skipped": skipped,
+            "scores": rows,
+            "elapsed_s": elapsed,
+            "steps": clock["steps"],
+            "write_blocked_s": writer.blocked_s,
+            "write_s": writer.write_s,
+            "written_chunks": sorted(self.store.written_chunks),
+        }
+
+
+def _finish(run: _Run, result: dict, stream) -> None:
+    """Rank 0: scores.csv / .json / .png, a map of the first variable at the last scored lead,
+    and the summary lines."""
+    from .scores import plot_field_map, write_scores
+
+    times, out = run.times, run.output
+    steps = len(times.lead_times)
+    if result["computed"] and times.scored_to < steps:
+        print(
+            f"scores: the dataset holds the truth up to lead {times.scored_to} of {steps} "
+            "for these initial times; later leads are not scored",
+            file=stream,
+            flush=True,
+        )
+    if result["scores"]:
+        paths = write_scores(out, result["scores"])
+        print(f"scores in {', '.join(str(p) for p in paths.values())}", file=stream, flush=True)
+        hours = [row["lead_time_hours"] for row in result["scores"]]
+        shown = (min(hours), max(hours))  # the first and the last scored lead (all: the csv)
+        for row in (r for r in result["scores"] if r["lead_time_hours"] in shown):
+            level = "" if row["level"] is None else f" {row['level']}"
+            acc = "" if row.get("acc") is None else f" acc {row['acc']:.4f}"
+            print(
+                f"  {row['variable']}{level} +{row['lead_time_hours']:g}h rmse "
+                f"{row['rmse']:.5g}{acc}",
+                file=stream,
+            )
+    variable = run.variables[0]
+    level = run.dataset.levels[0] if variable.upper else None
+    lead = max(1, times.scored_to) if result["computed"] else 1
+    png = plot_field_map(
+        run.store_path, variable.name, lead, out / f"map_{variable.name}.png", level=level
+    )
+    share = result["write_blocked_s"] / max(result["elapsed_s"], 1e-9)
+    print(
+        f"forecast: {len(result['computed'])} initial time(s) x {steps} steps in "
+        f"{result['elapsed_s']:.1f} s; writes on the critical path {100 * share:.1f}%; store "
+        f"{run.store_path}; map {png}",
+        file=stream,
+        flush=True,
+    )
+
+
+def preflight(conf: dict, args) -> None:
+    """What can be checked in one process before any rank starts, each problem one line
+    (``ValueError`` / ``CheckpointError``): the initial times against the dataset's time axis
+    (history, forcing), the store (``--resume`` / ``--overwrite``) and the checkpoint's keys
+    and shapes against the model (built on the meta device, no tensor read)."""
+    from ..data.dataset import dataset_from_conf
+    from .inputs import resolve_init_times
+    from .store import STORE_NAME, check_existing_store
+    from .weights import check_weights
+
+    data = {k: v for k, v in conf["data"].items() if k not in ("time_slice", "valid_time_slice")}
+    dataset = dataset_from_conf(
+        {**conf, "data": data}, forecast_len=1, rows=(0, 0), cache_limit_bytes=0
+    )
+    times = resolve_init_times(
+        dataset.times,
+        init_times=args.init_times,
+        init_range=args.init_range,
+        steps=args.steps,
+        history_len=dataset.history_len,
+        needs_forcing=dataset.n_forcing > 0,
+    )
+    store = Path(args.output) / STORE_NAME
+    check_existing_store(
+        store, args.resume, args.overwrite, times, _store_variables(dataset), args.members
+    )
+    check_weights(conf["model"], args.checkpoint)
+
+
+def run_forecast(conf: dict, args, *, stream=None) -> dict:
+    """Forecast as ``args`` says (the flags of ``credit-parallel forecast``: ``checkpoint``,
+    ``steps``, ``output``, ``init_times`` / ``init_range``, ``members``, ``resume``,
+    ``overwrite``, ``progress``) under ``conf``'s layout; every rank calls it.  Returns this
+    rank's summary (store path, initial times computed, scores rows, timings)."""
+    stream = stream if stream is not None else sys.stdout
+    run = _Run(conf, args, stream)
+    result = run.run()
+    if run.rank == 0:
+        _finish(run, result, stream)
+    _barrier()
+    return result
+
+
+def build_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags of ``credit-parallel forecast`` (SPEC §7), shared by the CLI and the worker."""
+    ap.add_argument("--config", required=True)
+    ap.add_argument(
+        "--checkpoint",
+        required=True,
+        help="step_* directory, a directory of them, or a miles-credit checkpoint file",
+    )
+    ap.add_argument("--steps", type=int, required=True, help="forecast steps (dataset time steps)")
+    ap.add_argument("--output", required=True, help="DIR: DIR/forecast.zarr, scores, map")
+    times = ap.add_mutually_exclusive_group(required=True)
+    times.add_argument("--init-times", nargs="+", metavar="T", help="ISO initial times")
+    times.add_argument(
+        "--init-range",
+        nargs=3,
+        metavar=("START", "END", "STEP"),
+        help="initial times START..END every STEP (hours, 6h, 1d)",
+    )
+    ap.add_argument("--members", type=int, default=1, help="ensemble members (default 1)")
+    ap.add_argument(
+        "--parallelism",
+        default=None,
+        help="data=MODE,tensor=T,domain=N (overrides trainer.parallelism)",
+    )
+    ap.add_argument(
+        "--climatology",
+        default=None,
+        help="climatology file (default: the time mean of data.time_slice)",
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="skip complete initial times of DIR/forecast.zarr"
+    )
+    ap.add_argument("--overwrite", action="store_true", help="replace DIR/forecast.zarr")
+
+
+def apply_overrides(conf: dict, args) -> dict:
+    """``conf`` with ``--parallelism`` applied (a copy)."""
+    from .inputs import parse_parallelism_flag
+
+    conf = copy.deepcopy(conf)
+    if args.parallelism:
+        conf.setdefault("trainer", {})["parallelism"] = parse_parallelism_flag(args.parallelism)
+    if isinstance(args.members, bool) or args.members < 1:
+        raise ValueError(f"--members must be an integer >= 1, got {args.members!r}")
+    return conf
+
+
+def main(argv=None) -> int:
+    from ..layout.config import load_config
+    from ..layout.launch import init_distributed_from_env, under_launcher
+
+    ap = argparse.ArgumentParser(prog="python -m credit_parallel.forecast.command")
+    build_arguments(ap)
+    args = ap.parse_args(argv)
+    args.progress = True
+    conf = apply_overrides(load_config(args.config), args)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if under_launcher():
+        from ..train.preflight import dist_timeout_s
+
+        init_distributed_from_env(timeout_s=dist_timeout_s(conf))
+    run_forecast(conf, args)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""The forecast store: ONE zarr store ``DIR/forecast.zarr`` written by rows from every rank.
+
+Layout (``xarray.open_zarr`` opens it): one data variable per dataset variable, named as in the
+dataset, in physical units, dims ``(init_time, [member,] lead_time, [level,] latitude,
+longitude)``; coordinates ``init_time`` (datetime64), ``lead_time`` (timedelta64, 1 .. N dataset
+time steps), ``level`` (hPa), ``latitude`` / ``longitude`` (the dataset's values, north to south),
+``member`` with an ensemble; a variable ``complete`` ``(init_time,)`` (int8, 1 once every rank has
+flushed that initial time); CF attributes (``units``, ``long_name``, ``standard_name`` where
+known, ``Conventions``); the run's config (JSON) and checkpoint in the root attributes.
+
+Chunks: one initial time, member and lead per chunk, all levels and longitudes, and ``row_chunk``
+latitude rows, where ``row_chunk`` divides every domain rank's first row
+(:func:`row_chunk_for`: the rows of one rank when the shards are even, their greatest common
+divisor otherwise), so no chunk holds rows of two ranks and no two ranks ever write one chunk
+(the writes need no lock and no read-modify-write).
+
+Rank 0 creates the store (metadata only: every data chunk is the NaN fill value until written,
+so no rank holds more than its rows of a field), then every rank writes its rows of its own
+initial times from a :class:`BackgroundWriter` thread with a bounded queue, while the next
+forecast step computes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+import zarr
+
+__all__ = [
+    "STORE_NAME",
+    "BackgroundWriter",
+    "ForecastStore",
+    "StoreVariable",
+    "check_existing_store",
+    "row_chunk_for",
+]
+
+STORE_NAME = "forecast.zarr"
+COMPLETE = "complete"
+
+_CF_NAMES = {  # ERA5 short names -> (standard_name, long_name)
+    "Z": ("geopotential", "geopotential"),
+    "T": ("air_temperature", "temperature"),
+    "U": ("eastward_wind", "eastward wind"),
+    "V": ("northward_wind", "northward wind"),
+    "Q": ("specific_humidity", "specific humidity"),
+    "SP": ("surface_air_pressure", "surface pressure"),
+    "t2m": ("air_temperature", "2 metre temperature"),
+    "MSL": ("air_pressure_at_mean_sea_level", "mean sea level pressure"),
+}
+
+
+@dataclass(frozen=True)
+class StoreVariable:
+    """One data variable of the store: its name, whether it has levels, its units."""
+
+    name: str
+    upper: bool
+    units: str = ""
+
+
+def row_chunk_for(row_ranges: Sequence[tuple[int, int]]) -> int:
+    """The latitude chunk size whose chunks never straddle two ranks' rows: the greatest common
+    divisor of every rank's first row and of the height (the rows of one rank when even)."""
+    height = max(stop for _, stop in row_ranges)
+    size = height
+    for start, _ in row_ranges:
+        size = math.gcd(size, start)
+    return max(1, size)
+
+
+def chunk_indices(region: tuple, chunks: tuple) -> set[tuple]:
+    """The chunk grid indices a write of ``region`` (a tuple of slices) touches."""
+    ranges = [range(s.start // c, (s.stop - 1) // c + 1) for s, c in zip(region, chunks)]
+    out = {()}
+    for r in ranges:
+        out = {prefix + (i,) for prefix in out for i in r}
+    return out
+
+
+def _cf_attrs(variable: StoreVariable) -> dict:
+    standard, long_name = _CF_NAMES.get(variable.name, (None, variable.name))
+    attrs = {"units": variable.units, "long_name": long_name}
+    if standard is not None:
+        attrs["standard_name"] = standard
+    return attrs
+
+
+@dataclass
+class ForecastStore:
+    """Handle of ``DIR/forecast.zarr`` on one rank (see the module docstring).
+
+    :meth:`create` (rank 0, once) writes the metadata; :meth:`open` returns a handle on every
+    rank; :meth:`write` writes one field's rows (called from the writer thread);
+    :meth:`complete_times` / :meth:`mark_complete` read and set the completion marks.
+    """
+
+    path: Path
+    members: int = 1
+    written_chunks: set = field(default_factory=set)
+
+    @classmethod
+    def create(
+        cls,
+        path,
+        *,
+        variables: Sequence[StoreVariable],
+        init_times: np.ndarray,
+        lead_times: np.ndarray,
+        latitude: np.ndarray,
+        longitude: np.ndarray,
+        levels: Sequence[float] = (),
+        members: int = 1,
+        row_chunk: int,
+        attrs: dict | None = None,
+    ) -> ForecastStore:
+        """Write the store's metadata and coordinates (no data chunk) to ``path``."""
+        path = Path(path)
+        coords = {
+            "init_time": ("init_time", np.asarray(init_times, dtype="datetime64[ns]")),
+            "lead_time": ("lead_time", np.asarray(lead_times, dtype="timedelta64[ns]")),
+            "latitude": ("latitude", np.asarray(latitude, dtype=np.float64)),
+            "longitude": ("longitude", np.asarray(longitude, dtype=np.float64)),
+        }
+        if levels:
+            coords["level"] = ("level", np.asarray(levels, dtype=np.float64))
+        if members > 1:
+            coords["member"] = ("member", np.arange(members, dtype=np.int64))
+        n_init = len(coords["init_time"][1])
+        ds = xr.Dataset(
+            {COMPLETE: ("init_time", np.zeros(n_init, dtype=np.int8))},
+            coords=coords,
+            attrs={"Conventions": "CF-1.8", **(attrs or {})},
+        )
+        ds["latitude"].attrs.update(units="degrees_north", standard_name="latitude")
+        ds["longitude"].attrs.update(units="degrees_east", standard_name="longitude")
+        ds["init_time"].attrs.update(standard_name="forecast_reference_time")
+        ds["lead_time"].attrs.update(standard_name="forecast_period")
+        if levels:
+            ds["level"].attrs.update(units="hPa", standard_name="air_pressure", positive="down")
+        ds[COMPLETE].attrs["description"] = "1 once every rank has flushed this initial time"
+        encoding = {COMPLETE: {"chunks": (1,)}}
+        ds.to_zarr(path, mode="w", consolidated=False, encoding=encoding)
+        group = zarr.open_group(path, mode="r+")
+        height, width = len(latitude), len(longitude)
+        n_lead = len(lead_times)
+        for variable in variables:
+            lead_dims = (
+                ("init_time", "member", "lead_time") if members > 1 else ("init_time", "lead_time")
+            )
+            lead_shape = (n_init, members, n_lead) if members > 1 else (n_init, n_lead)
+            level_dims = ("level",) if variable.upper else ()
+            level_shape = (len(levels),) if variable.upper else ()
+            group.create_array(
+                variable.name,
+                shape=(*lead_shape, *level_shape, height, width),
+                chunks=(*(1 for _ in lead_shape), *level_shape, row_chunk, width),
+                dtype="float32",
+                fill_value=np.float32("nan"),
+                dimension_names=(*lead_dims, *level_dims, "latitude", "longitude"),
+                attributes=_cf_attrs(variable),
+            )
+        with warnings.catch_warnings():  # zarr's notice that v3 has no consolidated spec yet
+            warnings.simplefilter("ignore", UserWarning)
+            # the metadata never changes after this (data and the marks are chunks), so
+            # ``xarray.open_zarr(path)`` opens the store from one document, without a warning
+            zarr.consolidate_metadata(path)
+        return cls(path, members)
+
+    @classmethod
+    def open(cls, path, members: int = 1) -> ForecastStore:
+        return cls(Path(path), members)
+
+    def _group(self):
+        group = getattr(self, "_cached_group", None)
+        if group is None:
+            group = self._cached_group = zarr.open_group(
+                self.path, mode="r+", use_consolidated=False
+            )
+        return group
+
+    def write(self, name: str, index: tuple, rows: tuple[int, int], values: np.ndarray) -> None:
+        """Write ``values`` (``[levels,] rows, W``) at ``index`` (init position, [member,] lead)
+        into rows ``rows`` of variable ``name``."""
+        array = self._group()[name]
+        region = (*(slice(i, i + 1) for i in index), *(slice(0, n) for n in values.shape[:-2]))
+        region = (*region, slice(*rows), slice(0, values.shape[-1]))
+        array[region] = values.reshape(tuple(s.stop - s.start for s in region))
+        for chunk in chunk_indices(region, array.chunks):
+            self.written_chunks.add((name, chunk))
+
+    def complete_times(self) -> np.ndarray:
+        """Boolean per initial time: marked complete."""
+        return np.asarray(self._group()[COMPLETE][:]) == 1
+
+    def mark_complete(self, positions: Sequence[int]) -> None:
+        """Mark initial times complete (rank 0, after every rank flushed them)."""
+        array = self._group()[COMPLETE]
+        for p in positions:
+            array[int(p)] = 1
+
+    def init_times(self) -> np.ndarray:
+        return np.asarray(self._group()["init_time"][:])
+
+    def attrs(self) -> dict:
+        return dict(self._group().attrs)
+
+
+def check_existing_store(
+    path: Path, resume: bool, overwrite: bool, times, variables, members
+) -> None:
+    """Refuse an existing store without ``--resume`` / ``--overwrite``, or one ``--resume``
+    cannot continue (other initial times, leads, variables or members)."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other")
+    if not path.exists() or overwrite:
+        return
+    if not resume:
+        raise ValueError(
+            f"{path} exists; pass --resume to continue it or --overwrite to replace it"
+        )
+    try:
+        ds = xr.open_zarr(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable store is reported in one line
+        raise ValueError(f"--resume: {path} is not a readable forecast store ({exc})") from None
+    same = (
+        np.array_equal(ds["init_time"].values, times.init_times)
+        and ds.sizes.get("lead_time") == len(times.lead_times)
+        and sorted(v.name for v in variables) == sorted(n for n in ds.data_vars if n != "complete")
+        and ds.sizes.get("member", 1) == members
+    )
+    if not same:
+        raise ValueError(
+            f"--resume: {path} holds other initial times, leads, variables or members than "
+            "this run; pass the same flags, or --overwrite"
+        )
+
+
+def remove_store(path) -> None:
+    """Delete a store directory (``--overwrite``)."""
+    path = Path(path)
+    if path.exists():
+        shutil.rmtree(path)
+
+
+def config_attrs(conf: dict, checkpoint: str, extra: dict | None = None) -> dict:
+    """The root attributes recording the run: its config (JSON) and checkpoint."""
+    return {
+        "config": json.dumps(conf, default=str, sort_keys=True),
+        "checkpoint": str(checkpoint),
+        "source": "credit-parallel forecast",
+        **(extra or {}),
+    }
+
+
+class BackgroundWriter:
+    """A writer thread with a bounded queue: :meth:`put` hands it one write (blocking only when
+    ``max_pending`` writes are waiting), :meth:`flush` waits until everything handed over is
+    written, :meth:`fence` / :meth:`wait` until everything handed over before the fence is (so
+    the next initial time computes while the last one's writes finish).  An exception in the
+    thread is raised by the next ``put`` / ``flush`` / ``wait``.
+
+    ``blocked_s``: the time the caller spent waiting on the writer (the write time left on the
+    critical path); ``write_s``: the thread's time writing; ``lag``: writes not finished yet.
+    """
+
+    def __init__(self, store: ForecastStore, max_pending: int = 4):
+        self.store = store
+        self.queue: queue.Queue = queue.Queue(maxsize=max(1, int(max_pending)))
+        self.error: BaseException | None = None
+        self.blocked_s = 0.0
+        self.write_s = 0.0
+        self._tickets = 0  # fences handed out
+        self._passed = 0  # fences the thread has reached (every write before them done)
+        self._fence = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="forecast-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                if isinstance(item, int):  # a fence: everything before it is written
+                    with self._fence:
+                        self._passed = item
+                        self._fence.notify_all()
+                elif self.error is None:
+                    started = time.perf_counter()
+                    self.store.write(*item)
+                    self.write_s += time.perf_counter() - started
+            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+                self.error = err
+            finally:
+                self.queue.task_done()
+
+    def fence(self) -> int:
+        """A ticket that :meth:`wait` returns on once every write handed over before it is
+        written (the writes handed over after it may still be pending)."""
+        self._raise()
+        self._tickets += 1
+        started = time.perf_counter()
+        self.queue.put(self._tickets)
+        self.blocked_s += time.perf_counter() - started
+        return self._tickets
+
+    def wait(self, ticket: int) -> None:
+        """Block until the writes before ``ticket`` are written."""
+        started = time.perf_counter()
+        with self._fence:
+            self._fence.wait_for(lambda: self._passed >= ticket or self.error is not None)
+        self.blocked_s += time.perf_counter() - started
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"forecast writer failed: {self.error}") from self.error
+
+    @property
+    def lag(self) -> int:
+        return self.queue.unfinished_tasks
+
+    def put(self, name: str, index: tuple, rows: tuple[int, int], values: np.ndarray) -> None:
+        self._raise()
+        started = time.perf_counter()
+        self.queue.put((name, index, rows, values))
+        self.blocked_s += time.perf_counter() - started
+
+    def flush(self) -> None:
+        started = time.perf_counter()
+        self.queue.join()
+        self.blocked_s += time.perf_counter() - started
+        self._raise()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.queue.put(None)
+            self._thread.join()
+        self._raise()
