@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import DataMode, ParallelDims, parse_parallelism_conf
+from ..config import DataMode, ParallelDims, domain_degrees, parse_parallelism_conf
 from ..domain.convert import validate_sharding_constraints
 from ..domain.layers.gather import gather_cost_note
 from ..domain.plan import sharing_step
@@ -162,6 +162,19 @@ def _run_settings(conf: dict, trainer, violations: list) -> tuple[int, bool, str
             violations.append(f"{err}; assuming {default!r}")
             settings.append(default)
     return settings[0], settings[1], settings[2]
+
+
+def _tile_limits(model, lat: int, lon: int, violations: list, notes: list) -> None:
+    """A two-dimensional domain (SPEC §3b): the rows below are planned for the latitude split;
+    the modules not yet exact on lat x lon tiles are violations (as the converter refuses them)."""
+    from ..domain.tiles_convert import tile_refusals_of_model
+
+    notes.append(
+        f"two-dimensional domain {lat} x {lon}: rows, halo bytes and memory below are planned "
+        f"for the latitude split (P = {lat}) only; each rank further holds 1/{lon} of the columns"
+    )
+    for path, reason in tile_refusals_of_model(model):
+        violations.append(f"{path}: {reason}")
 
 
 def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: list, *, policy):
@@ -395,7 +408,8 @@ def make_plan(
         raise ValueError(f"--world-size must be an integer >= 1, got {world_size!r}")
     violations: list[str] = []
     notes: list[str] = []
-    data, tp, n = block["data"], block["tensor"], block["domain"]
+    data, tp = block["data"], block["tensor"]
+    n, lon = domain_degrees(block["domain"])
     dims, dp = _layout(block, world_size, dims, violations, notes)
     batch_size, amp, policy = _run_settings(conf, trainer, violations)
 
@@ -403,6 +417,8 @@ def make_plan(
     model, model_type, shapes = _meta_model(conf, model, input_shapes)
     tp_partial_gradient_findings(model, shapes, tp, notes, violations)  # before the domain trace
     trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
+    if lon > 1:
+        _tile_limits(model, n, lon, violations, notes)
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, layers, n, violations, notes)
 
