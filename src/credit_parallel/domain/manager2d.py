@@ -29,9 +29,20 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import DOMAIN_LAT, DOMAIN_LON, all_ranks_joined, require_process_group
-from .manager import DomainParallelManager, _axis_mesh, _mesh_device_type
+from .manager import (
+    DomainParallelManager,
+    _axis_mesh,
+    _mesh_device_type,
+    set_domain_parallel_manager,
+)
 
-__all__ = ["TiledDomainManager", "domain_shape_of", "is_tiled"]
+__all__ = [
+    "TiledDomainManager",
+    "domain_shape_of",
+    "initialize_tiled_domain_parallel",
+    "is_tiled",
+    "tiles_unsupported",
+]
 
 
 def is_tiled(manager) -> bool:
@@ -198,6 +209,15 @@ class TiledDomainManager(DomainParallelManager):
             f"TiledDomainManager(tile=({lat}, {lon}) of {self._shape[0]} x {self._shape[1]}, "
             f"dp_rank={self.dp_rank}/{self.dp_world_size}, domain_ranks={self._domain_ranks})"
         )
+
+
+def initialize_tiled_domain_parallel(
+    world_size: int, domain_shape: tuple[int, int], shard_dim: int = -2
+) -> TiledDomainManager:
+    """Create the process-wide manager of a ``domain_shape`` = (P, Q) domain and return it."""
+    manager = TiledDomainManager(world_size, domain_shape, shard_dim)
+    set_domain_parallel_manager(manager)
+    return manager
 
 
 def tiles_unsupported(owner, path: str | None = None) -> str:
