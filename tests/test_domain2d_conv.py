@@ -116,7 +116,7 @@ def _parity_worker(rank, world, shape, names):
         x = torch.randn(in_shape, dtype=torch.float64)
         hdim = -2 if len(in_shape) == 4 else 3
         errors = domain_parity_errors(
-            build, x, m, convert=lambda mod, mgr: wrap(mod, manager=mgr), shard_dim=hdim
+            build, x, m, convert=lambda mod, mgr, wrap=wrap: wrap(mod, manager=mgr), shard_dim=hdim
         )
         out[name] = errors
     return out
