@@ -46,6 +46,7 @@ from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixe
 from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
+from .tiles_convert import tile_refusal_message, tile_refusals
 from .wrap import converted_tree, visit_outermost
 
 __all__ = [
@@ -123,6 +124,8 @@ def _conv_rule(base: type, layer: type, rank: int) -> DomainRule:
             return None
         if conv_needs_domain_wrapper(module, shard_dim % rank - 2):
             return layer(module, shard_dim, manager=manager)
+        if getattr(manager, "is_tiled", False) and conv_needs_domain_wrapper(module, rank - 3):
+            return layer(module, shard_dim, manager=manager)  # reaches other columns (tiles)
         return None  # row-local: left alone
 
     return rule
@@ -501,9 +504,21 @@ def convert_to_domain_parallel(
     custom = _check_arguments(shard_dim, custom_converters, nonlocal_policy)
     if manager is None:
         raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
+    tiled = getattr(manager, "is_tiled", False)  # lat x lon tiles: no fusion (tiles_convert.py)
     plan = plan_conversion(
-        model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse_exchanges
+        model,
+        manager,
+        shard_dim,
+        custom,
+        nonlocal_policy,
+        fuse_exchanges=fuse_exchanges and not tiled,
     )
+    if tiled:
+        refusals = tile_refusals(model, plan)
+        if refusals and not allow_unsafe:
+            raise ValueError(tile_refusal_message(refusals))
+        if refusals:
+            warnings.warn(tile_refusal_message(refusals), stacklevel=2)
     for where, why in plan.gathered:
         warnings.warn(
             f"nonlocal_policy='gather': {where} ({why}): "

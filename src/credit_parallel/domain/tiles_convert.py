@@ -1,0 +1,104 @@
+"""What the converter refuses on lat x lon tiles (SPEC §3b): never silently wrong.
+
+On a two-dimensional domain a rank holds some rows AND some columns.  A domain layer is exact
+there only when it says so (class attribute ``tile_exact = True``: the convolutions of
+``layers/conv.py`` through ``layers/conv_tiles.py``, GroupNorm through its statistics over the
+whole P x Q group); every other replacement the converter would make (interpolation, padding,
+pixel shuffle, attention, the gather policy, FuXi / Swin adapters, ...) is refused, naming the
+module.  So are modules the 1-D converter leaves alone because they are ROW-local, which says
+nothing about columns: padding modules that pad longitude only, modules that declare
+``_domain_local = True`` without also declaring ``_tile_local = True`` (each output position
+computed from its own input position only), and conv subclasses with their own forward whose
+kernel reaches other columns.  The refusal can be planned without a process group
+(:func:`tile_refusals_of_model`, what ``credit-parallel plan`` reports).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .layers.conv_geometry import conv_needs_domain_wrapper
+
+__all__ = ["tile_refusals", "tile_refusals_of_model", "tile_refusal_message"]
+
+_PADS = (
+    nn.modules.padding._ConstantPadNd,
+    nn.modules.padding._ReflectionPadNd,
+    nn.modules.padding._ReplicationPadNd,
+    nn.modules.padding._CircularPadNd,
+)
+_CONVS = (nn.ConvTranspose3d, nn.ConvTranspose2d, nn.Conv3d, nn.Conv2d)
+UNSUPPORTED = "two-dimensional (lat x lon) domains do not support it yet"
+
+
+def _left_alone_reason(module: nn.Module) -> str | None:
+    """Why a module the 1-D converter leaves alone is not exact on tiles, or None."""
+    if getattr(module, "_domain_local", None) is True:
+        if getattr(module, "_tile_local", None) is True:
+            return None
+        return (
+            "declares _domain_local = True (row-local) but not _tile_local = True (each output "
+            f"position from its own input position); {UNSUPPORTED}"
+        )
+    if isinstance(module, _PADS):
+        return f"pads longitude on a tile; {UNSUPPORTED}"
+    for base in _CONVS:
+        if isinstance(module, base) and type(module).forward is not base.forward:
+            w = len(module.kernel_size) - 1
+            if conv_needs_domain_wrapper(module, w):
+                return f"overrides {base.__name__}.forward and reaches other columns; {UNSUPPORTED}"
+    return None
+
+
+def tile_refusals(model: nn.Module, plan) -> list[tuple[str, str]]:
+    """(path, reason) of every module of ``model`` that ``plan`` (a
+    :class:`~credit_parallel.domain.plan.ConversionPlan` of it) leaves inexact on tiles."""
+    found = []
+    decided = {}
+    for entry in plan.replacements():
+        decided[entry.path] = entry.replacement
+        if entry.stage == "custom" or getattr(entry.replacement, "tile_exact", False):
+            continue
+        old, new = type(entry.original).__name__, type(entry.replacement).__name__
+        found.append((entry.path, f"{old} (as {new}): {UNSUPPORTED}"))
+    refused = {path for path, _ in found}
+
+    def visit(module: nn.Module, path: str) -> None:
+        display = path or "<root>"
+        module = decided.get(display, module)
+        if display in decided:
+            return  # a replacement: judged above, its inside is its own
+        if getattr(module, "_domain_parallel", False) and not getattr(
+            module, "_domain_convert_children", False
+        ):
+            return
+        reason = _left_alone_reason(module)
+        if reason is not None and display not in refused:
+            found.append((display, f"{type(module).__name__} {reason}"))
+            return
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+    return found
+
+
+def tile_refusal_message(refusals: list[tuple[str, str]]) -> str:
+    listing = "\n  ".join(f"{path}: {reason}" for path, reason in refusals)
+    return (
+        "convert_to_domain_parallel: modules not exact on lat x lon tiles (a two-dimensional "
+        "trainer.parallelism.domain):\n  " + listing + "\nUse an int domain (latitude only), "
+        "or replace them (exact on tiles today: Conv2d/Conv3d, ConvTranspose2d/3d, "
+        "PeriodicConv2d, GroupNorm, and point-wise / channel-wise modules)."
+    )
+
+
+def tile_refusals_of_model(model: nn.Module) -> list[tuple[str, str]]:
+    """:func:`tile_refusals` of ``model`` converted as ``convert_to_domain_parallel`` converts
+    it under a two-dimensional manager (no exchange fusion); no process group needed.  The
+    modules the 1-D converter refuses are reported by it, not here."""
+    from .convert import plan_conversion
+
+    plan = plan_conversion(model, None, fuse_exchanges=False, errors="record")
+    return tile_refusals(model, plan)

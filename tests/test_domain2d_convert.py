@@ -1,0 +1,132 @@
+"""convert_to_domain_parallel on lat x lon tiles (SPEC §3b): models of the layers exact on tiles
+(convolutions of every geometry, PeriodicConv2d, transposed convolutions, GroupNorm over the
+whole P x Q group) match one process; everything else is REFUSED naming the module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from credit_parallel.domain.convert import convert_to_domain_parallel
+from credit_parallel.domain.layers.conv import DomainParallelConv2d
+from credit_parallel.domain.layers.norm import DomainParallelGroupNorm
+from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.tiles_convert import tile_refusals_of_model
+from credit_parallel.models import PeriodicConv2d
+from credit_parallel.testing import domain_parity_errors, fake_process_group, run_on_ranks
+
+
+class _Net(nn.Module):
+    """conv -> GroupNorm -> SiLU -> periodic conv -> lon-only conv -> strided conv -> transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular"),
+            nn.GroupNorm(2, 8),
+            nn.SiLU(),
+            PeriodicConv2d(8, 8, 3, padding=1),
+            nn.GroupNorm(4, 8, affine=False),
+            nn.Conv2d(8, 8, (1, 3), padding=(0, 1)),
+            nn.Conv2d(8, 6, 3, stride=2, padding=1),
+            nn.ConvTranspose2d(6, 4, 2, stride=2),
+            nn.Conv2d(4, 2, 1),
+        )
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _model_worker(rank, world, shape, grid):
+    m = TiledDomainManager(world, shape)
+    torch.manual_seed(3)
+    x = torch.randn(2, 3, *grid, dtype=torch.float64)
+    errors = domain_parity_errors(lambda: _Net().double(), x, m)
+    converted = convert_to_domain_parallel(_Net().double(), m)
+    kinds = [type(mod).__name__ for mod in converted.body]
+    return errors, kinds
+
+
+@pytest.mark.parametrize("shape, grid", [((2, 2), (10, 12)), ((1, 2), (9, 11)), ((3, 2), (12, 10))])
+def test_converted_model_exact_on_tiles(shape, grid):
+    for errors, kinds in run_on_ranks(_model_worker, shape[0] * shape[1], shape, grid):
+        for key, (err, ref) in errors.items():
+            assert err <= 1e-10 and ref > 0, (shape, key, err, ref)
+        # the (1, 3) conv is row-local but reaches other columns: converted on tiles
+        assert kinds[5] == "DomainParallelConv2d" and kinds[1] == "DomainParallelGroupNorm"
+        assert kinds[2] == "SiLU" and kinds[8] == "Conv2d"
+
+
+class _RowLocal(nn.Module):
+    _domain_local = True
+
+    def forward(self, x):
+        return x.flip(-1)  # row-local, but mixes columns
+
+
+class _TileLocal(nn.Module):
+    _domain_local = True
+    _tile_local = True
+
+    def forward(self, x):
+        return x * 2
+
+
+class _Pool(nn.Module):
+    def forward(self, x):
+        return x
+
+
+_Pool.__name__ = "MyPool"
+
+
+@pytest.mark.parametrize(
+    "module, path, words",
+    [
+        (
+            nn.Upsample(scale_factor=2, mode="bilinear"),
+            "1",
+            "Upsample (as DomainParallelInterpolate)",
+        ),
+        (nn.ZeroPad2d((1, 1, 0, 0)), "1", "ZeroPad2d pads longitude"),
+        (nn.ReflectionPad2d(1), "1", "ReflectionPad2d (as DomainParallelPad)"),
+        (nn.PixelShuffle(2), "1", "PixelShuffle (as DomainParallelPixelShuffle)"),
+        (_RowLocal(), "1", "_RowLocal declares _domain_local = True"),
+        (nn.MultiheadAttention(4, 2, batch_first=True), "1", "MultiheadAttention"),
+    ],
+)
+def test_modules_not_exact_on_tiles_are_refused_naming_them(module, path, words):
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), module, _TileLocal())
+    with fake_process_group(0, 4):
+        m = TiledDomainManager(4, (2, 2))
+        with pytest.raises(ValueError) as err:
+            convert_to_domain_parallel(model, m)
+    text = str(err.value)
+    assert f"{path}: " in text and words in text, text
+    assert "two-dimensional (lat x lon) domains do not support it yet" in text
+    assert "0: " not in text and "2: " not in text  # the conv and the tile-local module pass
+    # the planner reports the same module without a process group
+    planned = dict(tile_refusals_of_model(model))
+    assert path in planned and words.split(" (")[0].split(" ")[0] in planned[path]
+
+
+def test_gather_policy_and_1d_refusals_on_tiles():
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.MaxPool2d(2))
+    with fake_process_group(1, 4):
+        m = TiledDomainManager(4, (2, 2))
+        with pytest.raises(ValueError, match="MaxPool2d mixes rows"):
+            convert_to_domain_parallel(model, m)
+        with pytest.raises(ValueError, match="1: MaxPool2d \\(as DomainGatherModule\\)"):
+            convert_to_domain_parallel(model, m, nonlocal_policy="gather")
+        # a layer not exact on tiles built by hand refuses at its first call, naming itself
+        from credit_parallel.domain.layers.resample import DomainParallelInterpolate
+
+        layer = DomainParallelInterpolate(scale_factor=2, mode="bilinear", manager=m)
+        with pytest.raises(ValueError, match="DomainParallelInterpolate: two-dimensional"):
+            layer(torch.zeros(1, 1, 4, 4))
+
+
+def test_tile_exact_layers_declare_it():
+    assert DomainParallelConv2d.tile_exact and DomainParallelGroupNorm.tile_exact
+    assert tile_refusals_of_model(_Net()) == []
