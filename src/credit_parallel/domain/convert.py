@@ -46,7 +46,7 @@ from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixe
 from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
-from .tiles_convert import tile_refusal_message, tile_refusals
+from .tiles_convert import check_tiles
 from .wrap import converted_tree, visit_outermost
 
 __all__ = [
@@ -505,20 +505,10 @@ def convert_to_domain_parallel(
     if manager is None:
         raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
     tiled = getattr(manager, "is_tiled", False)  # lat x lon tiles: no fusion (tiles_convert.py)
-    plan = plan_conversion(
-        model,
-        manager,
-        shard_dim,
-        custom,
-        nonlocal_policy,
-        fuse_exchanges=fuse_exchanges and not tiled,
-    )
+    fuse = fuse_exchanges and not tiled
+    plan = plan_conversion(model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse)
     if tiled:
-        refusals = tile_refusals(model, plan)
-        if refusals and not allow_unsafe:
-            raise ValueError(tile_refusal_message(refusals))
-        if refusals:
-            warnings.warn(tile_refusal_message(refusals), stacklevel=2)
+        check_tiles(model, plan, allow_unsafe)
     for where, why in plan.gathered:
         warnings.warn(
             f"nonlocal_policy='gather': {where} ({why}): "

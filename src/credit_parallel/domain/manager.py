@@ -30,6 +30,9 @@ __all__ = [
 ]
 
 _MANAGER = None
+# [the manager class of lat x lon domains]: manager2d.TiledDomainManager registers itself here
+# (it builds on this module); the domain package imports manager2d, so it is always registered
+TILED_MANAGER: list = []
 
 
 def _axis_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
@@ -134,9 +137,7 @@ class DomainParallelManager:
                 f"from_device_mesh needs a DeviceMesh (from build_device_mesh), got {mesh!r}"
             )
         if _axis_mesh(mesh, "domain_lon") is not None:  # a lat x lon domain (SPEC §3b)
-            from .manager2d import TiledDomainManager
-
-            return TiledDomainManager.from_tile_mesh(mesh, shard_dim)
+            return TILED_MANAGER[0].from_tile_mesh(mesh, shard_dim)  # manager2d registers it
         domain_mesh = _axis_mesh(mesh, "domain")
         domain_size = domain_mesh.size() if domain_mesh is not None else 1
         return cls(dist.get_world_size(), domain_size, shard_dim, mesh=mesh)

@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import DOMAIN_LAT, DOMAIN_LON, all_ranks_joined, require_process_group
 from .manager import (
+    TILED_MANAGER,
     DomainParallelManager,
     _axis_mesh,
     _mesh_device_type,
@@ -209,6 +210,9 @@ class TiledDomainManager(DomainParallelManager):
             f"TiledDomainManager(tile=({lat}, {lon}) of {self._shape[0]} x {self._shape[1]}, "
             f"dp_rank={self.dp_rank}/{self.dp_world_size}, domain_ranks={self._domain_ranks})"
         )
+
+
+TILED_MANAGER[:] = [TiledDomainManager]  # DomainParallelManager.from_device_mesh builds it
 
 
 def initialize_tiled_domain_parallel(

@@ -10,16 +10,18 @@ nothing about columns: padding modules that pad longitude only, modules that dec
 ``_domain_local = True`` without also declaring ``_tile_local = True`` (each output position
 computed from its own input position only), and conv subclasses with their own forward whose
 kernel reaches other columns.  The refusal can be planned without a process group
-(:func:`tile_refusals_of_model`, what ``credit-parallel plan`` reports).
+(``planner.make.tile_refusals_of_model``, what ``credit-parallel plan`` reports).
 """
 
 from __future__ import annotations
+
+import warnings
 
 from torch import nn
 
 from .layers.conv_geometry import conv_needs_domain_wrapper
 
-__all__ = ["tile_refusals", "tile_refusals_of_model", "tile_refusal_message"]
+__all__ = ["check_tiles", "tile_refusals", "tile_refusal_message"]
 
 _PADS = (
     nn.modules.padding._ConstantPadNd,
@@ -94,11 +96,11 @@ def tile_refusal_message(refusals: list[tuple[str, str]]) -> str:
     )
 
 
-def tile_refusals_of_model(model: nn.Module) -> list[tuple[str, str]]:
-    """:func:`tile_refusals` of ``model`` converted as ``convert_to_domain_parallel`` converts
-    it under a two-dimensional manager (no exchange fusion); no process group needed.  The
-    modules the 1-D converter refuses are reported by it, not here."""
-    from .convert import plan_conversion
-
-    plan = plan_conversion(model, None, fuse_exchanges=False, errors="record")
-    return tile_refusals(model, plan)
+def check_tiles(model: nn.Module, plan, allow_unsafe: bool) -> None:
+    """Refuse (``ValueError``; with ``allow_unsafe`` a warning) the modules of ``model`` that
+    ``plan`` leaves inexact on tiles (``convert_to_domain_parallel`` under a tiled manager)."""
+    refusals = tile_refusals(model, plan)
+    if refusals and not allow_unsafe:
+        raise ValueError(tile_refusal_message(refusals))
+    if refusals:
+        warnings.warn(tile_refusal_message(refusals), stacklevel=3)

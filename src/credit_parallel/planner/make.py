@@ -164,11 +164,20 @@ def _run_settings(conf: dict, trainer, violations: list) -> tuple[int, bool, str
     return settings[0], settings[1], settings[2]
 
 
+def tile_refusals_of_model(model) -> list[tuple[str, str]]:
+    """(path, reason) of the modules ``convert_to_domain_parallel`` refuses under a
+    two-dimensional (lat x lon) manager (``domain/tiles_convert.py``), planned without a process
+    group; the modules refused under any domain are reported by the 1-D checks, not here."""
+    from ..domain.convert import plan_conversion
+    from ..domain.tiles_convert import tile_refusals
+
+    plan = plan_conversion(model, None, fuse_exchanges=False, errors="record")
+    return tile_refusals(model, plan)
+
+
 def _tile_limits(model, lat: int, lon: int, violations: list, notes: list) -> None:
     """A two-dimensional domain (SPEC §3b): the rows below are planned for the latitude split;
     the modules not yet exact on lat x lon tiles are violations (as the converter refuses them)."""
-    from ..domain.tiles_convert import tile_refusals_of_model
-
     notes.append(
         f"two-dimensional domain {lat} x {lon}: rows, halo bytes and memory below are planned "
         f"for the latitude split (P = {lat}) only; each rank further holds 1/{lon} of the columns"
