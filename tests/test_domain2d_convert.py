@@ -130,3 +130,27 @@ def test_gather_policy_and_1d_refusals_on_tiles():
 def test_tile_exact_layers_declare_it():
     assert DomainParallelConv2d.tile_exact and DomainParallelGroupNorm.tile_exact
     assert tile_refusals_of_model(_Net()) == []
+
+
+# --------------------------------------------------------------------------- parallelize
+@pytest.mark.parametrize(
+    "world, block",
+    [
+        (4, {"data": "fsdp2", "domain": {"lat": 2, "lon": 2}}),  # dp 1 x 2 x 2
+        (4, {"data": "fsdp2", "domain": {"lat": 1, "lon": 2}}),  # dp 2 x 1 x 2
+    ],
+)
+def test_parallelize_trains_on_tiles_like_one_process(world, block):
+    """The whole recipe on a lat x lon domain: the tile manager from the mesh, the conversion,
+    FSDP2 over the flattened dp x lat x lon axis, AdamW steps on uneven rows (H = 13
+    over 2) — losses and parameters equal one process."""
+    from test_fsdp_domain import TOL, _reference_losses, _train_worker
+
+    ref_losses, ref_params = _reference_losses()
+    for res in run_on_ranks(_train_worker, world, block, timeout=300):
+        for a, b in zip(res["losses"], ref_losses):
+            assert abs(a - b) <= TOL * abs(b), (res["losses"], ref_losses)
+        for name, ref in ref_params.items():
+            assert float((res["params"][name] - ref).abs().max()) <= TOL, name
+        assert res["meshes"] == {("dp_domain",)}
+        assert res["memory"]["state"] == 2 * res["memory"]["param_local"]
