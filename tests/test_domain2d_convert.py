@@ -29,6 +29,8 @@ class _Net(nn.Module):
             PeriodicConv2d(8, 8, 3, padding=1),
             nn.GroupNorm(4, 8, affine=False),
             nn.Conv2d(8, 8, (1, 3), padding=(0, 1)),
+            nn.ZeroPad2d((1, 1, 0, 0)),
+            nn.Conv2d(8, 8, (1, 3)),
             nn.Conv2d(8, 6, 3, stride=2, padding=1),
             nn.ConvTranspose2d(6, 4, 2, stride=2),
             nn.Conv2d(4, 2, 1),
@@ -55,7 +57,8 @@ def test_converted_model_exact_on_tiles(shape, grid):
             assert err <= 1e-10 and ref > 0, (shape, key, err, ref)
         # the (1, 3) conv is row-local but reaches other columns: converted on tiles
         assert kinds[5] == "DomainParallelConv2d" and kinds[1] == "DomainParallelGroupNorm"
-        assert kinds[2] == "SiLU" and kinds[8] == "Conv2d"
+        assert kinds[6] == "DomainParallelPad"  # pads longitude only: converted on tiles
+        assert kinds[2] == "SiLU" and kinds[10] == "Conv2d"
 
 
 class _RowLocal(nn.Module):
@@ -89,8 +92,7 @@ _Pool.__name__ = "MyPool"
             "1",
             "Upsample (as DomainParallelInterpolate)",
         ),
-        (nn.ZeroPad2d((1, 1, 0, 0)), "1", "ZeroPad2d pads longitude"),
-        (nn.ReflectionPad2d(1), "1", "ReflectionPad2d (as DomainParallelPad)"),
+        (nn.ConstantPad3d(1, 0.5), "1", "ConstantPad3d pads longitude"),
         (nn.PixelShuffle(2), "1", "PixelShuffle (as DomainParallelPixelShuffle)"),
         (_RowLocal(), "1", "_RowLocal declares _domain_local = True"),
         (nn.MultiheadAttention(4, 2, batch_first=True), "1", "MultiheadAttention"),
@@ -125,6 +127,40 @@ def test_gather_policy_and_1d_refusals_on_tiles():
         layer = DomainParallelInterpolate(scale_factor=2, mode="bilinear", manager=m)
         with pytest.raises(ValueError, match="DomainParallelInterpolate: two-dimensional"):
             layer(torch.zeros(1, 1, 4, 4))
+
+
+PADS = [
+    nn.ZeroPad2d((1, 2, 3, 0)),
+    nn.ZeroPad2d((1, 1, 0, 0)),
+    nn.ConstantPad2d((2, 0, 1, 1), 1.5),
+    nn.ReflectionPad2d(2),
+    nn.ReplicationPad2d((2, 1, 1, 2)),
+    nn.CircularPad2d((2, 1, 1, 1)),
+    nn.CircularPad2d((0, -1, -1, 2)),
+]
+
+
+def _pad_worker(rank, world, shape):
+    from credit_parallel.domain.layers.padding import DomainParallelPad
+
+    m = TiledDomainManager(world, shape)
+    torch.manual_seed(2)
+    x = torch.randn(1, 2, 7, 9, dtype=torch.float64)
+    out = []
+    for pad in PADS:
+        errors = domain_parity_errors(
+            lambda pad=pad: pad, x, m, convert=lambda mod, mgr: DomainParallelPad(mod, manager=mgr)
+        )
+        out.append(errors)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 3), (2, 1)])
+def test_padding_modules_exact_on_tiles(shape):
+    for result in run_on_ranks(_pad_worker, shape[0] * shape[1], shape):
+        for pad, errors in zip(PADS, result):
+            for key, (err, ref) in errors.items():
+                assert err <= 1e-12 and ref > 0, (shape, pad, key, err)
 
 
 def test_tile_exact_layers_declare_it():

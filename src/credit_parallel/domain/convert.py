@@ -153,8 +153,8 @@ def _upsample_rule(module, manager, shard_dim):
 
 def _pad_rule(module, manager, shard_dim):
     top, bottom = module.padding[2], module.padding[3]
-    if top == 0 and bottom == 0:
-        return None  # longitude-only padding is row-local
+    if top == 0 and bottom == 0 and not getattr(manager, "is_tiled", False):
+        return None  # longitude-only padding is row-local (not on lat x lon tiles)
     return DomainParallelPad(module, manager=manager)
 
 

@@ -58,6 +58,11 @@ def domain_shape_of(manager) -> tuple[int, int]:
     return tuple(manager.domain_shape)
 
 
+class _WidthKey:
+    """The owner under which a layer's global WIDTH is cached (its height is cached under the
+    layer itself)."""
+
+
 def _axis_view(parent: DomainParallelManager, group, ranks: list[int]) -> DomainParallelManager:
     """A DomainParallelManager over ``ranks`` (one axis of ``parent``'s tiles), sharing the
     parent's data-parallel group and settings, with its own group and global-length caches.
@@ -199,6 +204,19 @@ class TiledDomainManager(DomainParallelManager):
         super().begin_forward(token)
         self._lat.begin_forward(token)
         self._lon.begin_forward(token)
+
+    def global_height(self, owner, local_rows: int) -> int:
+        """The global height of the tile ``owner`` (a layer) was handed: its latitude column's
+        rows, learned and cached as ``DomainParallelManager.global_length`` does."""
+        return self._lat.global_length(owner, local_rows)
+
+    def global_width(self, owner, local_columns: int) -> int:
+        """The global width of the tile ``owner`` was handed, over its latitude band (cached
+        under a key of its own: a layer's height and width never share a cache entry)."""
+        key = owner.__dict__.get("_tile_width_key")
+        if key is None:
+            key = owner.__dict__["_tile_width_key"] = _WidthKey()
+        return self._lon.global_length(key, local_columns)
 
     def global_length(self, owner, local_length: int, *args, **kwargs) -> int:
         """Refused: see the module docstring.  Tile-aware code asks :attr:`lat` / :attr:`lon`."""

@@ -2,11 +2,12 @@
 
 On a two-dimensional domain a rank holds some rows AND some columns.  A domain layer is exact
 there only when it says so (class attribute ``tile_exact = True``: the convolutions of
-``layers/conv.py`` through ``layers/conv_tiles.py``, GroupNorm through its statistics over the
+``layers/conv.py`` through ``layers/conv_tiles.py``, the 2-D padding modules
+(``DomainParallelPad._forward_tile``), GroupNorm through its statistics over the
 whole P x Q group); every other replacement the converter would make (interpolation, padding,
 pixel shuffle, attention, the gather policy, FuXi / Swin adapters, ...) is refused, naming the
 module.  So are modules the 1-D converter leaves alone because they are ROW-local, which says
-nothing about columns: padding modules that pad longitude only, modules that declare
+nothing about columns: padding modules other than the 2-D ones (which are converted), modules that declare
 ``_domain_local = True`` without also declaring ``_tile_local = True`` (each output position
 computed from its own input position only), and conv subclasses with their own forward whose
 kernel reaches other columns.  The refusal can be planned without a process group
@@ -29,6 +30,7 @@ _PADS = (
     nn.modules.padding._ReplicationPadNd,
     nn.modules.padding._CircularPadNd,
 )
+_PADS_2D = (nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d, nn.CircularPad2d)
 _CONVS = (nn.ConvTranspose3d, nn.ConvTranspose2d, nn.Conv3d, nn.Conv2d)
 UNSUPPORTED = "two-dimensional (lat x lon) domains do not support it yet"
 
@@ -42,7 +44,8 @@ def _left_alone_reason(module: nn.Module) -> str | None:
             "declares _domain_local = True (row-local) but not _tile_local = True (each output "
             f"position from its own input position); {UNSUPPORTED}"
         )
-    if isinstance(module, _PADS):
+    if isinstance(module, _PADS) and not isinstance(module, _PADS_2D):
+        # 2-D padding modules are converted on tiles (DomainParallelPad); others are not
         return f"pads longitude on a tile; {UNSUPPORTED}"
     for base in _CONVS:
         if isinstance(module, base) and type(module).forward is not base.forward:
@@ -92,7 +95,8 @@ def tile_refusal_message(refusals: list[tuple[str, str]]) -> str:
         "convert_to_domain_parallel: modules not exact on lat x lon tiles (a two-dimensional "
         "trainer.parallelism.domain):\n  " + listing + "\nUse an int domain (latitude only), "
         "or replace them (exact on tiles today: Conv2d/Conv3d, ConvTranspose2d/3d, "
-        "PeriodicConv2d, GroupNorm, and point-wise / channel-wise modules)."
+        "PeriodicConv2d, the 2-D padding modules, GroupNorm, and point-wise / channel-wise "
+        "modules)."
     )
 
 

@@ -51,18 +51,6 @@ class TileConvCall:
     first_w: int | None
 
 
-class _LonOwner:
-    """The key under which a layer's global WIDTH is cached (its height is cached under the
-    layer itself): the two lengths must never share an entry."""
-
-
-def _lon_owner(layer) -> _LonOwner:
-    owner = layer.__dict__.get("_tile_lon_owner")
-    if owner is None:
-        owner = layer.__dict__["_tile_lon_owner"] = _LonOwner()
-    return owner
-
-
 def _axis_plan(geo, i: int, length: int, n: int, rank: int):
     """(plan, owned output range, first window row) along spatial dim ``i``."""
     windows_of = conv_transpose_windows if geo.transposed else conv_windows
@@ -118,8 +106,8 @@ def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Te
     columns along the last dim) under the tiled ``manager``."""
     _check_supported(layer)
     dim_h, dim_w = layer.spatial_index + 2, layer.nd + 1
-    height = manager.lat.global_length(layer, x.shape[dim_h])
-    width = manager.lon.global_length(_lon_owner(layer), x.shape[dim_w])
+    height = manager.global_height(layer, x.shape[dim_h])
+    width = manager.global_width(layer, x.shape[dim_w])
     call = tile_conv_call(layer, height, width, manager.domain_shape, manager.domain_coords)
     # along H, then along W of the H-extended tensor (the corners come with it)
     (window,) = exchange_planned([x], [(call.plan_h, dim_h, 0.0)], manager.lat)
