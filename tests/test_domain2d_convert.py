@@ -93,7 +93,6 @@ _Pool.__name__ = "MyPool"
             "Upsample (as DomainParallelInterpolate)",
         ),
         (nn.ConstantPad3d(1, 0.5), "1", "ConstantPad3d pads longitude"),
-        (nn.PixelShuffle(2), "1", "PixelShuffle (as DomainParallelPixelShuffle)"),
         (_RowLocal(), "1", "_RowLocal declares _domain_local = True"),
         (nn.MultiheadAttention(4, 2, batch_first=True), "1", "MultiheadAttention"),
     ],
@@ -161,6 +160,47 @@ def test_padding_modules_exact_on_tiles(shape):
         for pad, errors in zip(PADS, result):
             for key, (err, ref) in errors.items():
                 assert err <= 1e-12 and ref > 0, (shape, pad, key, err)
+
+
+SHUFFLES = [
+    (nn.PixelShuffle(2), (1, 8, 5, 7)),
+    (nn.PixelShuffle(3), (1, 9, 3, 4)),
+    (nn.PixelUnshuffle(2), (1, 2, 8, 10)),
+]
+
+
+def _shuffle_worker(rank, world, shape):
+    from credit_parallel.domain.layers.pixel_shuffle import (
+        DomainParallelPixelShuffle,
+        DomainParallelPixelUnshuffle,
+    )
+
+    m = TiledDomainManager(world, shape)
+    out = []
+    for module, in_shape in SHUFFLES:
+        torch.manual_seed(2)
+        x = torch.randn(in_shape, dtype=torch.float64)
+        wrap = (
+            DomainParallelPixelShuffle
+            if isinstance(module, nn.PixelShuffle)
+            else DomainParallelPixelUnshuffle
+        )
+        errors = domain_parity_errors(
+            lambda module=module: module,
+            x,
+            m,
+            convert=lambda mod, mgr, wrap=wrap: wrap(mod, manager=mgr),
+        )
+        out.append(errors)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 3), (3, 2)])
+def test_pixel_shuffle_exact_on_tiles(shape):
+    for result in run_on_ranks(_shuffle_worker, shape[0] * shape[1], shape):
+        for (module, _), errors in zip(SHUFFLES, result):
+            for key, (err, ref) in errors.items():
+                assert err <= 1e-12 and ref > 0, (shape, module, key, err)
 
 
 def test_tile_exact_layers_declare_it():
