@@ -87,11 +87,6 @@ _Pool.__name__ = "MyPool"
 @pytest.mark.parametrize(
     "module, path, words",
     [
-        (
-            nn.Upsample(scale_factor=2, mode="bilinear"),
-            "1",
-            "Upsample (as DomainParallelInterpolate)",
-        ),
         (nn.ConstantPad3d(1, 0.5), "1", "ConstantPad3d pads longitude"),
         (_RowLocal(), "1", "_RowLocal declares _domain_local = True"),
         (nn.MultiheadAttention(4, 2, batch_first=True), "1", "MultiheadAttention"),
@@ -121,11 +116,10 @@ def test_gather_policy_and_1d_refusals_on_tiles():
         with pytest.raises(ValueError, match="1: MaxPool2d \\(as DomainGatherModule\\)"):
             convert_to_domain_parallel(model, m, nonlocal_policy="gather")
         # a layer not exact on tiles built by hand refuses at its first call, naming itself
-        from credit_parallel.domain.layers.resample import DomainParallelInterpolate
+        from credit_parallel.domain.exchange.halo import HaloExchange
 
-        layer = DomainParallelInterpolate(scale_factor=2, mode="bilinear", manager=m)
-        with pytest.raises(ValueError, match="DomainParallelInterpolate: two-dimensional"):
-            layer(torch.zeros(1, 1, 4, 4))
+        with pytest.raises(ValueError, match="HaloExchange: two-dimensional"):
+            HaloExchange(1, manager=m)(torch.zeros(1, 1, 4, 4))
 
 
 PADS = [
@@ -199,6 +193,40 @@ def _shuffle_worker(rank, world, shape):
 def test_pixel_shuffle_exact_on_tiles(shape):
     for result in run_on_ranks(_shuffle_worker, shape[0] * shape[1], shape):
         for (module, _), errors in zip(SHUFFLES, result):
+            for key, (err, ref) in errors.items():
+                assert err <= 1e-12 and ref > 0, (shape, module, key, err)
+
+
+RESAMPLES = [
+    nn.Upsample(scale_factor=2, mode="bilinear"),
+    nn.Upsample(scale_factor=2, mode="nearest"),
+    nn.Upsample(size=(11, 6), mode="bilinear", align_corners=True),
+    nn.Upsample(size=(4, 5), mode="bilinear"),
+    nn.Upsample(scale_factor=(1.5, 0.75), mode="nearest"),
+]
+
+
+def _resample_worker(rank, world, shape):
+    from credit_parallel.domain.convert import _upsample_rule
+
+    m = TiledDomainManager(world, shape)
+    torch.manual_seed(4)
+    x = torch.randn(1, 2, 7, 9, dtype=torch.float64)
+    return [
+        domain_parity_errors(
+            lambda module=module: module,
+            x,
+            m,
+            convert=lambda mod, mgr: _upsample_rule(mod, mgr, -2),
+        )
+        for module in RESAMPLES
+    ]
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 3), (3, 2)])
+def test_interpolation_exact_on_tiles(shape):
+    for result in run_on_ranks(_resample_worker, shape[0] * shape[1], shape):
+        for module, errors in zip(RESAMPLES, result):
             for key, (err, ref) in errors.items():
                 assert err <= 1e-12 and ref > 0, (shape, module, key, err)
 

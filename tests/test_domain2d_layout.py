@@ -253,9 +253,14 @@ def test_plan_and_preflight_accept_a_tiled_domain_and_report_what_it_refuses():
     assert plan.dp == 2
     assert plan.mesh_axes == (("dp", 2), ("domain_lat", 2), ("domain_lon", 2))
     assert any("two-dimensional domain 2 x 2" in note for note in plan.notes)
-    # the U-Net's Upsample is not exact on tiles yet: reported, as the converter refuses it
-    refused = [v for v in plan.violations if "do not support it yet" in v]
-    assert refused and all("Upsample" in v for v in refused)
-    assert refused == [v for v in validate_run(conf, 8) if "do not support it yet" in v]
+    # every layer of the U-Net is exact on tiles: nothing refused
+    assert not [v for v in plan.violations if "do not support it yet" in v]
+    # the CrossFormer's window attention is not (yet): reported, as the converter refuses it
+    cross = copy.deepcopy(load_config("src/credit_parallel/configs/demo_crossformer.yaml"))
+    cross.pop("data", None)
+    cross["trainer"]["parallelism"] = conf["trainer"]["parallelism"]
+    refused = [v for v in make_plan(cross, 4).violations if "do not support it yet" in v]
+    assert refused and all(".attn: WindowAttention" in v for v in refused)
+    assert refused == [v for v in validate_run(cross, 4) if "do not support it yet" in v]
     bad = validate_run(conf, 6)
     assert any("tensor*domain.lat*domain.lon = 1*2*2 = 4" in v for v in bad)

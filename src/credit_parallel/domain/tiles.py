@@ -11,6 +11,8 @@ adjoints and the uneven shards are theirs.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .exchange.collectives import all_gather_rows, scatter_rows
@@ -25,6 +27,10 @@ __all__ = [
     "tile_shapes",
     "unpad_tile",
 ]
+
+
+# one interpolator per (manager, target size), so its global-size lookups stay cached
+_INTERPOLATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # --------------------------------------------------------------------------- pure layout
@@ -109,15 +115,20 @@ def _strip(x: torch.Tensor, dim: int, before: int, after: int, axis, owner) -> t
 def unpad_tile(y: torch.Tensor, pads: tuple, manager, image_h: int, image_w: int, owner):
     """``unpad_shard_interp`` on tiles: ``pads`` = (north, south, west, east) global rows and
     columns stripped, the tiles re-balanced (exactly ``shard_tensor`` of the un-padded global
-    output).  Interpolating to another grid is not supported on tiles yet (refused)."""
+    output), then bilinearly interpolated to ``image_h`` x ``image_w`` if that differs."""
     north, south, west, east = pads
     dim = y.dim() - 2
     y, height = _strip(y, dim, north, south, manager.lat, owner)
     y, width = _strip(y, dim + 1, west, east, manager.lon, owner)
     if (height, width) != (image_h, image_w):
-        raise ValueError(
-            f"unpad_shard_interp: the un-padded grid {height} x {width} differs from "
-            f"{image_h} x {image_w}; interpolation (DomainParallelInterpolate): two-dimensional "
-            "(lat x lon) domains do not support this layer yet"
-        )
+        from .layers.resample import DomainParallelInterpolate
+
+        cache = _INTERPOLATORS.setdefault(manager, {})
+        interp = cache.get((image_h, image_w))
+        if interp is None:
+            interp = DomainParallelInterpolate(
+                size=(image_h, image_w), mode="bilinear", manager=manager
+            )
+            cache[(image_h, image_w)] = interp
+        y = interp(y)
     return y
