@@ -258,3 +258,22 @@ def test_parallelize_trains_on_tiles_like_one_process(world, block):
             assert float((res["params"][name] - ref).abs().max()) <= TOL, name
         assert res["meshes"] == {("dp_domain",)}
         assert res["memory"]["state"] == 2 * res["memory"]["param_local"]
+
+
+# --------------------------------------------------------------------------- the bundled U-Net
+def _unet_worker(rank, world, shape, hw):
+    from credit_parallel.models import UNet
+
+    m = TiledDomainManager(world, shape)
+    torch.manual_seed(5)
+    x = torch.randn(1, 3, *hw, dtype=torch.float64)
+    return domain_parity_errors(lambda: UNet(3, 2, *hw, base_channels=4).double(), x, m)
+
+
+@pytest.mark.parametrize("shape, hw", [((2, 2), (17, 20)), ((1, 3), (11, 19)), ((3, 2), (19, 14))])
+def test_bundled_unet_exact_on_tiles(shape, hw):
+    """The bundled U-Net (periodic convs, GroupNorm, strided convs, bilinear upsampling to the
+    global skip sizes) on uneven tiles, converted by convert_to_domain_parallel."""
+    for errors in run_on_ranks(_unet_worker, shape[0] * shape[1], shape, hw, timeout=300):
+        for key, (err, ref) in errors.items():
+            assert err <= 1e-10 and ref > 0, (shape, key, err, ref)
