@@ -253,6 +253,11 @@ def test_plan_and_preflight_accept_a_tiled_domain_and_report_what_it_refuses():
     assert plan.dp == 2
     assert plan.mesh_axes == (("dp", 2), ("domain_lat", 2), ("domain_lon", 2))
     assert any("two-dimensional domain 2 x 2" in note for note in plan.notes)
+    from credit_parallel.planner import format_plan
+
+    text = format_plan(plan)
+    assert "domain=2x2 (lat x lon)" in text
+    assert "[17:33) of 33 x cols [32:64) of 64" in text  # rank 3: tile (1, 1)
     # every layer of the U-Net is exact on tiles: nothing refused
     assert not [v for v in plan.violations if "do not support it yet" in v]
     # the CrossFormer's window attention is not (yet): reported, as the converter refuses it
