@@ -15,6 +15,7 @@ from credit_parallel.domain.layers.conv import (
     DomainParallelConv2d,
     DomainParallelConv3d,
     DomainParallelConvTranspose2d,
+    DomainParallelConvTranspose3d,
     DomainParallelPeriodicConv2d,
 )
 from credit_parallel.domain.manager2d import TiledDomainManager
@@ -82,6 +83,13 @@ CASES = {
         lambda: nn.Conv3d(2, 3, 3, padding=1, padding_mode="circular", dtype=torch.float64),
         lambda m, manager: DomainParallelConv3d(m, manager=manager),
         (1, 2, 3, 9, 10),
+    ),
+    "transpose3d": (
+        lambda: nn.ConvTranspose3d(
+            2, 2, (1, 3, 2), stride=(1, 2, 2), padding=(0, 1, 0), dtype=torch.float64
+        ),
+        lambda m, manager: DomainParallelConvTranspose3d(m, manager=manager),
+        (1, 2, 2, 5, 6),
     ),
     "transpose_k3_s2": (
         lambda: nn.ConvTranspose2d(

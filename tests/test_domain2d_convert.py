@@ -277,3 +277,21 @@ def test_bundled_unet_exact_on_tiles(shape, hw):
     for errors in run_on_ranks(_unet_worker, shape[0] * shape[1], shape, hw, timeout=300):
         for key, (err, ref) in errors.items():
             assert err <= 1e-10 and ref > 0, (shape, key, err, ref)
+
+
+def test_miles_credit_crossformer_is_refused_on_tiles_naming_its_attention():
+    """A real miles-credit CrossFormer: exact at 1-D (windowed attention re-laid out by rows),
+    not yet on tiles; the converter refuses it naming every attention module, never running it
+    silently wrong."""
+    from test_domain_attention import _crossformer
+
+    net = _crossformer("credit.models.crossformer", (4, 2, 2, 1), (2, 2, 2, 1)).double()
+    refused = dict(tile_refusals_of_model(net))
+    attention = [p for p in refused if "Attention" in refused[p]]
+    assert attention and all("do not support it yet" in refused[p] for p in attention)
+    with fake_process_group(0, 4):
+        m = TiledDomainManager(4, (2, 2))
+        with pytest.raises(ValueError) as err:
+            convert_to_domain_parallel(net, m)
+    for path in attention:
+        assert f"{path}: " in str(err.value)
