@@ -198,3 +198,49 @@ def test_tile_exchange_is_planned_once_and_sends_few_messages():
         assert per_pass <= 4, (rank, messages)
         assert messages == 2 * ((lat > 0) + (lat < 2) + 1), (rank, messages, lat_peers)
         assert calls == 4  # one batched call per axis per direction
+
+
+def _bytes_worker(rank, world, shape, hw, kind):
+    from dataclasses import replace
+
+    from credit_parallel.domain.layers.conv_geometry import conv_windows
+    from credit_parallel.domain.rows import FILL
+    from credit_parallel.domain.sharding import shard_tensor
+    from credit_parallel.domain.tiles import tile_range
+
+    m = TiledDomainManager(world, shape)
+    if kind == "periodic":
+        layer = DomainParallelPeriodicConv2d(PeriodicConv2d(2, 2, 3, padding=1).double(), manager=m)
+    else:
+        layer = DomainParallelConv2d(nn.Conv2d(2, 2, 5, padding=2).double(), manager=m)
+    x = shard_tensor(torch.randn(1, 2, *hw, dtype=torch.float64), -2, m)
+    layer(x)
+    with record_exchange_stats() as stats:
+        layer(x)
+    (r0, r1), (c0, c1) = tile_range(*hw, shape, m.domain_coords)
+    geo = layer.geometry
+    lat, lon = m.domain_coords
+    rows = {g for g in conv_windows(geo, 0, hw[0], shape[0])[0][lat] if g != FILL}
+    geo_w = replace(geo, edge_mode=geo.other_mode)
+    cols = {g for g in conv_windows(geo_w, 1, hw[1], shape[1])[0][lon] if g != FILL}
+    # the distinct elements of other tiles this tile reads (corners included), 2 x float64
+    received = (len(rows) * len(cols) - (r1 - r0) * (c1 - c0)) * 2 * 8
+    return stats.by_direction["forward"], received
+
+
+@pytest.mark.parametrize(
+    "shape, hw, kind",
+    [
+        ((2, 2), (9, 11), "zeros"),
+        ((3, 2), (10, 7), "periodic"),
+        ((2, 3), (8, 10), "zeros"),
+        ((2, 2), (9, 8), "periodic"),
+    ],
+)
+def test_tile_halo_bytes_are_the_minimum(shape, hw, kind):
+    """The bytes sent equal the distinct elements of other tiles the tiles read, corners
+    included: the two-hop corners (rows first, then columns of the H-extended tensor) and the
+    rows beyond the poles (zeros, or reflected rows) cost nothing beyond the minimum."""
+    results = run_on_ranks(_bytes_worker, shape[0] * shape[1], shape, hw, kind)
+    assert sum(s for s, _ in results) == sum(r for _, r in results)
+    assert all(r > 0 for _, r in results)

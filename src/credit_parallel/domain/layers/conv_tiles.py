@@ -13,10 +13,11 @@ plain op (no padding along H and W) gives exactly the owned outputs.
 Longitude wraps across the longitude ranks under ``padding_mode="circular"`` and for
 ``PeriodicConv2d``; with Q = 2 the west and the east neighbour are one rank, and its columns
 arrive in ONE message placed by global column (``plan_exchange``), so the two halos cannot swap;
-with Q = 1 the wrap is local.  Per (H, W, P, Q, tile) the two plans and the op are made once
+with Q = 1 the wrap is local.  Per (H, W, P, Q, tile) the plans and the op are made once
 (:class:`TileConvCall`) and replayed: a forward is two batched exchanges of at most one message
-per peer each (at most 4 messages when the halos fit in the neighbouring tiles), the backward
-the same in reverse (autograd through the two exchanges: the exact adjoint).
+per peer each (at most 4 messages when the halos fit in the neighbouring tiles), each element
+sent once (``exchange/tiles.py``), the backward the same in reverse (autograd: the exact
+adjoint).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..exchange.halo import exchange_planned
+from ..exchange.tiles import TilePlan, exchange_tile, tile_plan
 from ..manager2d import tiles_unsupported
-from ..rows import RankExchangePlan, plan_exchange, shard_range
+from ..rows import shard_range
 from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
 
 __all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward"]
@@ -38,12 +39,11 @@ _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 @dataclass(frozen=True)
 class TileConvCall:
-    """This rank's part of one conv call on a tile: the plans along H (latitude ranks) and W
-    (longitude ranks), the local op, the owned output ranges and the first input row / column of
-    the windows (None: an empty window)."""
+    """This rank's part of one conv call on a tile: the exchange plans along H (latitude ranks)
+    and W (longitude ranks; ``exchange/tiles.py``), the local op, the owned output ranges and the
+    first input row / column of the windows (None: an empty window)."""
 
-    plan_h: RankExchangePlan
-    plan_w: RankExchangePlan
+    plan: TilePlan
     op: ConvOp | None
     out_h: tuple[int, int]
     out_w: tuple[int, int]
@@ -51,13 +51,12 @@ class TileConvCall:
     first_w: int | None
 
 
-def _axis_plan(geo, i: int, length: int, n: int, rank: int):
-    """(plan, owned output range, first window row) along spatial dim ``i``."""
+def _axis_windows(geo, i: int, length: int, n: int, rank: int):
+    """(every rank's windows, owned output range, first window row) along spatial dim ``i``."""
     windows_of = conv_transpose_windows if geo.transposed else conv_windows
     windows, out_len = windows_of(geo, i, length, n)
-    plan = plan_exchange(length, n, windows)[rank]
     first = windows[rank][0] if windows[rank] else None
-    return plan, shard_range(out_len, n, rank), first
+    return windows, shard_range(out_len, n, rank), first
 
 
 def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCall:
@@ -70,17 +69,18 @@ def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCal
     if call is not None:
         return call
     geo, i_h, i_w = layer.geometry, layer.spatial_index, layer.nd - 1
-    plan_h, out_h, first_h = _axis_plan(geo, i_h, height, shape[0], coords[0])
+    rows, out_h, first_h = _axis_windows(geo, i_h, height, shape[0], coords[0])
     # along W the rule is that of the conv's other dims (circular: longitude wraps)
     geo_w = replace(geo, edge_mode=geo.other_mode)
-    plan_w, out_w, first_w = _axis_plan(geo_w, i_w, width, shape[1], coords[1])
+    cols, out_w, first_w = _axis_windows(geo_w, i_w, width, shape[1], coords[1])
+    plan = tile_plan(height, width, shape, coords, rows, cols)
     op = None
     if not geo.transposed:  # the op pads the dims that are not split (T of a Conv3d) only
         pads = tuple((0, 0) if j == i_w else p for j, p in enumerate(geo.pads))
         op = ConvOp.of(replace(geo, pads=pads), i_h)
         if op.pad_flat is not None and not any(op.pad_flat):  # nothing left to pad
             op = replace(op, pad_flat=None, pad_mode="constant")
-    call = TileConvCall(plan_h, plan_w, op, out_h, out_w, first_h, first_w)
+    call = TileConvCall(plan, op, out_h, out_w, first_h, first_w)
     if len(calls) > 64:
         calls.clear()
     calls[key] = call
@@ -110,8 +110,7 @@ def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Te
     width = manager.global_width(layer, x.shape[dim_w])
     call = tile_conv_call(layer, height, width, manager.domain_shape, manager.domain_coords)
     # along H, then along W of the H-extended tensor (the corners come with it)
-    (window,) = exchange_planned([x], [(call.plan_h, dim_h, 0.0)], manager.lat)
-    (window,) = exchange_planned([window], [(call.plan_w, dim_w, 0.0)], manager.lon)
+    window = exchange_tile(x, call.plan, (dim_h, dim_w), manager)
     rows, cols = call.out_h[1] - call.out_h[0], call.out_w[1] - call.out_w[0]
     if layer.geometry.transposed:
         if call.first_h is None or call.first_w is None or rows == 0 or cols == 0:

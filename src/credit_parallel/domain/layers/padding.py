@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..exchange.halo import exchange_rows
+from ..exchange.tiles import exchange_tile, tile_plan
 from ..manager import resolve_manager
 from ..options import LayerOptions
 from ..rows import FILL, edge_source_row, shard_range
@@ -154,8 +155,8 @@ class DomainParallelPad(DomainWrapper):
         p, q = mgr.domain_shape
         rows = checked_pad_windows(height, p, top, bottom, self.mode, what)
         cols = checked_pad_windows(width, q, left, right, self.mode, what)
-        x = exchange_rows(x, rows, height, dim_h, mgr.lat, fill_value=self.value)
-        return exchange_rows(x, cols, width, dim_w, mgr.lon, fill_value=self.value)
+        plan = tile_plan(height, width, mgr.domain_shape, mgr.domain_coords, rows, cols)
+        return exchange_tile(x, plan, (dim_h, dim_w), mgr, self.value)
 
     def pad_width(self, rows: torch.Tensor) -> torch.Tensor:
         """The padding of the unsharded width (W, the last dim), applied locally."""
