@@ -295,3 +295,19 @@ def test_miles_credit_crossformer_is_refused_on_tiles_naming_its_attention():
             convert_to_domain_parallel(net, m)
     for path in attention:
         assert f"{path}: " in str(err.value)
+
+
+# --------------------------------------------------------------------------- verify
+def test_verify_passes_on_tiles_for_the_bundled_unet():
+    """``verify_layout`` (the command ``credit-parallel verify``) on lat x lon tiles: the loss
+    of a tile is normalised by the global height AND width; float64 and float32 pass."""
+    from test_verify_models import UNET, _assert_all_pass, _verify_cases
+
+    f64, f32 = torch.float64, torch.float32
+    cases = [
+        (UNET, {"data": "fsdp2", "domain": {"lat": 2, "lon": 2}}, f64),
+        (UNET, {"domain": {"lat": 2, "lon": 2}}, f32),
+    ]
+    _assert_all_pass(run_on_ranks(_verify_cases, 4, cases, timeout=300), 4)
+    cases = [(UNET, {"data": "ddp", "domain": {"lat": 1, "lon": 2}}, f64)]
+    _assert_all_pass(run_on_ranks(_verify_cases, 4, cases, timeout=300), 4)
