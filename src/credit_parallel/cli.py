@@ -49,12 +49,13 @@ def resolve_config(config: str) -> str:
 
 
 def _load_and_check(config: str, nproc: int | None) -> tuple[dict, int]:
-    from .layout.config import load_config, parse_parallelism_conf
+    from .layout.config import domain_degrees, load_config, parse_parallelism_conf
     from .layout.mesh import dp_world_size
 
     conf = load_config(config)
     block = parse_parallelism_conf(conf)
-    n = nproc if nproc is not None else block["tensor"] * block["domain"]
+    lat, lon = domain_degrees(block["domain"])
+    n = nproc if nproc is not None else block["tensor"] * lat * lon
     if n < 1:
         raise CLIError(f"--nproc must be >= 1, got {n}")
     dp_world_size(block, n)  # ValueError naming tensor/domain when the layout does not fit
@@ -246,10 +247,12 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_mesh_demo(args) -> int:
+    from .layout.config import parse_domain_option
     from .layout.mesh import dp_world_size
     from .tools.launcher import launch_local
 
-    block = {"data": args.data, "tensor": args.tensor, "domain": args.domain}
+    domain = parse_domain_option(args.domain)
+    block = {"data": args.data, "tensor": args.tensor, "domain": domain}
     dp_world_size(block, args.nproc)  # one-line ValueError before any rank starts
     return launch_local(
         args.nproc,
@@ -383,7 +386,9 @@ def _add_tool_commands(sub) -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--data", default="fsdp2")
     p.add_argument("--tensor", default="2")
-    p.add_argument("--domain", default="1")
+    p.add_argument(
+        "--domain", default="1", help="domain ranks: D (latitude only) or PxQ (lat x lon)"
+    )
     p.set_defaults(func=_cmd_mesh_demo)
 
 

@@ -204,7 +204,8 @@ def domain_parity_errors(
     gradients are the sharded/summed versions of the reference ones.  Returns a dict of
     ``{"output": err, "input_grad": err, "param:<name>": err, ...}`` where each err is
     ``(max_abs_error, max_abs_reference)`` — identical on every rank.  ``shard_dim``: the
-    dimension of every input and output sharded over the domain ranks.
+    dimension of every input and output sharded over the domain ranks (under a lat x lon
+    manager, ``manager.is_tiled``, the last dim is split over the longitude ranks too).
     """
     import copy
 
@@ -230,6 +231,12 @@ def domain_parity_errors(
 
     def local(t):
         d = shard_dim % t.dim()
+        if getattr(manager, "is_tiled", False):  # a lat x lon tile: rows and columns (SPEC §3b)
+            from .domain.tiles import tile_range
+
+            shape, coords = manager.domain_shape, manager.domain_coords
+            (a, b), (c0, c1) = tile_range(t.shape[d], t.shape[-1], shape, coords)
+            return t.narrow(d, a, b - a).narrow(-1, c0, c1 - c0)
         a, b = shard_range(t.shape[d], n, r)
         return t.narrow(d, a, b - a)
 

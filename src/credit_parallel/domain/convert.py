@@ -46,6 +46,7 @@ from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixe
 from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
+from .tiles_convert import check_tiles
 from .wrap import converted_tree, visit_outermost
 
 __all__ = [
@@ -123,6 +124,8 @@ def _conv_rule(base: type, layer: type, rank: int) -> DomainRule:
             return None
         if conv_needs_domain_wrapper(module, shard_dim % rank - 2):
             return layer(module, shard_dim, manager=manager)
+        if getattr(manager, "is_tiled", False) and conv_needs_domain_wrapper(module, rank - 3):
+            return layer(module, shard_dim, manager=manager)  # reaches other columns (tiles)
         return None  # row-local: left alone
 
     return rule
@@ -150,8 +153,8 @@ def _upsample_rule(module, manager, shard_dim):
 
 def _pad_rule(module, manager, shard_dim):
     top, bottom = module.padding[2], module.padding[3]
-    if top == 0 and bottom == 0:
-        return None  # longitude-only padding is row-local
+    if top == 0 and bottom == 0 and not getattr(manager, "is_tiled", False):
+        return None  # longitude-only padding is row-local (not on lat x lon tiles)
     return DomainParallelPad(module, manager=manager)
 
 
@@ -501,9 +504,11 @@ def convert_to_domain_parallel(
     custom = _check_arguments(shard_dim, custom_converters, nonlocal_policy)
     if manager is None:
         raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
-    plan = plan_conversion(
-        model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse_exchanges
-    )
+    tiled = getattr(manager, "is_tiled", False)  # lat x lon tiles: no fusion (tiles_convert.py)
+    fuse = fuse_exchanges and not tiled
+    plan = plan_conversion(model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse)
+    if tiled:
+        check_tiles(model, plan, allow_unsafe)
     for where, why in plan.gathered:
         warnings.warn(
             f"nonlocal_policy='gather': {where} ({why}): "

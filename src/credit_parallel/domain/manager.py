@@ -30,6 +30,9 @@ __all__ = [
 ]
 
 _MANAGER = None
+# [the manager class of lat x lon domains]: manager2d.TiledDomainManager registers itself here
+# (it builds on this module); the domain package imports manager2d, so it is always registered
+TILED_MANAGER: list = []
 
 
 def _axis_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
@@ -133,6 +136,8 @@ class DomainParallelManager:
             raise TypeError(
                 f"from_device_mesh needs a DeviceMesh (from build_device_mesh), got {mesh!r}"
             )
+        if _axis_mesh(mesh, "domain_lon") is not None:  # a lat x lon domain (SPEC §3b)
+            return TILED_MANAGER[0].from_tile_mesh(mesh, shard_dim)  # manager2d registers it
         domain_mesh = _axis_mesh(mesh, "domain")
         domain_size = domain_mesh.size() if domain_mesh is not None else 1
         return cls(dist.get_world_size(), domain_size, shard_dim, mesh=mesh)
@@ -180,6 +185,19 @@ class DomainParallelManager:
     @property
     def is_last_domain_rank(self) -> bool:
         return self._domain_rank == self.domain_world_size - 1
+
+    # two-dimensional domains (SPEC §3b; manager2d.TiledDomainManager) answer these too
+    is_tiled = False
+
+    @property
+    def domain_shape(self) -> tuple[int, int]:
+        """``(P, Q)``: ``(domain size, 1)`` for a latitude-only domain."""
+        return (self.domain_world_size, 1)
+
+    @property
+    def domain_coords(self) -> tuple[int, int]:
+        """``(lat, lon)`` of this rank's tile: ``(domain_rank, 0)`` for a latitude-only domain."""
+        return (self.domain_rank, 0)
 
     def neighbor_ranks(self) -> tuple[int | None, int | None]:
         """(previous, next) global ranks along the domain (north, south); None at the edges."""

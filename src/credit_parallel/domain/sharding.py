@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 from .exchange.collectives import all_gather_rows, scatter_rows
 from .manager import get_domain_parallel_manager
+from .manager2d import is_tiled
 from .rows import shard_range
+from .tiles import gather_tile, shard_tile, unpad_tile
 
 __all__ = ["gather_tensor", "shard_batch", "shard_spatial", "shard_tensor", "unpad_shard_interp"]
 
@@ -59,6 +61,8 @@ def shard_tensor(
         return x
     if register:
         mgr.begin_forward(("shard_tensor", tuple(x.shape), d))
+    if is_tiled(mgr):  # rows along d and columns along the last dim (SPEC §3b)
+        return shard_tile(x, d, mgr)
     return scatter_rows(x, d, mgr)
 
 
@@ -70,6 +74,8 @@ def gather_tensor(x: torch.Tensor, dim: int = -2, manager=None) -> torch.Tensor:
     if mgr is None:
         return x
     owner = _GATHER_OWNER
+    if is_tiled(mgr):
+        return gather_tile(x, d, mgr, owner)
     # not cached: gather_tensor is handed unrelated tensors under one registered token (the
     # outputs of different models or layers), so (token, call index) does not determine the
     # height; it is itself a collective, and one tiny length all_gather more is cheap
@@ -195,6 +201,9 @@ def unpad_shard_interp(
     from .layers.resample import DomainParallelInterpolate
 
     pad_n, pad_s, pad_w, pad_e = _paddings(padding_opt)
+    if is_tiled(_manager_or_none(manager)):  # rows and columns stripped across the tiles
+        pads = (pad_n, pad_s, pad_w, pad_e)
+        return unpad_tile(y_pred, pads, manager, image_h, image_w, _GATHER_OWNER)
     w = y_pred.shape[-1]
     if pad_w or pad_e:
         y_pred = y_pred[..., pad_w : w - pad_e]

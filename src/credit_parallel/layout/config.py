@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -29,9 +29,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from .ranks import RankLayout
 
 __all__ = [
+    "DOMAIN_LAT",
+    "DOMAIN_LON",
     "DP_DOMAIN",
     "all_ranks_joined",
     "DataMode",
+    "domain_degrees",
+    "parse_domain_option",
     "MeshAxis",
     "ParallelDims",
     "ParallelMesh",
@@ -58,6 +62,11 @@ class MeshAxis(enum.StrEnum):
     DOMAIN = "domain"
 
 
+DOMAIN_LAT = "domain_lat"  # mesh axes of a two-dimensional (lat x lon) domain (SPEC §3b)
+DOMAIN_LON = "domain_lon"
+_DOMAIN_KEYS = ("lat", "lon")
+
+
 def _parse_degree(key: str, value: Any) -> int:
     """An integer >= 1 given as int or as a string of decimal digits; bool and float refused."""
     where = f"trainer.parallelism.{key}"
@@ -76,6 +85,53 @@ def _parse_degree(key: str, value: Any) -> int:
     if degree < 1:
         raise ValueError(f"{where} must be an integer >= 1, got {value!r}")
     return degree
+
+
+def _parse_domain(value: Any) -> int | dict:
+    """``trainer.parallelism.domain``: an int D (latitude only) or ``{lat: P, lon: Q}`` (SPEC
+    §3b); returned as an int when Q == 1, else ``{"lat": P, "lon": Q}``."""
+    if not isinstance(value, dict):
+        return _parse_degree("domain", value)
+    unknown = sorted(str(k) for k in value if k not in _DOMAIN_KEYS)
+    if unknown:
+        raise ValueError(
+            f"trainer.parallelism.domain.{unknown[0]} is not a key of a two-dimensional domain; "
+            f"allowed keys are {list(_DOMAIN_KEYS)} (e.g. domain: {{lat: 2, lon: 2}})"
+        )
+    for key in _DOMAIN_KEYS:
+        if key not in value:
+            raise ValueError(
+                f"trainer.parallelism.domain.{key} is missing: a two-dimensional domain names "
+                "both lat and lon (e.g. domain: {lat: 2, lon: 2})"
+            )
+    lat, lon = (_parse_degree(f"domain.{key}", value[key]) for key in _DOMAIN_KEYS)
+    return lat if lon == 1 else {"lat": lat, "lon": lon}
+
+
+def parse_domain_option(text: str) -> str | dict:
+    """A command line's ``--domain``: ``"4"`` (latitude only, returned as given for
+    :func:`parse_parallelism_block` to check) or ``"PxQ"`` / ``"lat=P,lon=Q"`` (a
+    two-dimensional domain, returned as ``{"lat": "P", "lon": "Q"}``)."""
+    text = str(text).strip()
+    if "x" in text:
+        lat, _, lon = text.partition("x")
+        return {"lat": lat.strip(), "lon": lon.strip()}
+    if "=" in text:
+        out = {}
+        for part in text.split(","):
+            key, _, value = part.partition("=")
+            out[key.strip()] = value.strip()
+        return out
+    return text
+
+
+def domain_degrees(domain: Any) -> tuple[int, int]:
+    """``(P, Q)`` of a parsed ``domain`` value: ``(D, 1)`` for an int D, ``(lat, lon)`` for the
+    mapping :func:`parse_parallelism_block` returns (unvalidated values are passed through, for
+    :meth:`ParallelDims.problems` to report)."""
+    if isinstance(domain, dict):
+        return domain.get("lat"), domain.get("lon")
+    return domain, 1
 
 
 def parse_parallelism_block(block: Any) -> dict:
@@ -99,14 +155,15 @@ def parse_parallelism_block(block: Any) -> dict:
     return {
         "data": str(data),
         "tensor": _parse_degree("tensor", block.get("tensor", 1)),
-        "domain": _parse_degree("domain", block.get("domain", 1)),
+        "domain": _parse_domain(block.get("domain", 1)),
     }
 
 
 def parse_parallelism_conf(conf: Any) -> dict:
     """Parse ``conf["trainer"]["parallelism"]`` of a FULL config.
 
-    Returns ``{"data", "tensor", "domain"}`` with defaults ``"none"``, 1, 1.  Raises
+    Returns ``{"data", "tensor", "domain"}`` with defaults ``"none"``, 1, 1; ``domain`` is an
+    int, or ``{"lat": P, "lon": Q}`` for a two-dimensional domain with Q > 1 (SPEC §3b).  Raises
     ``ValueError`` naming the key and the bad value for a missing block, unknown keys, a bad
     ``data`` mode, or degrees that are not integers >= 1.
     """
@@ -172,7 +229,8 @@ def _current_world_size(parsed: dict) -> int:
     layout with tensor = domain = 1 fits."""
     if has_process_group():
         return dist.get_world_size()
-    if parsed["tensor"] * parsed["domain"] > 1:
+    lat, lon = domain_degrees(parsed["domain"])
+    if parsed["tensor"] * lat * lon > 1:
         require_process_group(f"trainer.parallelism {parsed}")
     return 1
 
@@ -181,15 +239,25 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _degree_items(tp: Any, domain: Any) -> tuple[tuple[str, Any], ...]:
+    """(key, value) of every degree to check: tensor, and domain or domain.lat / domain.lon."""
+    if isinstance(domain, dict):
+        lat, lon = domain_degrees(domain)
+        return (("tensor", tp), ("domain.lat", lat), ("domain.lon", lon))
+    return (("tensor", tp), ("domain", domain))
+
+
 def _layout_problems(data: Any, tp: Any, domain: Any, world_size: Any) -> list[str]:
-    """What makes the rank layout impossible, every problem at once."""
+    """What makes the rank layout impossible, every problem at once.  ``domain``: an int, or
+    ``{"lat": P, "lon": Q}`` (SPEC §3b)."""
     problems = []
     if data not in {m.value for m in DataMode}:
         problems.append(
             f"trainer.parallelism.data must be one of 'fsdp2', 'ddp', 'none', got {data!r}"
         )
     degrees_ok = True
-    for key, value in (("tensor", tp), ("domain", domain)):
+    items = _degree_items(tp, domain)
+    for key, value in items:
         if not _is_int(value) or value < 1:
             problems.append(f"trainer.parallelism.{key} must be an integer >= 1, got {value!r}")
             degrees_ok = False
@@ -197,13 +265,18 @@ def _layout_problems(data: Any, tp: Any, domain: Any, world_size: Any) -> list[s
         problems.append(f"world_size must be an int, got {world_size!r}")
     elif world_size < 1:
         problems.append(f"world_size must be >= 1, got {world_size}")
-    elif degrees_ok and world_size % (tp * domain):
-        inner = tp * domain
-        problems.append(
-            f"world size {world_size} is not divisible by trainer.parallelism.tensor*domain = "
-            f"{tp}*{domain} = {inner}: use a world size that is a multiple of {inner}, or change "
-            "tensor/domain"
-        )
+    elif degrees_ok:
+        inner = 1
+        for _, value in items:
+            inner *= value
+        if world_size % inner:
+            names = "*".join(key for key, _ in items)
+            values = "*".join(str(value) for _, value in items)
+            problems.append(
+                f"world size {world_size} is not divisible by trainer.parallelism.{names} = "
+                f"{values} = {inner}: use a world size that is a multiple of {inner}, or change "
+                f"{'/'.join(key for key, _ in items)}"
+            )
     return problems
 
 
@@ -224,17 +297,26 @@ class ParallelDims:
     Built once from ``trainer.parallelism`` and the world size (:meth:`from_conf` /
     :meth:`from_block`); every other module asks it instead of recomputing.  Global rank g has
     coordinates (dp, tp, domain) row-major, domain innermost (SPEC §2): :attr:`rank_layout`.
+
+    ``domain`` may be given as ``{"lat": P, "lon": Q}`` (SPEC §3b); it is then stored as the
+    domain SIZE P*Q with ``domain_lon`` = Q, so everything that spans the whole domain group
+    (the flattened "domain" axis, FSDP2 over dp x domain) reads ``domain`` unchanged; the
+    (dp, tp, lat, lon) layout is :attr:`tile_layout`.
     """
 
     data: str
     tp: int
     domain: int
     world_size: int
+    domain_lon: int = field(default=1, init=False)
 
     def __post_init__(self):
         problems = _layout_problems(self.data, self.tp, self.domain, self.world_size)
         if problems:
             raise ValueError("; ".join(problems))
+        lat, lon = domain_degrees(self.domain)
+        object.__setattr__(self, "domain", lat * lon)
+        object.__setattr__(self, "domain_lon", lon)
 
     @staticmethod
     def problems(data: Any, tp: Any, domain: Any, world_size: Any) -> list[str]:
@@ -271,26 +353,61 @@ class ParallelDims:
         return self.world_size // (self.tp * self.domain)
 
     @property
+    def domain_lat(self) -> int:
+        """P, the latitude degree of the domain (the whole domain when it is latitude only)."""
+        return self.domain // self.domain_lon
+
+    @property
+    def domain_shape(self) -> tuple[int, int]:
+        """``(P, Q)``: ``(domain, 1)`` for a latitude-only domain (SPEC §3b)."""
+        return (self.domain_lat, self.domain_lon)
+
+    @property
+    def is_2d(self) -> bool:
+        """Whether the domain is split in longitude too (Q > 1)."""
+        return self.domain_lon > 1
+
+    @property
     def full_layout_shape(self) -> tuple[int, int, int]:
         return (self.dp, self.tp, self.domain)
 
     @property
     def rank_layout(self) -> RankLayout:
-        """The (dp, tp, domain) layout of all ranks, size-1 axes included."""
+        """The (dp, tp, domain) layout of all ranks, size-1 axes included; the domain coordinate
+        of a two-dimensional domain is its flattened rank ``lat*Q + lon``."""
         return RankLayout(self.full_layout_shape, self.world_size, tuple(MeshAxis))
 
+    @property
+    def tile_layout(self) -> RankLayout:
+        """The (dp, tp, domain_lat, domain_lon) layout of all ranks (SPEC §3b), size-1 axes
+        included; row-major, longitude innermost (for Q = 1 the same order as
+        :attr:`rank_layout`)."""
+        shape = (self.dp, self.tp, self.domain_lat, self.domain_lon)
+        names = (MeshAxis.DP.value, MeshAxis.TP.value, DOMAIN_LAT, DOMAIN_LON)
+        return RankLayout(shape, self.world_size, names)
+
     def coords(self, rank: int) -> dict[str, int]:
-        """``{"dp": .., "tp": .., "domain": ..}`` of global ``rank``."""
-        return dict(zip(tuple(MeshAxis), self.rank_layout.coords(rank)))
+        """``{"dp": .., "tp": .., "domain": ..}`` of global ``rank``; with a two-dimensional
+        domain also ``"domain_lat"`` and ``"domain_lon"`` ("domain" is then ``lat*Q + lon``)."""
+        out = dict(zip(tuple(MeshAxis), self.rank_layout.coords(rank)))
+        if self.is_2d:
+            _, _, lat, lon = self.tile_layout.coords(rank)
+            out.update({DOMAIN_LAT: lat, DOMAIN_LON: lon})
+        return out
 
     @property
     def mesh_axes(self) -> tuple[tuple[str, int], ...]:
         """(name, size) of every axis of the SPEC §2 mesh: sizes > 1, plus "dp" whenever
-        data != none (even at dp size 1).  Empty only for one process with nothing active."""
+        data != none (even at dp size 1).  Empty only for one process with nothing active.
+        A two-dimensional domain has the axes "domain_lat" and "domain_lon" (SPEC §3b)."""
         keep_dp = self.data != DataMode.NONE or self.dp > 1
-        sizes = ((MeshAxis.DP, self.dp, keep_dp), (MeshAxis.TP, self.tp, self.tp > 1))
-        sizes += ((MeshAxis.DOMAIN, self.domain, self.domain > 1),)
-        return tuple((axis.value, size) for axis, size, keep in sizes if keep)
+        sizes = ((MeshAxis.DP.value, self.dp, keep_dp), (MeshAxis.TP.value, self.tp, self.tp > 1))
+        if self.is_2d:
+            lat, lon = self.domain_shape
+            sizes += ((DOMAIN_LAT, lat, lat > 1), (DOMAIN_LON, lon, True))
+        else:
+            sizes += ((MeshAxis.DOMAIN.value, self.domain, self.domain > 1),)
+        return tuple((name, size) for name, size, keep in sizes if keep)
 
     @property
     def is_trivial(self) -> bool:
@@ -327,6 +444,8 @@ class ParallelDims:
                 f"ParallelDims was built for world size {self.world_size} but the process group "
                 f"has {dist.get_world_size()} ranks"
             )
+        if self.is_2d:
+            return self._build_tile_mesh(device_type)
         # The root keeps the size-1 axes too: their groups are the one-rank groups a manager
         # needs (a data_parallel_group of one rank at dp = 1), created with the mesh, not beside.
         names = tuple(axis.value for axis in MeshAxis)
@@ -340,6 +459,27 @@ class ParallelDims:
         dp_domain = None
         if self.fsdp_over_domain:
             dp_domain = root[MeshAxis.DP.value, MeshAxis.DOMAIN.value]._flatten(DP_DOMAIN)
+        all_ranks_joined()
+        return ParallelMesh(self, root, mesh, submeshes, dp_domain)
+
+    def _build_tile_mesh(self, device_type: str) -> ParallelMesh:
+        """The meshes of a two-dimensional domain (SPEC §3b): a (dp, tp, domain_lat,
+        domain_lon) root, the flattened "domain" axis (P*Q, rank lat*Q + lon) and, for FSDP2,
+        the flattened dp x lat x lon axis."""
+        layout = self.tile_layout
+        names = layout.dim_names
+        root = init_device_mesh(device_type, layout.shape, mesh_dim_names=names)
+        assert tuple(root.get_coordinate()) == layout.coords(dist.get_rank())
+        domain = root[DOMAIN_LAT, DOMAIN_LON]._flatten(MeshAxis.DOMAIN.value)
+        kept = tuple(name for name, _ in self.mesh_axes)
+        mesh = root if kept == names else root[kept if len(kept) > 1 else kept[0]]
+        submeshes = {name: root[name] for name, size in self.mesh_axes if size > 1}
+        submeshes[DOMAIN_LAT] = root[DOMAIN_LAT]
+        submeshes[DOMAIN_LON] = root[DOMAIN_LON]
+        submeshes[MeshAxis.DOMAIN.value] = domain
+        dp_domain = None
+        if self.fsdp_over_domain:
+            dp_domain = root[MeshAxis.DP.value, DOMAIN_LAT, DOMAIN_LON]._flatten(DP_DOMAIN)
         all_ranks_joined()
         return ParallelMesh(self, root, mesh, submeshes, dp_domain)
 
@@ -364,11 +504,17 @@ class ParallelMesh:
     dp_domain: DeviceMesh | None
 
     def axis(self, name: str) -> DeviceMesh:
-        """The 1-D mesh along ``name`` ("dp", "tp", "domain" — size 1 included — or
+        """The 1-D mesh along ``name`` ("dp", "tp", "domain" — size 1 included —, "domain_lat" /
+        "domain_lon" of a two-dimensional domain ("domain" is then their flattened axis), or
         "dp_domain"); ``ValueError`` for a trivial layout or an unknown/absent axis."""
         if name == DP_DOMAIN and self.dp_domain is not None:
             return self.dp_domain
-        if self.root is None or name not in tuple(axis.value for axis in MeshAxis):
+        names = tuple(axis.value for axis in MeshAxis)
+        if self.dims.is_2d:
+            if name == MeshAxis.DOMAIN.value:
+                return self.submeshes[name]  # the flattened lat x lon axis
+            names += (DOMAIN_LAT, DOMAIN_LON)
+        if self.root is None or name not in names:
             raise ValueError(f"the layout {self.dims} has no mesh axis {name!r}")
         return self.root[name]
 

@@ -2,7 +2,7 @@
 
 Every block here is either a stock ``nn`` module the domain-parallel converter knows, or a module
 whose forward is per pixel (channel-only normalisation, 1x1 feed-forward) and says so with
-``_domain_local = True``. The feed-forwards opt into tensor parallelism with ``_tp_col`` /
+``_domain_local = True`` and ``_tile_local = True`` (per pixel: row- and column-local). The feed-forwards opt into tensor parallelism with ``_tp_col`` /
 ``_tp_row``: a column layer (C -> ratio*C), a point-wise GELU, a row layer (ratio*C -> C).
 """
 
@@ -56,6 +56,7 @@ class ChannelLayerNorm(nn.Module):
     """LayerNorm over the channel dim (dim 1) of a (B, C, ...) tensor, independently per pixel."""
 
     _domain_local = True
+    _tile_local = True  # per pixel: exact on lat x lon tiles too (SPEC §3b)
 
     def __init__(self, channels: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -91,6 +92,7 @@ class ChannelsLastFeedForward(nn.Module):
     """
 
     _domain_local = True
+    _tile_local = True  # point-wise in space: exact on lat x lon tiles too
     _tp_col = "net.0"
     _tp_row = "net.2"
 

@@ -152,9 +152,11 @@ def shard_lat_weights(weights: torch.Tensor, target_h: int, manager=None) -> tor
     -2.  Unlike CREDIT, H need not divide by the domain size.  ``manager``: the process-wide
     one when None.  ``ValueError`` when the mismatch is not domain sharding."""
     weights_h = weights.shape[-2]
+    manager = manager if manager is not None else get_domain_parallel_manager()
+    if getattr(manager, "is_tiled", False):  # a lat x lon tile (SPEC §3b)
+        return _tile_lat_weights(weights, target_h, manager)
     if weights_h == target_h:
         return weights
-    manager = manager if manager is not None else get_domain_parallel_manager()
     if manager is None or manager.domain_world_size <= 1:
         raise ValueError(
             f"latitude weights height ({weights_h}) does not match the target height "
@@ -167,6 +169,24 @@ def shard_lat_weights(weights: torch.Tensor, target_h: int, manager=None) -> tor
             f"{manager.domain_world_size} {stop - start} rows, but the target has {target_h}"
         )
     return weights.narrow(-2, start, target_h).contiguous()
+
+
+def _tile_lat_weights(weights: torch.Tensor, target_h: int, manager) -> torch.Tensor:
+    """:func:`shard_lat_weights` on a lat x lon tile: this rank's rows (of P) and, when the
+    weights have a longitude dim wider than 1, its columns (of Q)."""
+    (p, q), (lat, lon) = manager.domain_shape, manager.domain_coords
+    weights_h, weights_w = weights.shape[-2], weights.shape[-1]
+    start, stop = shard_range(weights_h, p, lat)
+    if stop - start != target_h:
+        raise ValueError(
+            f"latitude weights height {weights_h} gives tile row {lat} of {p} {stop - start} "
+            f"rows, but the target has {target_h}"
+        )
+    out = weights.narrow(-2, start, target_h)
+    if weights_w > 1:
+        c0, c1 = shard_range(weights_w, q, lon)
+        out = out.narrow(-1, c0, c1 - c0)
+    return out.contiguous()
 
 
 def gather_spatial(tensor: torch.Tensor, manager) -> torch.Tensor:

@@ -31,7 +31,7 @@ from ..domain.convert import validate_sharding_constraints
 from ..domain.layers.gather import gather_cost_note
 from ..domain.plan import sharing_step
 from ..domain.rows import shard_sizes
-from ..layout.config import DataMode, ParallelDims, parse_parallelism_conf
+from ..layout.config import DataMode, ParallelDims, domain_degrees, parse_parallelism_conf
 from ..layout.mesh import full_rank_layout
 from ..layout.run_config import TrainerConfig, trainer_option
 from ..parallel.fsdp import FSDP2_MIN_UNIT_PARAMS
@@ -184,6 +184,28 @@ def _run_settings(conf: dict, trainer, violations: list) -> tuple[int, bool, str
             violations.append(f"{err}; assuming {default!r}")
             settings.append(default)
     return settings[0], settings[1], settings[2]
+
+
+def tile_refusals_of_model(model) -> list[tuple[str, str]]:
+    """(path, reason) of the modules ``convert_to_domain_parallel`` refuses under a
+    two-dimensional (lat x lon) manager (``domain/tiles_convert.py``), planned without a process
+    group; the modules refused under any domain are reported by the 1-D checks, not here."""
+    from ..domain.convert import plan_conversion
+    from ..domain.tiles_convert import tile_refusals
+
+    plan = plan_conversion(model, None, fuse_exchanges=False, errors="record")
+    return tile_refusals(model, plan)
+
+
+def _tile_limits(model, lat: int, lon: int, violations: list, notes: list) -> None:
+    """A two-dimensional domain (SPEC §3b): the rows below are planned for the latitude split;
+    the modules not yet exact on lat x lon tiles are violations (as the converter refuses them)."""
+    notes.append(
+        f"two-dimensional domain {lat} x {lon}: rows, halo bytes and memory below are planned "
+        f"for the latitude split (P = {lat}) only; each rank further holds 1/{lon} of the columns"
+    )
+    for path, reason in tile_refusals_of_model(model):
+        violations.append(f"{path}: {reason}")
 
 
 def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: list, *, policy):
@@ -397,6 +419,13 @@ def _meta_model(conf: dict, model: nn.Module | None, input_shapes):
     return model, model_type, shapes
 
 
+def _halo_bytes_per_rank(layers, batch_size: int, dtype_bytes: int, n: int) -> tuple:
+    return tuple(
+        predicted_halo_bytes(layers, batch_size=batch_size, dtype_bytes=dtype_bytes, domain_rank=r)
+        for r in range(n)
+    )
+
+
 def make_plan(
     conf: dict,
     world_size: int,
@@ -426,7 +455,8 @@ def make_plan(
         raise ValueError(f"--world-size must be an integer >= 1, got {world_size!r}")
     violations: list[str] = []
     notes: list[str] = []
-    data, tp, n = block["data"], block["tensor"], block["domain"]
+    data, tp = block["data"], block["tensor"]
+    n, lon = domain_degrees(block["domain"])
     dims, dp = _layout(block, world_size, dims, violations, notes)
     batch_size, amp, policy = _run_settings(conf, trainer, violations)
 
@@ -434,6 +464,8 @@ def make_plan(
     model, model_type, shapes = _meta_model(conf, model, input_shapes)
     tp_partial_gradient_findings(model, shapes, tp, notes, violations)  # before the domain trace
     trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
+    if lon > 1:
+        _tile_limits(model, n, lon, violations, notes)
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, layers, n, violations, notes)
 
@@ -447,10 +479,7 @@ def make_plan(
         ),
     )  # fmt: skip
     act_bytes = memory.activation_dtype_bytes
-    halo_per_rank = tuple(
-        predicted_halo_bytes(layers, batch_size=batch_size, dtype_bytes=act_bytes, domain_rank=r)
-        for r in range(n)
-    )
+    halo_per_rank = _halo_bytes_per_rank(layers, batch_size, act_bytes, n)
     collectives = predicted_collectives(
         layers,
         data=data,

@@ -33,20 +33,27 @@ def _layout_section(plan: Plan) -> list[str]:
     n = plan.domain
     out.append("== Layout ==")
     dp = plan.dp if plan.dims is not None else "-"
+    lat, lon = plan.dims.domain_shape if plan.dims is not None else (n, 1)
+    domain = f"{lat}x{lon} (lat x lon)" if lon > 1 else str(n)
     out.append(
-        f"trainer.parallelism: data={plan.data} tensor={plan.tp} domain={n} -> "
-        f"dp={dp} x tp={plan.tp} x domain={n}"
+        f"trainer.parallelism: data={plan.data} tensor={plan.tp} domain={domain} -> "
+        f"dp={dp} x tp={plan.tp} x domain={domain}"
     )
     if plan.dims is not None:
         axes = ", ".join(f"{name}={size}" for name, size in plan.mesh_axes) or "(none: no mesh)"
         out.append(f"mesh axes kept (build_device_mesh): {axes}")
         h0 = plan.input_shapes[0][-2] if plan.input_shapes else None
         rows = [["rank", "dp", "tp", "domain", "dp group", "tp group", "domain group", "rows"]]
+        w0 = plan.input_shapes[0][-1] if plan.input_shapes else None
         for e in plan.ranks:
             own = "-"
-            if h0 is not None and h0 >= n:
-                a, b = shard_range(h0, n, e.domain)
+            row, col = divmod(e.domain, lon)  # a lat x lon tile (SPEC §3b)
+            if h0 is not None and h0 >= lat:
+                a, b = shard_range(h0, lat, row)
                 own = f"[{a}:{b}) of {h0}"
+                if lon > 1 and w0 is not None:
+                    c, d = shard_range(w0, lon, col)
+                    own += f" x cols [{c}:{d}) of {w0}"
             rows.append(
                 [
                     str(e.rank),

@@ -10,6 +10,7 @@ import sys
 
 import torch.distributed as dist
 
+from ..layout.config import parse_domain_option
 from ..layout.device import device_for_process_group
 from ..layout.launch import init_distributed_from_env
 from ..layout.mesh import build_device_mesh, data_parallel_coords
@@ -28,10 +29,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m credit_parallel.tools.mesh_demo")
     ap.add_argument("--data", default="fsdp2")
     ap.add_argument("--tensor", default="2")
-    ap.add_argument("--domain", default="1")
+    ap.add_argument("--domain", default="1", help="D (latitude only) or PxQ (lat x lon)")
     a = ap.parse_args(argv)
     init_distributed_from_env(timeout_s=60)
-    block = {"data": a.data, "tensor": a.tensor, "domain": a.domain}
+    block = {"data": a.data, "tensor": a.tensor, "domain": parse_domain_option(a.domain)}
     line = describe_rank(block)
     # print in rank order so the output reads as a table
     lines = [None] * dist.get_world_size()

@@ -142,7 +142,14 @@ def reference_run(model, batch: dict, lat_weights: torch.Tensor):
     return [batch[k] for k in in_keys], outputs
 
 
-def layout_run(model, local: dict, lat_weights: torch.Tensor, manager, global_height: int):
+def layout_run(
+    model,
+    local: dict,
+    lat_weights: torch.Tensor,
+    manager,
+    global_height: int,
+    global_width: int | None = None,
+):
     """The same step under the layout on this rank's dp slice and domain shard ``local``:
     (inputs with their gradients, outputs, functional-call findings), gradients reduced over
     the domain.  The model runs under the functional-call guard: a call such as F.interpolate
@@ -151,7 +158,9 @@ def layout_run(model, local: dict, lat_weights: torch.Tensor, manager, global_he
     local = _requires_grad(local, in_keys)
     step = TrainStep(
         model,
-        latitude_weighted_loss(local_lat_weights(lat_weights, manager), global_height),
+        latitude_weighted_loss(
+            local_lat_weights(lat_weights, manager), global_height, global_width
+        ),
         manager=manager,
         shard_inputs=False,
         guard=FunctionalCallGuard,
@@ -201,7 +210,9 @@ def verify_layout(
         # only with the model's own manager: manager=None would fall back to a process-wide
         # manager left over from an earlier layout in this process
         local = shard_batch(local, manager=mgr)
-    xl, pouts, findings = layout_run(par, local, lat, mgr, h)
+    # on lat x lon tiles (SPEC §3b) the loss also needs the global width
+    w = batch[in_keys[0]].shape[-1] if getattr(mgr, "is_tiled", False) else None
+    xl, pouts, findings = layout_run(par, local, lat, mgr, h, w)
 
     def gathered(t):
         return gather_tensor(t, -2, mgr) if mgr is not None else t

@@ -9,6 +9,8 @@ shard sizes; averaged over dp (DDP/FSDP2 do that) they give the mean over the gl
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["latitude_weighted_mse_share", "local_lat_weights"]
@@ -20,17 +22,26 @@ def local_lat_weights(lat_weights: torch.Tensor, manager) -> torch.Tensor:
 
     if manager is None or manager.domain_world_size == 1:
         return lat_weights
+    if getattr(manager, "is_tiled", False):  # a lat x lon tile: the rows of its latitude shard
+        (p, _), (lat, _) = manager.domain_shape, manager.domain_coords
+        a, b = shard_range(lat_weights.shape[0], p, lat)
+        return lat_weights[a:b]
     a, b = shard_range(lat_weights.shape[0], manager.domain_world_size, manager.domain_rank)
     return lat_weights[a:b]
 
 
 def latitude_weighted_mse_share(
-    pred: torch.Tensor, target: torch.Tensor, lat_weights_local: torch.Tensor, global_height: int
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    lat_weights_local: torch.Tensor,
+    global_height: int,
+    global_width: int | None = None,
 ) -> torch.Tensor:
     """sum_{rows of this rank} w_h (pred - target)^2 / (B * C * [Z] * H_global * W).
 
     ``pred``/``target``: (B, C, H_local, W) or (B, C, Z, H_local, W); ``lat_weights_local``:
-    (H_local,), normalised to mean 1 over the GLOBAL grid.
+    (H_local,), normalised to mean 1 over the GLOBAL grid.  ``global_width``: the global W when
+    the last dim holds this rank's columns only (a lat x lon tile, SPEC §3b).
     """
     if pred.shape != target.shape:
         raise ValueError(
@@ -40,5 +51,8 @@ def latitude_weighted_mse_share(
     dtype = torch.promote_types(pred.dtype, torch.float32)
     diff = (pred.to(dtype) - target.to(dtype)) ** 2
     w = lat_weights_local.to(diff.dtype).view(-1, 1)
-    count = diff.numel() // diff.shape[-2] * global_height
+    if global_width is not None:
+        count = math.prod(diff.shape[:-2]) * global_height * global_width
+    else:
+        count = diff.numel() // diff.shape[-2] * global_height
     return (diff * w).sum() / count

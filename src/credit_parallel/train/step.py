@@ -164,12 +164,15 @@ def rollout_loss(
     return (total if forecast_len == 1 else total / forecast_len), outputs
 
 
-def latitude_weighted_loss(lat_weights_local: torch.Tensor, global_height: int) -> LossFn:
-    """The trainer's loss: latitude-weighted MSE share, averaged over the model's outputs."""
+def latitude_weighted_loss(
+    lat_weights_local: torch.Tensor, global_height: int, global_width: int | None = None
+) -> LossFn:
+    """The trainer's loss: latitude-weighted MSE share, averaged over the model's outputs
+    (``global_width``: on lat x lon tiles, the global W)."""
 
     def loss_fn(outputs: tuple, targets: tuple) -> torch.Tensor:
         shares = [
-            latitude_weighted_mse_share(o, t, lat_weights_local, global_height)
+            latitude_weighted_mse_share(o, t, lat_weights_local, global_height, global_width)
             for o, t in zip(outputs, targets)
         ]
         total = shares[0]

@@ -102,6 +102,12 @@ class Trainer:
         self.dtype = torch.float64 if self.tc.dtype == "float64" else torch.float32
         self.device = torch.device(device) if device is not None else device_for_process_group()
         # the SPEC layout's coordinates, known before the model (and its manager) exists
+        if self.dims.is_2d:  # the loader and the loss read latitude rows (SPEC §3b: not yet)
+            raise ValueError(
+                f"trainer.parallelism.domain {self.block['domain']}: the trainer, its loader and "
+                "its loss do not support two-dimensional (lat x lon) domains yet; use an int "
+                "domain (latitude only)"
+            )
         coords = self.dims.coords(self.rank)
         self.dp_rank, self.dp_size = coords["dp"], self.dims.dp
         self.domain_rank, self.domain_size = coords["domain"], self.dims.domain

@@ -42,6 +42,7 @@ from .conv_geometry import (
     conv_windows,
     overlap_split,
 )
+from .conv_tiles import tile_conv_forward
 from .padding import DomainParallelPad
 from .split_conv import SplitConv, overlap_enabled
 
@@ -84,6 +85,7 @@ class _DomainParallelConvNd(DomainWrapper):
 
     domain_form = "halo"
     domain_kind = "conv"
+    tile_exact = True  # exact on lat x lon tiles too (conv_tiles.py)
     _expected: tuple = ()
 
     def __init__(
@@ -235,6 +237,8 @@ class _DomainParallelConvNd(DomainWrapper):
             )
         mgr = resolve_manager(self.manager, type(self).__name__)
         weight, bias = self._weight_and_bias(x)
+        if getattr(mgr, "is_tiled", False):  # a lat x lon tile (SPEC §3b)
+            return tile_conv_forward(self, x, weight, bias, mgr)
         dim = self.spatial_index + 2
         n = mgr.domain_world_size
         length = mgr.global_length(self, x.shape[dim])

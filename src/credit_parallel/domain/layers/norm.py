@@ -225,6 +225,7 @@ class DomainParallelGroupNorm(DomainWrapper):
 
     domain_form = "collective"
     domain_kind = "group_norm"
+    tile_exact = True  # statistics over the whole (flattened P x Q) domain group (SPEC §3b)
 
     def __init__(self, norm: nn.GroupNorm, *, manager=None):
         if not isinstance(norm, nn.GroupNorm):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..exchange.halo import exchange_rows
+from ..exchange.tiles import exchange_tile, tile_plan
 from ..manager import resolve_manager
 from ..options import LayerOptions
 from ..rows import FILL, edge_source_row, shard_range
@@ -87,6 +88,7 @@ class DomainParallelPad(DomainWrapper):
 
     domain_form = "halo"
     domain_kind = "pad"
+    tile_exact = True  # exact on lat x lon tiles too (_forward_tile)
 
     def __init__(self, pad_module: nn.Module, *, manager=None, options: LayerOptions | None = None):
         mode = pad_mode_of(pad_module)
@@ -128,6 +130,8 @@ class DomainParallelPad(DomainWrapper):
         if self._options.fused_into is not None:
             return x  # the next conv pads and exchanges for both (fusion.py), any domain size
         mgr = resolve_manager(self.manager, type(self).__name__)
+        if getattr(mgr, "is_tiled", False):  # a lat x lon tile (SPEC §3b)
+            return self._forward_tile(x, mgr)
         n = mgr.domain_world_size
         dim = x.dim() - 2
         length = mgr.global_length(self, x.shape[dim])
@@ -136,6 +140,23 @@ class DomainParallelPad(DomainWrapper):
         windows = self.input_windows(length, n)
         rows = exchange_rows(x, windows, length, dim, mgr, fill_value=self.value)
         return self.pad_width(rows)
+
+    def _forward_tile(self, x: torch.Tensor, mgr) -> torch.Tensor:
+        """On a lat x lon tile (SPEC §3b): the output is the padded global tensor in the
+        balanced tile layout of its padded height AND width; the rows are a window over the
+        latitude ranks, the columns one over the longitude ranks by the same rule (circular
+        wraps longitude across them), exchanged along H, then along W of the H-extended tensor
+        (so the corners come with it; ``conv_tiles.py``)."""
+        left, right, top, bottom = self.padding
+        what = f"{type(self.wrapped).__name__}{self.padding}"
+        dim_h, dim_w = x.dim() - 2, x.dim() - 1
+        height = mgr.global_height(self, x.shape[dim_h])
+        width = mgr.global_width(self, x.shape[dim_w])
+        p, q = mgr.domain_shape
+        rows = checked_pad_windows(height, p, top, bottom, self.mode, what)
+        cols = checked_pad_windows(width, q, left, right, self.mode, what)
+        plan = tile_plan(height, width, mgr.domain_shape, mgr.domain_coords, rows, cols)
+        return exchange_tile(x, plan, (dim_h, dim_w), mgr, self.value)
 
     def pad_width(self, rows: torch.Tensor) -> torch.Tensor:
         """The padding of the unsharded width (W, the last dim), applied locally."""

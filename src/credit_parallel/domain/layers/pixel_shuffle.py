@@ -55,6 +55,7 @@ class DomainParallelPixelShuffle(DomainWrapper):
 
     domain_form = "halo"
     domain_kind = "pixel_shuffle"
+    tile_exact = True  # exact on lat x lon tiles too (_forward_tile)
 
     def __init__(self, module: nn.PixelShuffle, *, manager=None):
         if not isinstance(module, nn.PixelShuffle):
@@ -75,6 +76,8 @@ class DomainParallelPixelShuffle(DomainWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_height_dim(x, "DomainParallelPixelShuffle")
         mgr = resolve_manager(self.manager, "DomainParallelPixelShuffle")
+        if getattr(mgr, "is_tiled", False):  # a lat x lon tile (SPEC §3b)
+            return self._forward_tile(x, mgr)
         n, r = mgr.domain_world_size, self.upscale_factor
         dim = x.dim() - 2
         in_h = mgr.global_length(self, x.shape[dim])
@@ -86,6 +89,23 @@ class DomainParallelPixelShuffle(DomainWrapper):
             return y
         return y.narrow(dim, o0 - windows[mgr.domain_rank][0] * r, o1 - o0)
 
+    def _forward_tile(self, x: torch.Tensor, mgr) -> torch.Tensor:
+        """On a lat x lon tile: the input rows of the owned output rows over the latitude
+        ranks, then the input columns of the owned output columns (the same rule) over the
+        longitude ranks; the shuffle of that window, cropped to the owned outputs."""
+        r = self.upscale_factor
+        crops = []
+        for axis, dim, length in _tile_axes(self, x, mgr):
+            n, rank = axis.domain_world_size, axis.domain_rank
+            windows = pixel_shuffle_windows(length, n, r)
+            x = exchange_rows(x, windows, length, dim, axis)
+            o0, o1 = shard_range(length * r, n, rank)
+            crops.append((dim, o0 - windows[rank][0] * r if o1 > o0 else 0, o1 - o0))
+        y = F.pixel_shuffle(x, r)
+        for dim, first, count in crops:
+            y = y.narrow(dim, first, count)
+        return y
+
     def extra_repr(self) -> str:
         return f"upscale_factor={self.upscale_factor}"
 
@@ -96,6 +116,7 @@ class DomainParallelPixelUnshuffle(DomainWrapper):
 
     domain_form = "halo"
     domain_kind = "pixel_unshuffle"
+    tile_exact = True  # exact on lat x lon tiles too (_forward_tile)
 
     def __init__(self, module: nn.PixelUnshuffle, *, manager=None):
         if not isinstance(module, nn.PixelUnshuffle):
@@ -124,6 +145,8 @@ class DomainParallelPixelUnshuffle(DomainWrapper):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_height_dim(x, "DomainParallelPixelUnshuffle")
         mgr = resolve_manager(self.manager, "DomainParallelPixelUnshuffle")
+        if getattr(mgr, "is_tiled", False):  # a lat x lon tile (SPEC §3b)
+            return self._forward_tile(x, mgr)
         n, r = mgr.domain_world_size, self.downscale_factor
         dim = x.dim() - 2
         in_h = mgr.global_length(self, x.shape[dim])
@@ -135,5 +158,32 @@ class DomainParallelPixelUnshuffle(DomainWrapper):
             return window.reshape(*lead, c * r * r, 0, w // r)
         return F.pixel_unshuffle(window, r)
 
+    def _forward_tile(self, x: torch.Tensor, mgr) -> torch.Tensor:
+        """On a lat x lon tile: the input rows, then the input columns, of the owned outputs
+        (global height and width divisible by r), unshuffled."""
+        r = self.downscale_factor
+        for axis, dim, length in _tile_axes(self, x, mgr):
+            if length % r:
+                what = "height" if axis is mgr.lat else "width"
+                raise ValueError(
+                    f"DomainParallelPixelUnshuffle(downscale_factor={r}): the global {what} "
+                    f"{length} is not divisible by {r}"
+                )
+            windows = pixel_unshuffle_windows(length, axis.domain_world_size, r)
+            x = exchange_rows(x, windows, length, dim, axis)
+        if x.shape[-2] == 0 or x.shape[-1] == 0:  # an empty tile: keep it on the graph
+            *lead, c, h, w = x.shape
+            return x.reshape(*lead, c * r * r, h // r, w // r)
+        return F.pixel_unshuffle(x, r)
+
     def extra_repr(self) -> str:
         return f"downscale_factor={self.downscale_factor}"
+
+
+def _tile_axes(layer, x: torch.Tensor, mgr):
+    """(axis manager, dim, global length) of the rows and of the columns of a tile."""
+    dim_h, dim_w = x.dim() - 2, x.dim() - 1
+    return (
+        (mgr.lat, dim_h, mgr.global_height(layer, x.shape[dim_h])),
+        (mgr.lon, dim_w, mgr.global_width(layer, x.shape[dim_w])),
+    )

@@ -89,6 +89,38 @@ def _interp_plans(mode: str, align_corners, key) -> tuple[InterpRowPlan, InterpR
     return rows, cols
 
 
+@lru_cache(maxsize=256)
+def _tile_interp_plans(mode: str, align_corners, key) -> tuple[InterpRowPlan, InterpRowPlan]:
+    """(row plan over the P latitude ranks, column plan over the Q longitude ranks) of one
+    interpolation geometry on lat x lon tiles."""
+    (in_h, in_w), (out_h, out_w), (scale_h, scale_w), (p, q), double, traits = key
+    kw = dict(
+        align_corners=align_corners,
+        double=double,
+        traits=traits,
+        shape_unchanged=(in_h, in_w) == (out_h, out_w),
+    )
+    rows = interp_row_plan(mode, in_h, out_h, p, scale_factor=scale_h, **kw)
+    cols = interp_row_plan(mode, in_w, out_w, q, scale_factor=scale_w, **kw)
+    return rows, cols
+
+
+def _plan_tensors(plan: InterpRowPlan, r: int, shape, device, dtype) -> tuple:
+    """Rank ``r``'s positions (into its gathered window) and weights (shaped ``shape``)."""
+
+    def index(pos):
+        return torch.as_tensor(pos, dtype=torch.long, device=device)
+
+    if plan.pos1 is None:
+        return index(plan.pos0[r]), None, None, None
+    return (
+        index(plan.pos0[r]),
+        index(plan.pos1[r]),
+        torch.as_tensor(plan.w0[r], dtype=dtype, device=device).view(shape),
+        torch.as_tensor(plan.w1[r], dtype=dtype, device=device).view(shape),
+    )
+
+
 # --------------------------------------------------------------------------- interpolation
 class DomainParallelInterpolate(OptionsMixin, nn.Module):
     """``F.interpolate`` of a latitude-sharded B,C,H,W tensor, exact and in the balanced layout.
@@ -104,6 +136,7 @@ class DomainParallelInterpolate(OptionsMixin, nn.Module):
     _domain_parallel = True
     domain_form = "halo"
     domain_kind = "interpolate"
+    tile_exact = True  # exact on lat x lon tiles too (_forward_tile)
     windows_depend_on_precision = True  # input_windows(..., double=) (domain/geometry.py)
 
     def __init__(
@@ -238,6 +271,8 @@ class DomainParallelInterpolate(OptionsMixin, nn.Module):
                 "not the height (dim -2) of a 4-D B,C,H,W input; only latitude sharding is supported"
             )
         mgr = resolve_manager(self.manager, "DomainParallelInterpolate")
+        if getattr(mgr, "is_tiled", False):  # a lat x lon tile (SPEC §3b)
+            return self._forward_tile(x, mgr)
         n = mgr.domain_world_size
         in_hw = (mgr.global_length(self, x.shape[2]), x.shape[3])
         out_hw, scales = interp_output_size(
@@ -251,6 +286,37 @@ class DomainParallelInterpolate(OptionsMixin, nn.Module):
         rows, cols = self._tensors(key, mgr.domain_rank, x.device, compute_dtype)
         window = exchange_rows(x, row_plan.windows, in_hw[0], 2, mgr).to(compute_dtype)
         # width first, then rows: the association of the 2-D kernels' h0*(w0*x00 + w1*x01) + ...
+        y = _resample_dim(window, 3, *cols)
+        y = _resample_dim(y, 2, *rows)
+        return y.to(x.dtype)
+
+    def _forward_tile(self, x: torch.Tensor, mgr) -> torch.Tensor:
+        """On a lat x lon tile: the source rows of the owned output rows over the latitude
+        ranks, then the source columns of the owned output columns over the longitude ranks
+        (the same plan, ``interp_row_plan``, along W), resampled width first, then rows, with
+        the kernel's indices and weights: the arithmetic of :meth:`forward`."""
+        in_hw = (mgr.global_height(self, x.shape[2]), mgr.global_width(self, x.shape[3]))
+        out_hw, scales = interp_output_size(
+            in_hw, self.size, self.scale_factor, self.recompute_scale_factor
+        )
+        compute_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+        traits = kernel_traits(x.device, compute_dtype)
+        key = (in_hw, out_hw, scales, mgr.domain_shape, x.dtype == torch.float64, traits)
+        plans = _tile_interp_plans(self.mode, self.align_corners, key)
+        tkey = ("tile", key, mgr.domain_coords, str(x.device), compute_dtype)
+        hit = self._index_tensors.get(tkey)
+        if hit is None:
+            shapes = ((-1, 1), (-1,))
+            hit = tuple(
+                _plan_tensors(plan, coord, shape, x.device, compute_dtype)
+                for plan, coord, shape in zip(plans, mgr.domain_coords, shapes)
+            )
+            if len(self._index_tensors) > 64:
+                self._index_tensors.clear()
+            self._index_tensors[tkey] = hit
+        rows, cols = hit
+        window = exchange_rows(x, plans[0].windows, in_hw[0], 2, mgr.lat)
+        window = exchange_rows(window, plans[1].windows, in_hw[1], 3, mgr.lon).to(compute_dtype)
         y = _resample_dim(window, 3, *cols)
         y = _resample_dim(y, 2, *rows)
         return y.to(x.dtype)

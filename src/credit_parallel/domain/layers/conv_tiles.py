@@ -1,0 +1,159 @@
+"""(Transposed) convolutions on the tiles of a two-dimensional (lat x lon) domain (SPEC §3b).
+
+The 1-D machinery along each axis in turn: the window of input rows a rank's owned output rows
+read (``conv_geometry.conv_windows`` / ``conv_transpose_windows``, boundary rule included) is
+planned along H over the latitude ranks and along W over the longitude ranks
+(``rows.plan_exchange``), and exchanged along H first, then along W OF THE H-EXTENDED tensor
+(``exchange.exchange_planned`` on the manager's axis views).  The ranks of one latitude band
+share their row window, so the second exchange carries the halo rows' columns too: the corners
+arrive in two hops, with no diagonal message.  The boundary rules are index maps (or a fill), so
+padding H then W equals padding W then H: the window equals the padded global input's, and the
+plain op (no padding along H and W) gives exactly the owned outputs.
+
+Longitude wraps across the longitude ranks under ``padding_mode="circular"`` and for
+``PeriodicConv2d``; with Q = 2 the west and the east neighbour are one rank, and its columns
+arrive in ONE message placed by global column (``plan_exchange``), so the two halos cannot swap;
+with Q = 1 the wrap is local.  Per (H, W, P, Q, tile) the plans and the op are made once
+(:class:`TileConvCall`) and replayed: a forward is two batched exchanges of at most one message
+per peer each (at most 4 messages when the halos fit in the neighbouring tiles), each element
+sent once (``exchange/tiles.py``), the backward the same in reverse (autograd: the exact
+adjoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..exchange.tiles import TilePlan, exchange_tile, tile_plan
+from ..manager2d import tiles_unsupported
+from ..rows import shard_range
+from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
+
+__all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward"]
+
+_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+@dataclass(frozen=True)
+class TileConvCall:
+    """This rank's part of one conv call on a tile: the exchange plans along H (latitude ranks)
+    and W (longitude ranks; ``exchange/tiles.py``), the local op, the owned output ranges and the
+    first input row / column of the windows (None: an empty window)."""
+
+    plan: TilePlan
+    op: ConvOp | None
+    out_h: tuple[int, int]
+    out_w: tuple[int, int]
+    first_h: int | None
+    first_w: int | None
+
+
+def _axis_windows(geo, i: int, length: int, n: int, rank: int):
+    """(every rank's windows, owned output range, first window row) along spatial dim ``i``."""
+    windows_of = conv_transpose_windows if geo.transposed else conv_windows
+    windows, out_len = windows_of(geo, i, length, n)
+    first = windows[rank][0] if windows[rank] else None
+    return windows, shard_range(out_len, n, rank), first
+
+
+def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCall:
+    """The :class:`TileConvCall` of ``layer`` (a ``_DomainParallelConvNd``) for a global
+    ``height`` x ``width`` input on the tile ``coords`` of a ``shape`` domain: planned once per
+    argument set, then a dict lookup."""
+    key = (height, width, tuple(shape), tuple(coords))
+    calls = layer.__dict__.setdefault("_tile_calls", {})
+    call = calls.get(key)
+    if call is not None:
+        return call
+    geo, i_h, i_w = layer.geometry, layer.spatial_index, layer.nd - 1
+    rows, out_h, first_h = _axis_windows(geo, i_h, height, shape[0], coords[0])
+    # along W the rule is that of the conv's other dims (circular: longitude wraps)
+    geo_w = replace(geo, edge_mode=geo.other_mode)
+    cols, out_w, first_w = _axis_windows(geo_w, i_w, width, shape[1], coords[1])
+    plan = tile_plan(height, width, shape, coords, rows, cols)
+    op = None
+    if not geo.transposed:  # the op pads the dims that are not split (T of a Conv3d) only
+        pads = tuple((0, 0) if j == i_w else p for j, p in enumerate(geo.pads))
+        op = ConvOp.of(replace(geo, pads=pads), i_h)
+        if op.pad_flat is not None and not any(op.pad_flat):  # nothing left to pad
+            op = replace(op, pad_flat=None, pad_mode="constant")
+    call = TileConvCall(plan, op, out_h, out_w, first_h, first_w)
+    if len(calls) > 64:
+        calls.clear()
+    calls[key] = call
+    return call
+
+
+def _check_supported(layer) -> None:
+    if layer.spatial_index == layer.nd - 1:
+        raise ValueError(
+            f"{type(layer).__name__}: on a lat x lon tile the sharded dim (latitude) cannot be "
+            "the last dim (longitude)"
+        )
+    options = layer.options
+    for name in ("fused_pad", "shared_input", "fused_norm"):
+        if getattr(options, name) is not None:
+            raise ValueError(tiles_unsupported(layer, options.module_path) + f" (option {name})")
+    if layer.side_stream:
+        raise ValueError(tiles_unsupported(layer, options.module_path) + " (option side_stream)")
+
+
+def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Tensor:
+    """The forward of ``layer`` on this rank's tile ``x`` (rows along ``layer.shard_dim``,
+    columns along the last dim) under the tiled ``manager``."""
+    _check_supported(layer)
+    dim_h, dim_w = layer.spatial_index + 2, layer.nd + 1
+    height = manager.global_height(layer, x.shape[dim_h])
+    width = manager.global_width(layer, x.shape[dim_w])
+    call = tile_conv_call(layer, height, width, manager.domain_shape, manager.domain_coords)
+    # along H, then along W of the H-extended tensor (the corners come with it)
+    window = exchange_tile(x, call.plan, (dim_h, dim_w), manager)
+    rows, cols = call.out_h[1] - call.out_h[0], call.out_w[1] - call.out_w[0]
+    if layer.geometry.transposed:
+        if call.first_h is None or call.first_w is None or rows == 0 or cols == 0:
+            return _bias_only(layer, x, window, weight, bias, rows, cols)
+        return _transposed(layer, window, weight, bias, call)
+    if rows == 0 or cols == 0:  # a tile that owns no output (its windows are empty)
+        return _bias_only(layer, x, window, weight, bias, rows, cols)
+    return call.op(window, weight, bias)
+
+
+def _bias_only(layer, x, window, weight, bias, rows: int, cols: int) -> torch.Tensor:
+    """Outputs no input reaches (or none at all): the bias, attached to the graph of the window
+    and the weight so that the exchanges' backward runs on this rank too."""
+    geo, i_h, i_w = layer.geometry, layer.spatial_index, layer.nd - 1
+    channels = weight.shape[1] * geo.groups if geo.transposed else weight.shape[0]
+    shape = [x.shape[0], channels]
+    for j in range(layer.nd):
+        size = {i_h: rows, i_w: cols}.get(j)
+        shape.append(size if size is not None else geo.output_length(x.shape[j + 2], j))
+    y = (window.sum() + weight.sum()) * 0.0 + x.new_zeros(shape)
+    if bias is not None:
+        y = y + bias.view(1, -1, *([1] * layer.nd))
+    return y
+
+
+def _transposed(layer, window, weight, bias, call: TileConvCall) -> torch.Tensor:
+    """A transposed conv of the window, cropped to the owned outputs along H and W (positions
+    no input reaches are zeros, then the bias)."""
+    geo, nd = layer.geometry, layer.nd
+    split = {layer.spatial_index: (call.out_h, call.first_h), nd - 1: (call.out_w, call.first_w)}
+    pads = tuple(0 if j in split else p[0] for j, p in enumerate(geo.pads))
+    out_pad = tuple(0 if j in split else p for j, p in enumerate(geo.output_padding))
+    y = _CONVT[nd](window, weight, None, geo.stride, pads, out_pad, geo.groups, geo.dilation)
+    for j, ((o0, o1), first_input) in split.items():
+        dim = j + 2
+        first = o0 + geo.pads[j][0] - first_input * geo.stride[j]
+        last = o1 + geo.pads[j][0] - first_input * geo.stride[j]
+        before, after = max(0, -first), max(0, last - y.shape[dim])
+        if before or after:  # outputs no input reaches (output_padding, gaps)
+            flat = [0, 0] * (nd - 1 - j) + [before, after]
+            y = F.pad(y, flat)
+            first, last = first + before, last + before
+        y = y.narrow(dim, first, last - first)
+    if bias is not None:
+        y = y + bias.view(1, -1, *([1] * nd))
+    return y

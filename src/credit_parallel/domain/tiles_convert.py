@@ -1,0 +1,110 @@
+"""What the converter refuses on lat x lon tiles (SPEC §3b): never silently wrong.
+
+On a two-dimensional domain a rank holds some rows AND some columns.  A domain layer is exact
+there only when it says so (class attribute ``tile_exact = True``: the convolutions of
+``layers/conv.py`` through ``layers/conv_tiles.py``, the 2-D padding modules
+(``DomainParallelPad._forward_tile``), GroupNorm through its statistics over the
+whole P x Q group); every other replacement the converter would make (interpolation, padding,
+pixel shuffle, attention, the gather policy, FuXi / Swin adapters, ...) is refused, naming the
+module.  So are modules the 1-D converter leaves alone because they are ROW-local, which says
+nothing about columns: padding modules other than the 2-D ones (which are converted), modules that declare
+``_domain_local = True`` without also declaring ``_tile_local = True`` (each output position
+computed from its own input position only), and conv subclasses with their own forward whose
+kernel reaches other columns.  The refusal can be planned without a process group
+(``planner.make.tile_refusals_of_model``, what ``credit-parallel plan`` reports).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from .layers.conv_geometry import conv_needs_domain_wrapper
+
+__all__ = ["check_tiles", "tile_refusals", "tile_refusal_message"]
+
+_PADS = (
+    nn.modules.padding._ConstantPadNd,
+    nn.modules.padding._ReflectionPadNd,
+    nn.modules.padding._ReplicationPadNd,
+    nn.modules.padding._CircularPadNd,
+)
+_PADS_2D = (nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d, nn.CircularPad2d)
+_CONVS = (nn.ConvTranspose3d, nn.ConvTranspose2d, nn.Conv3d, nn.Conv2d)
+UNSUPPORTED = "two-dimensional (lat x lon) domains do not support it yet"
+
+
+def _left_alone_reason(module: nn.Module) -> str | None:
+    """Why a module the 1-D converter leaves alone is not exact on tiles, or None."""
+    if getattr(module, "_domain_local", None) is True:
+        if getattr(module, "_tile_local", None) is True:
+            return None
+        return (
+            "declares _domain_local = True (row-local) but not _tile_local = True (each output "
+            f"position from its own input position); {UNSUPPORTED}"
+        )
+    if isinstance(module, _PADS) and not isinstance(module, _PADS_2D):
+        # 2-D padding modules are converted on tiles (DomainParallelPad); others are not
+        return f"pads longitude on a tile; {UNSUPPORTED}"
+    for base in _CONVS:
+        if isinstance(module, base) and type(module).forward is not base.forward:
+            w = len(module.kernel_size) - 1
+            if conv_needs_domain_wrapper(module, w):
+                return f"overrides {base.__name__}.forward and reaches other columns; {UNSUPPORTED}"
+    return None
+
+
+def tile_refusals(model: nn.Module, plan) -> list[tuple[str, str]]:
+    """(path, reason) of every module of ``model`` that ``plan`` (a
+    :class:`~credit_parallel.domain.plan.ConversionPlan` of it) leaves inexact on tiles."""
+    found = []
+    decided = {}
+    for entry in plan.replacements():
+        decided[entry.path] = entry.replacement
+        if entry.stage == "custom" or getattr(entry.replacement, "tile_exact", False):
+            continue
+        old, new = type(entry.original).__name__, type(entry.replacement).__name__
+        found.append((entry.path, f"{old} (as {new}): {UNSUPPORTED}"))
+    refused = {path for path, _ in found}
+
+    def visit(module: nn.Module, path: str) -> None:
+        display = path or "<root>"
+        module = decided.get(display, module)
+        if display in decided:
+            return  # a replacement: judged above, its inside is its own
+        if getattr(module, "_domain_parallel", False) and not getattr(
+            module, "_domain_convert_children", False
+        ):
+            return
+        reason = _left_alone_reason(module)
+        if reason is not None and display not in refused:
+            found.append((display, f"{type(module).__name__} {reason}"))
+            return
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+    return found
+
+
+def tile_refusal_message(refusals: list[tuple[str, str]]) -> str:
+    listing = "\n  ".join(f"{path}: {reason}" for path, reason in refusals)
+    return (
+        "convert_to_domain_parallel: modules not exact on lat x lon tiles (a two-dimensional "
+        "trainer.parallelism.domain):\n  " + listing + "\nUse an int domain (latitude only), "
+        "or replace them (exact on tiles today: Conv2d/Conv3d, ConvTranspose2d/3d, "
+        "PeriodicConv2d, the 2-D padding modules, GroupNorm, and point-wise / channel-wise "
+        "modules)."
+    )
+
+
+def check_tiles(model: nn.Module, plan, allow_unsafe: bool) -> None:
+    """Refuse (``ValueError``; with ``allow_unsafe`` a warning) the modules of ``model`` that
+    ``plan`` leaves inexact on tiles (``convert_to_domain_parallel`` under a tiled manager)."""
+    refusals = tile_refusals(model, plan)
+    if refusals and not allow_unsafe:
+        raise ValueError(tile_refusal_message(refusals))
+    if refusals:
+        warnings.warn(tile_refusal_message(refusals), stacklevel=3)
