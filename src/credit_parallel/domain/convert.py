@@ -45,6 +45,7 @@ from .layers.padding import DomainParallelPad
 from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
 from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
+from .traced_heights import install_height_probe
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
 from .wrap import converted_tree, visit_outermost
 
@@ -536,6 +537,9 @@ def convert_to_domain_parallel(
         vars(model)["_domain_manager"] = manager  # read by composition.get_domain_manager
     except TypeError:
         pass
+    if manager.domain_world_size > 1:
+        # torch.compile(model) then derives every layer's global height at trace time
+        install_height_probe(model, manager)
     return model
 
 
