@@ -45,8 +45,8 @@ from .layers.padding import DomainParallelPad
 from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
 from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
-from .traced_heights import install_height_probe
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
+from .traced_heights import install_height_probe
 from .wrap import converted_tree, visit_outermost
 
 __all__ = [

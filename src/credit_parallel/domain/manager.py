@@ -258,7 +258,8 @@ class DomainParallelManager:
         """The global length under ``torch.compile``, derived at trace time without asking the
         group: the height noted for ``owner`` under this forward's token by the trace-time probe
         of the whole model (``traced_heights.py``) or by an eager call (``compile_blocks``)."""
-        return traced_height(self, id(owner), self._token, local_length)
+        # int(): a height Dynamo holds as a symbol is specialised (guarded) to its value
+        return traced_height(self, id(owner), self._token, int(local_length))
 
     def _gather_length(self, owner, local_length: int) -> int:
         from .rows import shard_sizes

@@ -161,8 +161,17 @@ class _Recorder(nn.Module):
 
 
 def _global_call(layer: nn.Module, args, kwargs):
-    """What ``layer`` computes on the whole globe: its original module, or ``F.interpolate``."""
-    wrapped = layer.__dict__.get("wrapped")
+    """What ``layer`` computes on the whole globe: its original module, or ``F.interpolate``;
+    a pad fused into the conv after it (``fusion.py``) passes its input on, and that conv pads
+    it first."""
+    options = getattr(layer, "_options", None)
+    if getattr(options, "fused_into", None) is not None:
+        return args[0]
+    pad = getattr(options, "fused_pad", None)
+    if pad is not None:
+        args = (pad.wrapped(args[0]), *args[1:])
+    # the module the layer was made from (a periodic conv's whole module, not its inner conv)
+    wrapped = layer.__dict__.get("periodic", layer.__dict__.get("wrapped"))
     if wrapped is not None:
         return wrapped(*args, **kwargs)
     if hasattr(layer, "scale_factor") and hasattr(layer, "mode"):  # DomainParallelInterpolate
@@ -281,7 +290,7 @@ def _global_meta(desc, heights: dict, n: int, rank: int):
 def _describe(value):
     """An input as a constant Dynamo can hand to :func:`_probe_at_trace`."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
+        return ("tensor", tuple(int(s) for s in value.shape), value.dtype)
     return value
 
 
