@@ -40,10 +40,12 @@ def token_counts(manager, *lengths: int, owner=None) -> list[tuple[int, ...]]:
     """Per domain rank, its local token counts ``lengths`` (one tiny all_gather, on the
     device the group communicates on).
 
-    The counts are a function of the input shapes alone, so an eager call notes them on
-    ``owner`` (the attention wrapper) under the manager's forward token, as layers note their
-    global heights; under ``torch.compile`` they are read back from there (a compiled graph
-    cannot read a gathered tensor on the host): no communication, no graph break.
+    The counts are a function of the input shapes alone, so an eager call notes them for
+    ``owner`` (the attention wrapper) in the manager, under its forward token, as layers note
+    their global heights; under ``torch.compile`` they are read back from there (a compiled
+    graph cannot read a gathered tensor on the host): no communication, no graph break.  A
+    whole-model compile with no eager call first has none noted and stops, naming the module
+    and ``compile_blocks``.
     """
     if torch.compiler.is_compiling():
         return _noted_counts(manager, owner, lengths)
