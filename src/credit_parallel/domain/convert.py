@@ -537,7 +537,7 @@ def convert_to_domain_parallel(
         vars(model)["_domain_manager"] = manager  # read by composition.get_domain_manager
     except TypeError:
         pass
-    if manager.domain_world_size > 1:
+    if hasattr(manager, "height_table") and manager.domain_world_size > 1:
         # torch.compile(model) then derives every layer's global height at trace time
         install_height_probe(model, manager)
     return model
