@@ -22,6 +22,7 @@ from credit_parallel import (
     gather_tensor,
     get_domain_manager,
     parallelize,
+    shard_batch,
     shard_tensor,
     sync_domain_gradients,
 )
@@ -102,7 +103,10 @@ def _parity_worker(rank, world, name, order, backend, h, data="none", tp=1):
     yr = ref(xr)
     weights = torch.randn(yr.shape, generator=torch.Generator().manual_seed(2))
     (yr * weights).sum().backward()
-    xl = shard_tensor(x, -2, mgr).detach().requires_grad_()  # registers the global shape
+    if order == "compile_then_parallelize":  # CREDIT's trainer: shard_batch registers the shape
+        xl = shard_batch({"x": x}, manager=mgr)["x"].detach().requires_grad_()
+    else:
+        xl = shard_tensor(x, -2, mgr).detach().requires_grad_()  # registers the global shape
     y = model(xl)  # the first call: traced and compiled, no eager call before it
     (y * shard_tensor(weights, -2, mgr, register=False)).sum().backward()
     errors = {
@@ -230,6 +234,7 @@ def _attribute_worker(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_compiled_forward_writes_no_attribute_on_users_modules():
     for gained in run_on_ranks(_attribute_worker, 2, timeout=600):
         assert gained == {"whole": {}, "blocks": {}}, gained

@@ -197,7 +197,10 @@ def _shape_twin(model: nn.Module, probe: HeightProbe) -> nn.Module:
     """A copy of ``model`` with every parameter and buffer on the meta device (no storage) and
     each converted layer replaced by a :class:`_Recorder` for the matching layer of ``model``."""
     memo = {}
-    for t in list(model.parameters()) + list(model.buffers()):
+    tensors = list(model.parameters()) + list(model.buffers())
+    for m in model.modules():  # tensors held as plain attributes: no copy of their data either
+        tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
         memo[id(t)] = (
             nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad)
             if isinstance(t, nn.Parameter)
