@@ -32,7 +32,7 @@ from ..manager2d import tiles_unsupported
 from ..rows import shard_range
 from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
 
-__all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward"]
+__all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward", "tile_conv_windows"]
 
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
@@ -57,6 +57,17 @@ def _axis_windows(geo, i: int, length: int, n: int, rank: int):
     windows, out_len = windows_of(geo, i, length, n)
     first = windows[rank][0] if windows[rank] else None
     return windows, shard_range(out_len, n, rank), first
+
+
+def tile_conv_windows(layer, height: int, width: int, shape) -> tuple[tuple, tuple]:
+    """(row windows of every latitude rank, column windows of every longitude rank) of
+    ``layer`` for a global ``height`` x ``width`` input on a ``shape`` = (P, Q) domain: what
+    :func:`tile_conv_call` exchanges (the planner asks this too)."""
+    geo, i_h, i_w = layer.geometry, layer.spatial_index, layer.nd - 1
+    windows_of = conv_transpose_windows if geo.transposed else conv_windows
+    # along W the rule is that of the conv's other dims (circular: longitude wraps)
+    geo_w = replace(geo, edge_mode=geo.other_mode)
+    return windows_of(geo, i_h, height, shape[0])[0], windows_of(geo_w, i_w, width, shape[1])[0]
 
 
 def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCall:

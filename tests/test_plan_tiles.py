@@ -1,0 +1,191 @@
+"""The planner's lat x lon tiles (SPEC §3b, planner/tiles.py) against real exchanges: per rank,
+the bytes sent forward and backward, the messages and the batched calls the tile exchange of
+each layer family makes, counted by ``record_exchange_stats``, equal the plan's arithmetic;
+and ``make_plan`` on a 2-D layout reports tiles, per-rank halo bytes and tile memory."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from credit_parallel.domain.exchange.traffic import record_exchange_stats
+from credit_parallel.domain.layers.conv import (
+    DomainParallelConv2d,
+    DomainParallelConv3d,
+    DomainParallelConvTranspose2d,
+    DomainParallelPeriodicConv2d,
+)
+from credit_parallel.domain.layers.padding import DomainParallelPad
+from credit_parallel.domain.layers.pixel_shuffle import (
+    DomainParallelPixelShuffle,
+    DomainParallelPixelUnshuffle,
+)
+from credit_parallel.domain.layers.resample import DomainParallelInterpolate
+from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.models import PeriodicConv2d
+from credit_parallel.planner.tiles import tile_halo_bytes, tile_layer_plan, tile_p2p_calls
+from credit_parallel.testing import run_on_ranks
+
+
+def _f64(module):
+    return module.double()
+
+
+# name -> (build the domain layer for a manager, per-sample input shape (C, [T,] H, W))
+LAYERS = {
+    "conv_k5_zeros": (
+        lambda m: DomainParallelConv2d(_f64(nn.Conv2d(2, 3, 5, padding=2)), manager=m),
+        (2, 9, 11),
+    ),
+    "conv_k3_circular_s2": (
+        lambda m: DomainParallelConv2d(
+            _f64(nn.Conv2d(2, 2, 3, stride=2, padding=1, padding_mode="circular")), manager=m
+        ),
+        (2, 11, 10),
+    ),
+    "conv_reflect": (
+        lambda m: DomainParallelConv2d(
+            _f64(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect")), manager=m
+        ),
+        (2, 10, 9),
+    ),
+    "periodic_k5": (
+        lambda m: DomainParallelPeriodicConv2d(_f64(PeriodicConv2d(2, 2, 5, padding=2)), manager=m),
+        (2, 11, 12),
+    ),
+    "conv3d": (
+        lambda m: DomainParallelConv3d(
+            _f64(nn.Conv3d(2, 2, 3, padding=1, padding_mode="circular")), manager=m
+        ),
+        (2, 3, 9, 10),
+    ),
+    "transpose_k3_s2": (
+        lambda m: DomainParallelConvTranspose2d(
+            _f64(nn.ConvTranspose2d(2, 2, 3, stride=2, padding=1, output_padding=1)), manager=m
+        ),
+        (2, 5, 7),
+    ),
+    "pad_reflect": (
+        lambda m: DomainParallelPad(nn.ReflectionPad2d((2, 1, 1, 2)), manager=m),
+        (2, 9, 10),
+    ),
+    "pad_circular": (
+        lambda m: DomainParallelPad(nn.CircularPad2d((1, 2, 0, 0)), manager=m),
+        (2, 8, 9),
+    ),
+    "pixel_shuffle": (lambda m: DomainParallelPixelShuffle(nn.PixelShuffle(2), manager=m), (8, 5, 7)),
+    "pixel_unshuffle": (
+        lambda m: DomainParallelPixelUnshuffle(nn.PixelUnshuffle(2), manager=m),
+        (2, 10, 12),
+    ),
+    "interp_bilinear_up": (
+        lambda m: DomainParallelInterpolate(scale_factor=2, mode="bilinear", manager=m),
+        (2, 7, 9),
+    ),
+    "interp_nearest_down": (
+        lambda m: DomainParallelInterpolate(size=(5, 4), mode="nearest", manager=m),
+        (2, 11, 10),
+    ),
+}
+SHAPES = [(2, 2), (3, 2), (1, 3), (2, 3), (4, 2), (2, 1)]
+
+
+def _counted_worker(rank, world, shape, names):
+    from credit_parallel.domain.sharding import shard_tensor
+
+    m = TiledDomainManager(world, shape)
+    out = {}
+    for name in names:
+        build, sample = LAYERS[name]
+        layer = build(m)
+        torch.manual_seed(3)
+        x = shard_tensor(torch.randn(2, *sample, dtype=torch.float64), len(sample) - 1, m)
+        layer(x)  # learns the global sizes (an all-gather, not counted below)
+        x.requires_grad_(True)
+        with record_exchange_stats() as stats:
+            y = layer(x)
+            fwd_messages, fwd_calls = stats.messages, stats.p2p_calls
+            y.backward(torch.ones_like(y))
+        out[name] = (
+            stats.by_direction["forward"],
+            stats.by_direction["backward"],
+            fwd_messages,
+            stats.messages - fwd_messages,
+            stats.p2p_calls,
+            fwd_calls,
+        )
+    return out
+
+
+def _planned(name, shape):
+    build, sample = LAYERS[name]
+    layer = build(None)
+    x = torch.zeros(1, *sample, dtype=torch.float64)
+    y = layer.wrapped(x) if hasattr(layer, "wrapped") else None
+    if y is None:  # interpolation: its output size
+        from credit_parallel.domain.layers.interp_rows import interp_output_size
+
+        (oh, ow), _ = interp_output_size(
+            sample[-2:], layer.size, layer.scale_factor, layer.recompute_scale_factor
+        )
+        out_shape = (1, sample[0], oh, ow)
+    else:
+        out_shape = tuple(y.shape)
+    return tile_layer_plan(name, layer, (1, *sample), out_shape, shape, double=True)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tile_plan_equals_the_counted_exchange(shape):
+    """Per rank and per layer family: forward bytes, backward bytes, messages each way and
+    batched calls, as counted on the real exchange (batch 2, float64)."""
+    results = run_on_ranks(_counted_worker, shape[0] * shape[1], shape, list(LAYERS))
+    for name in LAYERS:
+        plan = _planned(name, shape)
+        assert plan.error is None, (name, plan.error)
+        for rank, counted in enumerate(results):
+            lat, lon = divmod(rank, shape[1])
+            fwd, bwd = plan.pass_elements(lat, lon)
+            expected = (
+                sum(fwd) * 2 * 8,
+                sum(bwd) * 2 * 8,
+                *plan.messages(lat, lon),
+                tile_p2p_calls([plan], rank),
+                plan.rank_calls(rank),
+            )
+            assert counted[name] == expected, (name, shape, (lat, lon), counted[name], expected)
+            assert tile_halo_bytes([plan], batch_size=2, dtype_bytes=8, domain_rank=rank) == (
+                expected[0] + expected[1]
+            )
+    # a 5x5 conv reads other tiles at every shape of more than one rank
+    assert tile_halo_bytes([_planned("conv_k5_zeros", shape)], batch_size=1, dtype_bytes=8) > 0
+
+
+def test_tile_plan_messages_and_the_minimum_on_a_periodic_conv():
+    """A 3x3 periodic conv on 3 x 2 tiles of 12 x 16: an interior latitude rank sends one
+    message north, one south and one west-east (the same rank at Q = 2) per pass; the total
+    bytes are the distinct elements of other tiles every tile reads (corners included)."""
+    layer = DomainParallelPeriodicConv2d(PeriodicConv2d(2, 2, 3, padding=1).double())
+    plan = tile_layer_plan("c", layer, (1, 2, 12, 16), (1, 2, 12, 16), (3, 2))
+    assert plan.messages(1, 0) == (3, 3)
+    assert plan.messages(0, 1) == (2, 2)  # reflect at the pole: own rows, one row peer
+    # each tile reads (own rows + 2) x (own cols + 2) minus its own, except at the poles where
+    # the reflected rows are its own: 4 rows x 8 cols tiles
+    interior = (6 * 10 - 4 * 8) * 2
+    polar = (5 * 10 - 4 * 8) * 2
+    assert sum(plan.sent_elements(a, b) for a in range(3) for b in range(2)) == 2 * (
+        2 * interior + 4 * polar
+    )
+
+
+# --------------------------------------------------------------------------- make_plan
+def _demo_conf(lat: int, lon: int):
+    from credit_parallel.layout.config import load_config
+
+    conf = copy.deepcopy(load_config("src/credit_parallel/configs/demo_unet.yaml"))
+    conf.pop("data", None)
+    domain = {"lat": lat, "lon": lon} if lon > 1 else lat
+    conf["trainer"]["parallelism"] = {"data": "fsdp2", "domain": domain}
+    return conf
