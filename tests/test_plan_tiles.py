@@ -76,7 +76,10 @@ LAYERS = {
         lambda m: DomainParallelPad(nn.CircularPad2d((1, 2, 0, 0)), manager=m),
         (2, 8, 9),
     ),
-    "pixel_shuffle": (lambda m: DomainParallelPixelShuffle(nn.PixelShuffle(2), manager=m), (8, 5, 7)),
+    "pixel_shuffle": (
+        lambda m: DomainParallelPixelShuffle(nn.PixelShuffle(2), manager=m),
+        (8, 5, 7),
+    ),
     "pixel_unshuffle": (
         lambda m: DomainParallelPixelUnshuffle(nn.PixelUnshuffle(2), manager=m),
         (2, 10, 12),
@@ -189,3 +192,80 @@ def _demo_conf(lat: int, lon: int):
     domain = {"lat": lat, "lon": lon} if lon > 1 else lat
     conf["trainer"]["parallelism"] = {"data": "fsdp2", "domain": domain}
     return conf
+
+
+def _tile_model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Conv2d(3, 3, 3, stride=2, padding=1),  # 19 x 14 -> 10 x 7
+        PeriodicConv2d(3, 4, 3, padding=1),
+        nn.Upsample(size=(19, 14), mode="bilinear"),
+        nn.ConvTranspose2d(4, 2, 3, stride=1, padding=1),
+        nn.GroupNorm(1, 2),
+        nn.ZeroPad2d((1, 1, 2, 0)),  # a pad then a conv: not fused on tiles
+        nn.Conv2d(2, 2, 3),
+    ).double()
+
+
+def _model_step_worker(rank, world, shape):
+    from credit_parallel.domain import convert_to_domain_parallel
+    from credit_parallel.domain.sharding import shard_tensor
+
+    torch.set_default_dtype(torch.float64)
+    m = TiledDomainManager(world, shape)
+    model = convert_to_domain_parallel(_tile_model(), m)
+    x = shard_tensor(torch.randn(2, 2, 19, 14, generator=torch.Generator().manual_seed(0)), 2, m)
+    model(x)  # learns the global sizes
+    with record_exchange_stats() as stats:
+        model(x.clone().requires_grad_()).square().sum().backward()
+    return stats.bytes_sent, stats.p2p_calls
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 3), (3, 2)])
+def test_make_plan_on_tiles_equals_a_real_step(shape):
+    """``make_plan`` at {lat: P, lon: Q}: the halo bytes per rank and the batched P2P calls of
+    the busiest rank equal those of a real converted step; the tiles per grid size are the
+    balanced rows x columns; FSDP2 shards over dp x P x Q."""
+    from credit_parallel.planner import make_plan
+
+    p, q = shape
+    conf = {
+        "trainer": {
+            "parallelism": {"data": "fsdp2", "domain": {"lat": p, "lon": q}},
+            "batch_size": 2,
+        }
+    }
+    plan = make_plan(conf, 2 * p * q, model=_tile_model(), input_shapes=[(2, 19, 14)])
+    assert plan.violations == []
+    assert plan.domain_shape == shape
+    measured = run_on_ranks(_model_step_worker, p * q, shape)
+    assert plan.halo_bytes_per_rank == tuple(b for b, _ in measured)
+    assert all(b > 0 for b, _ in measured)
+    assert plan.halo_bytes_per_step == sum(b for b, _ in measured)
+    assert plan.collectives["domain_p2p"] == max(c for _, c in measured)
+    from credit_parallel.domain.rows import shard_sizes
+
+    grids = {(h, w): (rows, cols) for h, w, rows, cols in plan.tile_levels}
+    assert grids[(19, 14)] == (shard_sizes(19, p), shard_sizes(14, q))
+    assert grids[(10, 7)] == (shard_sizes(10, p), shard_sizes(7, q))
+    params = sum(t.numel() for t in _tile_model().parameters())
+    assert plan.memory.param_bytes < params * 4  # sharded over 2 x P x Q, dim 0
+
+
+def test_tile_memory_scales_with_the_tile():
+    """The activations of the demo U-Net at {lat: 2, lon: 2} are about half of those at
+    domain 2 (latitude only) and about those of domain 4; the report lists the tiles."""
+    from credit_parallel.planner import format_plan, make_plan
+
+    one_d = make_plan(_demo_conf(2, 1), 2)
+    two_d = make_plan(_demo_conf(2, 2), 4)
+    four = make_plan(_demo_conf(4, 1), 4)
+    ratio = two_d.memory.activation_bytes / one_d.memory.activation_bytes
+    assert 0.45 < ratio < 0.56, ratio
+    assert 0.9 < two_d.memory.activation_bytes / four.memory.activation_bytes < 1.1
+    assert two_d.memory.batch_bytes < 0.56 * one_d.memory.batch_bytes
+    text = format_plan(two_d)
+    assert "grid 0: 33 x 64  rows [17, 16] x cols [32, 32]  largest tile 17 x 32" in text
+    assert "== Tile exchanges" in text and "r3 (1, 1):" in text
+    assert len(two_d.halo_bytes_per_rank) == 4
