@@ -269,3 +269,104 @@ def test_tile_memory_scales_with_the_tile():
     assert "grid 0: 33 x 64  rows [17, 16] x cols [32, 32]  largest tile 17 x 32" in text
     assert "== Tile exchanges" in text and "r3 (1, 1):" in text
     assert len(two_d.halo_bytes_per_rank) == 4
+
+
+# --------------------------------------------------------------------------- when 2-D pays
+def test_domain_splits_and_the_tile_projection_of_one_conv():
+    """Every P x Q of D; one 3x3 periodic conv on 2 x 2 tiles of 8 x 12, projected with a
+    pure-latency link (each pass one alpha, forward and backward) and a pure-bandwidth link
+    (the busiest rank's larger of sent / received per pass)."""
+    from credit_parallel.planner.projection import Cluster, ComputeProfile, Link, project_tiles
+    from credit_parallel.planner.split import domain_splits
+
+    assert domain_splits(8) == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    assert domain_splits(7) == [(7, 1), (1, 7)]
+    layer = DomainParallelPeriodicConv2d(PeriodicConv2d(2, 2, 3, padding=1).double())
+    plan = tile_layer_plan("c", layer, (1, 2, 8, 12), (1, 2, 8, 12), (2, 2))
+    profile = ComputeProfile({"c": 4.0})
+    latency = Cluster(8, Link("a", 1.0, 0.0), Link("a", 1.0, 0.0))
+    p = project_tiles([plan], profile, shape=(2, 2), dp=1, cluster=latency)
+    assert p.halo_s == 4.0  # 2 passes x (forward + backward)
+    assert p.compute_s == 1.0  # a quarter of the grid on the busiest tile
+    bandwidth = Cluster(8, Link("b", 0.0, 1.0), Link("b", 0.0, 1.0))
+    p = project_tiles([plan], profile, shape=(2, 2), dp=1, cluster=bandwidth, dtype_bytes=8)
+    # each tile 4 x 6: 1 row of 6 columns north or south (the pole reflects its own rows),
+    # then 2 columns (west + east, one rank at Q = 2) of the 5 rows of the row-extended tile
+    assert p.halo_s == 2 * (1 * 6 + 2 * 5) * 2 * 8
+
+
+def test_tile_projection_at_q1_equals_the_latitude_projection():
+    """Q = 1 is the latitude split: the tile projection of a model without exchange fusion
+    gives the 1-D projection's halo and compute."""
+    from credit_parallel.planner import make_plan
+    from credit_parallel.planner.projection import (
+        DEFAULT_CLUSTER,
+        ComputeProfile,
+        project_step,
+        project_tiles,
+    )
+
+    def model():
+        return nn.Sequential(*list(_tile_model())[:6])  # no pad + conv (fused at 1-D)
+
+    conf = {"trainer": {"parallelism": {"data": "none", "domain": 3}, "batch_size": 2}}
+    plan = make_plan(conf, 3, model=model(), input_shapes=[(2, 19, 14)])
+    layers = plan.layers
+    from credit_parallel.planner.tiles import tile_layer_plans
+    from credit_parallel.planner.trace import conversion_plan, plan_targets, trace_model
+
+    meta = model().to("meta")
+    targets = plan_targets(conversion_plan(meta))
+    tiles = tile_layer_plans(trace_model(meta, [(2, 19, 14)], targets), (3, 1), True)
+    profile = ComputeProfile({lay.path: 1.0 for lay in layers})
+    one = project_step(layers, profile, domain=3, dp=1, cluster=DEFAULT_CLUSTER, batch_size=2)
+    two = project_tiles(tiles, profile, shape=(3, 1), dp=1, cluster=DEFAULT_CLUSTER, batch_size=2)
+    assert one.halo_s == pytest.approx(two.halo_s, rel=1e-12) and one.halo_s > 0
+    assert one.compute_s == pytest.approx(two.compute_s, rel=1e-12)
+    assert [lay.rows_sent for lay in layers[:5]] == [t.rows_sent for t in tiles[:5]]
+    assert tiles[5].kind == "group_norm" and not tiles[5].exchanges
+
+
+def _grid_conf(height: int, width: int, domain):
+    return {
+        "model": {
+            "type": "unet", "in_channels": 2, "out_channels": 2, "image_height": height,
+            "image_width": width, "base_channels": 8, "channel_mults": [1, 2], "norm_groups": 4,
+        },
+        "trainer": {"parallelism": {"data": "none", "domain": domain}, "batch_size": 1},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("hw, expect_2d", [((24, 512), True), ((512, 24), False)])
+def test_plan_suggests_the_split_with_the_least_projected_step(hw, expect_2d):
+    """``plan --world-size 8`` on a latitude split of 8: a wide flat grid is best split in
+    longitude (its rows would be 3 per rank, its halo rows 512 wide), a tall narrow one in
+    latitude; the note names the split with the least projected step and the configured one."""
+    from credit_parallel.planner import make_plan
+
+    plan = make_plan(_grid_conf(*hw, 8), 8)
+    assert [s.shape for s in plan.splits] == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    best = min(plan.splits, key=lambda s: s.step_s)
+    assert (best.shape[1] > 1) == expect_2d
+    assert all(s.refused is None and s.step_s > 0 for s in plan.splits)
+    (note,) = [n for n in plan.notes if n.startswith("split of the 8 domain ranks")]
+    assert f"lat x lon = {best.shape[0]} x {best.shape[1]}" in note
+    if best.shape != (8, 1):
+        configured = next(s for s in plan.splits if s.shape == (8, 1))
+        assert f"{configured.step_s / best.step_s:.2f}x the best" in note
+        assert best.halo_bytes < configured.halo_bytes
+    else:
+        assert "(the configured split)" in note
+
+
+def test_split_note_says_when_only_latitude_runs():
+    from credit_parallel.layout.config import load_config
+    from credit_parallel.planner import make_plan
+
+    cross = copy.deepcopy(load_config("src/credit_parallel/configs/demo_crossformer.yaml"))
+    cross.pop("data", None)
+    cross["trainer"]["parallelism"] = {"data": "none", "domain": 4}
+    plan = make_plan(cross, 4)
+    assert [s.refused is None for s in plan.splits] == [True, False, False]
+    (note,) = [n for n in plan.notes if n.startswith("lat x lon splits of the 4")]
+    assert "only latitude runs" in note and "WindowAttention" in note

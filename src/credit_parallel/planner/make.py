@@ -48,7 +48,8 @@ from .cost import (
     tp_split_dims,
 )
 from .fsdp_merge import merge_advice
-from .tiles import tile_halo_bytes, tile_layer_plans
+from .split import project_splits, refusal_reason, split_note
+from .tiles import TileLayerPlan, tile_halo_bytes, tile_layer_plans
 from .tiles import tile_levels as tile_levels_of
 from .tp_partial import tp_partial_gradient_findings
 from .trace import build_meta_model, conversion_plan, model_input_shapes, plan_targets, trace_model
@@ -208,7 +209,7 @@ def tile_refusals_of_model(model) -> list[tuple[str, str]]:
     return tile_refusals(model, plan)
 
 
-def _tile_limits(model, lat: int, lon: int, violations: list, notes: list) -> None:
+def _tile_limits(model, lat: int, lon: int, violations: list, notes: list) -> list:
     """A two-dimensional domain (SPEC §3b): what the plan counts per tile; the modules not yet
     exact on lat x lon tiles are violations (as the converter refuses them)."""
     notes.append(
@@ -218,8 +219,49 @@ def _tile_limits(model, lat: int, lon: int, violations: list, notes: list) -> No
         "pass, longitude wraps periodically), the collectives and the memory count the "
         f"{lat} x {lon} tiles"
     )
-    for path, reason in tile_refusals_of_model(model):
+    refusals = tile_refusals_of_model(model)
+    for path, reason in refusals:
         violations.append(f"{path}: {reason}")
+    return refusals
+
+
+def _collectives(layers, data, dp, tp, size, tp_listed, units, local_numels) -> dict:
+    """:func:`~credit_parallel.planner.cost.predicted_collectives` of the plan."""
+    return predicted_collectives(
+        layers,
+        data=data,
+        dp=max(dp, 1),
+        tp=tp,
+        domain=size,
+        tp_row_layers=sum(1 for t in tp_listed if t.role == "row"),
+        tp_col_layers=sum(1 for t in tp_listed if t.role == "col"),
+        tp_fused_layers=sum(1 for t in tp_listed if t.role == "col" and t.parts > 1),
+        fsdp_units=len(units),
+        grad_sizes_bytes=[v * _PARAM_BYTES for v in local_numels.values()],
+    )
+
+
+def _tiles(model, trace, shapes, shape, double: bool, violations: list, notes: list):
+    """(refused modules, ``tiles.TileLayerPlan`` of every layer call, tiles per grid size) of a
+    lat x lon domain of ``shape`` (P, Q)."""
+    refusals = _tile_limits(model, *shape, violations, notes)
+    layers = tile_layer_plans(trace, shape, double)
+    return refusals, layers, tile_levels_of(shapes, layers, shape)
+
+
+def _splits(model, trace, shape, refusals, notes: list, **kw) -> list:
+    """``split.SplitProjection`` of every split of the P x Q domain ranks; the note naming the
+    best one goes to ``notes`` (``plan --world-size N``, issue 26 item 5)."""
+    size = shape[0] * shape[1]
+    if size <= 1 or not trace.calls:
+        return []
+    if refusals is None:
+        refusals = tile_refusals_of_model(model)
+    splits = project_splits(trace, size, refused=refusal_reason(refusals), **kw)
+    note = split_note(splits, shape)
+    if note:
+        notes.append(note)
+    return splits
 
 
 def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: list, *, policy):
@@ -435,8 +477,12 @@ def _meta_model(conf: dict, model: nn.Module | None, input_shapes):
 
 
 def _halo_bytes_per_rank(layers, batch_size: int, dtype_bytes: int, n: int) -> tuple:
+    """Bytes each of the ``n`` domain ranks sends per step: from the 1-D layer plans, or from
+    the tile plans (``tiles.TileLayerPlan``) of a lat x lon domain."""
+    tiles = bool(layers) and isinstance(layers[0], TileLayerPlan)
+    count = tile_halo_bytes if tiles else predicted_halo_bytes
     return tuple(
-        predicted_halo_bytes(layers, batch_size=batch_size, dtype_bytes=dtype_bytes, domain_rank=r)
+        count(layers, batch_size=batch_size, dtype_bytes=dtype_bytes, domain_rank=r)
         for r in range(n)
     )
 
@@ -480,11 +526,11 @@ def make_plan(
     tp_partial_gradient_findings(model, shapes, tp, notes, violations)  # before the domain trace
     trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
     double = not amp and next((p.dtype for p in model.parameters()), None) == torch.float64
-    tile_layers, tile_levels = [], []
+    tile_layers, tile_levels, refusals = [], [], None
     if lon > 1:
-        _tile_limits(model, n, lon, violations, notes)
-        tile_layers = tile_layer_plans(trace, (n, lon), double)
-        tile_levels = tile_levels_of(shapes, tile_layers, (n, lon))
+        refusals, tile_layers, tile_levels = _tiles(
+            model, trace, shapes, (n, lon), double, violations, notes
+        )
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, layers, n, violations, notes)
 
@@ -499,29 +545,16 @@ def make_plan(
         ),
     )  # fmt: skip
     act_bytes = memory.activation_dtype_bytes
-    if lon > 1:
-        halo_per_rank = tuple(
-            tile_halo_bytes(
-                tile_layers, batch_size=batch_size, dtype_bytes=act_bytes, domain_rank=r
-            )
-            for r in range(n * lon)
-        )
-    else:
-        halo_per_rank = _halo_bytes_per_rank(layers, batch_size, act_bytes, n)
-    collectives = predicted_collectives(
-        tile_layers if lon > 1 else layers,
-        data=data,
-        dp=max(dp, 1),
-        tp=tp,
-        domain=n * lon,
-        tp_row_layers=sum(1 for t in tp_listed if t.role == "row"),
-        tp_col_layers=sum(1 for t in tp_listed if t.role == "col"),
-        tp_fused_layers=sum(1 for t in tp_listed if t.role == "col" and t.parts > 1),
-        fsdp_units=len(units),
-        grad_sizes_bytes=[v * _PARAM_BYTES for v in local_numels.values()],
+    halo_per_rank = _halo_bytes_per_rank(tile_layers or layers, batch_size, act_bytes, n * lon)
+    collectives = _collectives(
+        tile_layers or layers, data, dp, tp, n * lon, tp_listed, units, local_numels
     )
     if n > 1 and layers:
         notes.append(_FIRST_STEP_NOTE)
+    splits = _splits(
+        model, trace, (n, lon), refusals, notes, batch_size=batch_size, dtype_bytes=act_bytes,
+        double=double, dp=max(dp, 1),
+    )  # fmt: skip
     ranks, omitted = _rank_entries(dims) if dims is not None else ([], 0)
     return Plan(
         world_size=world_size,
@@ -552,4 +585,5 @@ def make_plan(
         domain_shape=(n, lon),
         tile_levels=tile_levels,
         tile_layers=tile_layers,
+        splits=splits,
     )
