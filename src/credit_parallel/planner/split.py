@@ -107,9 +107,12 @@ def project_splits(
     cluster: Cluster = DEFAULT_CLUSTER,
     profile: ComputeProfile | None = None,
     refused: str | None = None,
+    exclude_refused_layers: bool = False,
 ) -> list[SplitProjection]:
     """The :class:`SplitProjection` of every split of ``size`` domain ranks (``refused``: why
-    the model cannot run on tiles, which rules out every Q > 1)."""
+    the model cannot run on tiles, which rules out every Q > 1).  ``exclude_refused_layers``:
+    project the layers that cannot run on tiles as a perfect split of their compute with no
+    communication, at every split (the tables that project a model's convolutions only)."""
     profile = profile if profile is not None else trace_profile(trace, dtype_bytes)
     out = []
     for shape in domain_splits(size):
@@ -118,7 +121,7 @@ def project_splits(
             continue
         layers = tile_layer_plans(trace, shape, double)
         errors = [f"{lay.path}: {lay.error}" for lay in layers if lay.error]
-        if errors and shape[1] > 1:
+        if errors and shape[1] > 1 and not exclude_refused_layers:
             out.append(SplitProjection(shape, refused=errors[0]))
             continue
         proj = project_tiles(
