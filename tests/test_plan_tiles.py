@@ -370,3 +370,26 @@ def test_split_note_says_when_only_latitude_runs():
     assert [s.refused is None for s in plan.splits] == [True, False, False]
     (note,) = [n for n in plan.notes if n.startswith("lat x lon splits of the 4")]
     assert "only latitude runs" in note and "WindowAttention" in note
+
+
+def test_projection_benchmark_prints_1d_against_every_split(capsys):
+    """benchmarks/projection.py --splits: the 0.25-degree U-Net at 4 domain ranks, every
+    split, the best marked, its ratio to 1-D."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "projection_benchmark"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "projection.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    rows = sys.modules[name].main(["--splits", "4", "--models", "unet"])
+    assert [r["split"].shape for r in rows] == [(4, 1), (2, 2), (1, 4)]
+    out = capsys.readouterr().out
+    best = min(rows, key=lambda r: r["split"].step_s)["split"]
+    assert f"{best.shape[0]:>2}x{best.shape[1]:<3}" in out and " *" in out
+    # the 721 x 1440 grid: a longitude split moves fewer bytes than the latitude split
+    assert rows[2]["split"].halo_bytes < rows[0]["split"].halo_bytes
