@@ -393,3 +393,27 @@ def test_projection_benchmark_prints_1d_against_every_split(capsys):
     assert f"{best.shape[0]:>2}x{best.shape[1]:<3}" in out and " *" in out
     # the 721 x 1440 grid: a longitude split moves fewer bytes than the latitude split
     assert rows[2]["split"].halo_bytes < rows[0]["split"].halo_bytes
+
+
+def test_tile_floor_benchmark_times_both_splits_on_a_tiny_stack():
+    """benchmarks/tile_floor.py: the floor (each rank's own tile, no communication) and ours
+    (converted on a TiledDomainManager) run for (1,2) and (2,1); the timings themselves are
+    taken on a quiet machine only (docs/performance.md)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "tile_floor_benchmark"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "tile_floor.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    bench = sys.modules[name]
+    from efficiency import Workload
+
+    w = Workload("tiny", "conv_stack", 8, 9, 14)
+    times = bench.time_splits(w, [(1, 2), (2, 1)], rounds=1, steps=1, warmup=0)
+    assert set(times) == {(1, 2), (2, 1)}
+    assert all(t["floor"] > 0 and t["ours"] > 0 for t in times.values())
