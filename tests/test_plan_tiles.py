@@ -417,3 +417,15 @@ def test_tile_floor_benchmark_times_both_splits_on_a_tiny_stack():
     times = bench.time_splits(w, [(1, 2), (2, 1)], rounds=1, steps=1, warmup=0)
     assert set(times) == {(1, 2), (2, 1)}
     assert all(t["floor"] > 0 and t["ours"] > 0 for t in times.values())
+
+
+def test_plan_command_names_the_best_split(capsys):
+    """``credit-parallel plan --world-size 8`` on the demo (domain 2): its notes name the split
+    of the 2 domain ranks with the least projected step, against the configured 2 x 1."""
+    from credit_parallel import cli
+
+    assert cli.main(["plan", "--config", "demo", "--world-size", "8"]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if "split of the 2 domain ranks" in x]
+    assert "lat x lon = " in line and "ms (compute" in line
+    assert "the configured 2 x 1" in line or "(the configured split)" in line
