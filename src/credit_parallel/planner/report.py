@@ -81,7 +81,8 @@ def _layout_section(plan: Plan) -> list[str]:
 def _levels_section(plan: Plan) -> list[str]:
     out: list[str] = []
     n = plan.domain
-    out.append(f"== Rows per domain rank by resolution level (domain = {n}) ==")
+    what = f"latitude ranks P = {n}" if plan.domain_shape[1] > 1 else f"domain = {n}"
+    out.append(f"== Rows per domain rank by resolution level ({what}) ==")
     for index, (h, sizes) in enumerate(plan.levels):
         empty = f"  ({n - h} empty ranks)" if h < n else ""
         out.append(f"level {index}: H={h}  rows {list(sizes)}  {_ranges(h, n)}{empty}")
