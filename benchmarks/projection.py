@@ -21,6 +21,8 @@ profile, predicts the domain-2 step and times the real one (``efficiency.py``'s 
 
     PYTHONPATH=src .venv/bin/python benchmarks/projection.py
     PYTHONPATH=src .venv/bin/python benchmarks/projection.py --check unet/large,conv_stack/large
+    # 1-D vs every lat x lon split at 8/16/32/64 domain ranks (issue 26 item 5):
+    PYTHONPATH=src .venv/bin/python benchmarks/projection.py --splits 8,16,32,64
 """
 
 from __future__ import annotations
@@ -92,6 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--measure-profile", default=None, help="write a per-layer profile here")
     parser.add_argument("--device", default="cpu", help="--measure-profile: cpu or cuda")
     parser.add_argument("--grid-divisor", type=int, default=4, help="--measure-profile: grid / k")
+    parser.add_argument(
+        "--splits",
+        default="",
+        help="domain sizes (e.g. 8,16,32,64): 1-D vs every lat x lon split (issue 26 item 5)",
+    )
     return parser.parse_args(argv)
 
 
@@ -385,6 +392,90 @@ def _print_rows(rows: list[dict]) -> None:
         )
 
 
+# --------------------------------------------------------------------------- lat x lon splits
+def split_rows(name: str, args, cluster: Cluster) -> list[dict]:
+    """Every P x Q split of each ``--splits`` domain size (dp 1) of ``name``, projected by
+    ``planner.split.project_splits`` (tile halo bytes and messages per rank, the two passes of
+    each exchange, GroupNorm statistics over P x Q) from the same compute profile as the
+    domain x dp table.  The gradient all-reduce over the domain group (equal for every split of
+    one size) is left out.  A model with layers refused on tiles (CrossFormer's attention) is
+    projected without them: their compute as a perfect split, their communication not at all,
+    at every split, 1-D included."""
+    from credit_parallel.planner.split import project_splits
+    from credit_parallel.planner.trace import (
+        build_meta_model,
+        conversion_plan,
+        model_input_shapes,
+        plan_targets,
+        trace_model,
+    )
+
+    conf = _model_conf(name)
+    model, _ = build_meta_model(conf)
+    shape = model_input_shapes(model)[0]
+    targets = [t for t in plan_targets(conversion_plan(model)) if not isinstance(t[2], Exception)]
+    trace = trace_model(model, [shape], targets)
+    paths = {path for path, *_ in trace.calls}
+    profile = _split_profile(args, conf, paths, shape)
+    from credit_parallel.planner.make import tile_refusals_of_model
+
+    refused = tile_refusals_of_model(build_meta_model(conf)[0])
+    rows = []
+    for size in (int(v) for v in args.splits.split(",") if v.strip()):
+        for s in project_splits(
+            trace, size, batch_size=args.batch, dtype_bytes=2, profile=profile,
+            cluster=cluster, exclude_refused_layers=bool(refused),
+        ):  # fmt: skip
+            rows.append({"model": name, "domain": size, "split": s, "excluded": len(refused)})
+    return rows
+
+
+def _split_profile(args, conf, paths, shape) -> ComputeProfile:
+    if args.profile_file:
+        with open(args.profile_file) as fh:
+            data = json.load(fh)
+        return ComputeProfile(data["layers"], data.get("rest_s", 0.0), data.get("source", ""))
+    from credit_parallel.planner.trace import build_meta_model
+
+    model, _ = build_meta_model(conf)
+    return roofline_profile(
+        model, shape, paths, dtype_bytes=2, flops_s=H100_BF16_FLOPS * args.mfu,
+        hbm_bytes_s=H100_HBM_BYTES_S,
+    )  # fmt: skip
+
+
+def _print_splits(rows: list[dict]) -> None:
+    """One line per model and domain size: 1-D (D x 1) and the best lat x lon split, then
+    every split."""
+    head = (
+        f"{'model':<12}| D  | split  | step ms | compute | halo | norm | halo MiB/rank | "
+        "msgs/rank | vs 1-D"
+    )
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        s = row["split"]
+        one = next(
+            r["split"] for r in rows
+            if r["model"] == row["model"] and r["domain"] == row["domain"] and r["split"].shape[1] == 1
+        )  # fmt: skip
+        best = min(
+            (
+                r["split"]
+                for r in rows
+                if r["model"] == row["model"] and r["domain"] == row["domain"]
+            ),
+            key=lambda x: x.step_s,
+        )
+        mark = " *" if s is best else ""
+        print(
+            f"{row['model']:<12}| {row['domain']:>2} | {s.shape[0]:>2}x{s.shape[1]:<3} | "
+            f"{s.step_s * 1e3:7.3f} | {s.compute_s * 1e3:7.3f} | {s.halo_s * 1e3:4.2f} | "
+            f"{s.norm_s * 1e3:4.2f} | {s.halo_bytes / 2**20:13.2f} | {s.messages:>9} | "
+            f"{one.step_s / s.step_s:5.2f}x{mark}"
+        )
+
+
 # --------------------------------------------------------------------------- the CPU check
 def _exchange_worker(rank, world, sizes, calls):
     import torch.distributed as dist
@@ -482,6 +573,19 @@ def main(argv=None) -> list[dict]:
         f"{ib.name} alpha {args.ib_alpha_us} us, {args.ib_gbs} GB/s; {args.gpus_per_node} "
         f"GPUs per node; domain gradient overlap {args.domain_overlap}; batch {args.batch}/dp rank"
     )
+    if args.splits:
+        rows = []
+        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+            model_rows = split_rows(name, args, cluster)
+            excluded = model_rows[0]["excluded"] if model_rows else 0
+            if excluded:
+                print(
+                    f"{name}: {excluded} modules refused on lat x lon tiles (attention): "
+                    "projected without their communication, their compute as a perfect split"
+                )
+            rows += model_rows
+        _print_splits(rows)
+        return rows
     rows = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         model_rows = project_model(name, args, cluster)

@@ -4,7 +4,8 @@
 ``cost.py`` asks each layer for its geometry and estimates halo bytes, collectives and memory;
 ``make.py`` puts the rank layout, the levels and the constraints together (:func:`make_plan`);
 ``report.py`` prints it (:func:`format_plan`); ``fsdp_merge.py`` prices merging small FSDP2
-units (a note of the plan).
+units (a note of the plan); ``tiles.py`` plans the exchanges of lat x lon tiles per rank and
+``split.py`` projects every P x Q split of the domain ranks (the plan's note on the best one).
 """
 
 from __future__ import annotations

@@ -90,6 +90,10 @@ class DomainLayerPlan:
         """Whether any rank sends or receives rows in this layer."""
         return any(self.rows_received) or any(self.rows_sent)
 
+    def rank_calls(self, domain_rank: int) -> int:
+        """Batched P2P calls of one direction ``domain_rank`` makes in this layer (0 or 1)."""
+        return int(self.rank_exchanges(domain_rank))
+
     def rank_exchanges(self, domain_rank: int) -> bool:
         """Whether ``domain_rank`` takes part in a P2P call (it skips it with nothing to move)."""
         if not self.rows_received:
@@ -252,7 +256,8 @@ def predicted_collectives(
     Keys (all present, 0 when not applicable):
 
     * ``domain_p2p``: ``batch_isend_irecv`` calls, 2 per domain layer this rank exchanges in
-      (forward rows + backward gradients);
+      (forward rows + backward gradients); on lat x lon tiles (``tiles.TileLayerPlan``) 2 per
+      pass (rows, columns) it takes part in;
     * ``domain_all_gather`` / ``domain_all_reduce_norm``: per GroupNorm call one all-gather of the
       statistics in forward and its adjoint all-reduce in backward (none for a norm whose
       statistics travel with the next conv's exchange, ``stats_with_exchange``); per gathered module
@@ -284,9 +289,7 @@ def predicted_collectives(
     cap = max(1, int(bucket_cap_mb * _MIB))
     if domain > 1:
         ranks = range(domain) if domain_rank is None else (domain_rank,)
-        counts["domain_p2p"] = 2 * max(
-            sum(1 for layer in layers if layer.rank_exchanges(r)) for r in ranks
-        )
+        counts["domain_p2p"] = 2 * max(sum(layer.rank_calls(r) for layer in layers) for r in ranks)
         norms = sum(
             1 for layer in layers if layer.kind == "group_norm" and not layer.stats_with_exchange
         )
@@ -356,16 +359,21 @@ def fsdp_units(
     return [(name, names) for name, names in owned.items() if names]
 
 
-def _rank_share(numel: int, shape, heights, n: int) -> int:
+def _rank_share(numel: int, shape, heights, n: int, q: int = 1) -> int:
     """Elements the busiest domain rank holds of a tensor of ``shape``: its rows of a latitude
-    field (a 4-D/5-D tensor whose dim -2 is one of the model's heights), else a 1/n share (the
-    attention layouts spread reshaped tensors over the ranks)."""
-    if n <= 1:
+    field (a 4-D/5-D tensor whose dim -2 is one of the model's heights; on a lat x lon domain,
+    ``q`` > 1, its tile: its columns of the last dim too, padded widths included), else a
+    1/(n q) share (the attention layouts spread reshaped tensors over the ranks)."""
+    if n * q <= 1:
         return numel
     if len(shape) in (4, 5) and shape[SHARD_DIM] in heights:
         h = shape[SHARD_DIM]
-        return numel // max(h, 1) * max(1, -(-h // n))
-    return -(-numel // n)
+        share = numel // max(h, 1) * max(1, -(-h // n))
+        w = shape[-1]
+        if q > 1:
+            share = share // max(w, 1) * max(1, -(-w // q))
+        return share
+    return -(-numel // (n * q))
 
 
 def activation_parts(
@@ -379,6 +387,8 @@ def activation_parts(
     act_bytes: int,
     data_bytes: int,
     device: str = "cpu",
+    q: int = 1,
+    tile_layers=None,
 ) -> dict:
     """Per-rank activation memory at the peak of a step, by part (``MemoryEstimate`` fields).
 
@@ -386,22 +396,29 @@ def activation_parts(
     ``conv_columns``, ``model_outputs``) at batch 1 in the model's dtype; ``heights``: the
     model's global heights (the levels); ``act_bytes``: activation element bytes (2 under amp);
     ``data_bytes``: element bytes of inputs and targets; ``device``: the device type the
-    convolution workspace is counted for (:func:`conv_workspace_bytes`)."""
+    convolution workspace is counted for (:func:`conv_workspace_bytes`).  On a lat x lon
+    domain: ``q`` longitude ranks and ``tile_layers``
+    (``tiles.TileLayerPlan``: the halo-extended window of the busiest tile); every 4-D/5-D field
+    scales with the tile."""
+
+    def share(numel, shape):
+        return _rank_share(numel, shape, heights, n, q)
+
     saved = 0
     for shape, nbytes in trace.saved:
         itemsize = max(1, nbytes // max(1, math.prod(shape)))
         numel = nbytes // itemsize
-        saved += _rank_share(numel, shape, heights, n) * act_bytes
-    largest = max(
-        (_rank_share(math.prod(s), s, heights, n) for _, s in trace.leaf_outputs), default=0
-    )
-    columns = max((-(-c // n) for c in trace.conv_columns), default=0)
-    inputs = sum(_rank_share(math.prod((1, *s)), (1, *s), heights, n) for s in input_shapes)
-    batch = inputs + sum(
-        _rank_share(math.prod(s), s, heights, n) for s in trace.model_outputs if len(s) >= 3
-    )
+        saved += share(numel, shape) * act_bytes
+    largest = max((share(math.prod(s), s) for _, s in trace.leaf_outputs), default=0)
+    columns = max((-(-c // (n * q)) for c in trace.conv_columns), default=0)
+    inputs = sum(share(math.prod((1, *s)), (1, *s)) for s in input_shapes)
+    batch = inputs + sum(share(math.prod(s), s) for s in trace.model_outputs if len(s) >= 3)
     exchange = 0
-    for layer in layers:
+    for layer in tile_layers or ():
+        p = layer.shape[0]
+        received = max(layer.received_elements(a, b) for a in range(p) for b in range(q))
+        exchange += received * act_bytes
+    for layer in layers if tile_layers is None else ():
         if layer.form == "gather":
             exchange += layer.activation_bytes  # the whole globe's input on every rank
         elif layer.rows_received:

@@ -48,6 +48,9 @@ from .cost import (
     tp_split_dims,
 )
 from .fsdp_merge import merge_advice
+from .split import project_splits, refusal_reason, split_note
+from .tiles import TileLayerPlan, tile_halo_bytes, tile_layer_plans
+from .tiles import tile_levels as tile_levels_of
 from .tp_partial import tp_partial_gradient_findings
 from .trace import build_meta_model, conversion_plan, model_input_shapes, plan_targets, trace_model
 
@@ -103,6 +106,15 @@ class Plan:
     fsdp_units: list[str]
     violations: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # a lat x lon domain (SPEC §3b): (P, Q); ``domain`` above is P, ``layers`` and ``levels``
+    # the latitude rows; ``tile_levels`` (H, W, rows per lat rank, columns per lon rank) and
+    # ``tile_layers`` (``tiles.TileLayerPlan``) the tiles, which the halo bytes per rank
+    # (P x Q of them, domain rank lat * Q + lon), the collectives and the memory count
+    domain_shape: tuple[int, int] = (1, 1)
+    tile_levels: list = field(default_factory=list)
+    tile_layers: list = field(default_factory=list)
+    # ``split.SplitProjection`` of every (P, Q) with P x Q = the domain size (plan --world-size)
+    splits: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -197,15 +209,59 @@ def tile_refusals_of_model(model) -> list[tuple[str, str]]:
     return tile_refusals(model, plan)
 
 
-def _tile_limits(model, lat: int, lon: int, violations: list, notes: list) -> None:
-    """A two-dimensional domain (SPEC §3b): the rows below are planned for the latitude split;
-    the modules not yet exact on lat x lon tiles are violations (as the converter refuses them)."""
+def _tile_limits(model, lat: int, lon: int, violations: list, notes: list) -> list:
+    """A two-dimensional domain (SPEC §3b): what the plan counts per tile; the modules not yet
+    exact on lat x lon tiles are violations (as the converter refuses them)."""
     notes.append(
-        f"two-dimensional domain {lat} x {lon}: rows, halo bytes and memory below are planned "
-        f"for the latitude split (P = {lat}) only; each rank further holds 1/{lon} of the columns"
+        f"two-dimensional domain {lat} x {lon}: the rows per level and the layer table below "
+        f"are the latitude split (P = {lat}); the tiles per level, the halo bytes per rank "
+        "(rows first, then columns of the row-extended tile: corners ride with the column "
+        "pass, longitude wraps periodically), the collectives and the memory count the "
+        f"{lat} x {lon} tiles"
     )
-    for path, reason in tile_refusals_of_model(model):
+    refusals = tile_refusals_of_model(model)
+    for path, reason in refusals:
         violations.append(f"{path}: {reason}")
+    return refusals
+
+
+def _collectives(layers, data, dp, tp, size, tp_listed, units, local_numels) -> dict:
+    """:func:`~credit_parallel.planner.cost.predicted_collectives` of the plan."""
+    return predicted_collectives(
+        layers,
+        data=data,
+        dp=max(dp, 1),
+        tp=tp,
+        domain=size,
+        tp_row_layers=sum(1 for t in tp_listed if t.role == "row"),
+        tp_col_layers=sum(1 for t in tp_listed if t.role == "col"),
+        tp_fused_layers=sum(1 for t in tp_listed if t.role == "col" and t.parts > 1),
+        fsdp_units=len(units),
+        grad_sizes_bytes=[v * _PARAM_BYTES for v in local_numels.values()],
+    )
+
+
+def _tiles(model, trace, shapes, shape, double: bool, violations: list, notes: list):
+    """(refused modules, ``tiles.TileLayerPlan`` of every layer call, tiles per grid size) of a
+    lat x lon domain of ``shape`` (P, Q)."""
+    refusals = _tile_limits(model, *shape, violations, notes)
+    layers = tile_layer_plans(trace, shape, double)
+    return refusals, layers, tile_levels_of(shapes, layers, shape)
+
+
+def _splits(model, trace, shape, refusals, notes: list, **kw) -> list:
+    """``split.SplitProjection`` of every split of the P x Q domain ranks; the note naming the
+    best one goes to ``notes`` (``plan --world-size N``, issue 26 item 5)."""
+    size = shape[0] * shape[1]
+    if size <= 1 or not trace.calls:
+        return []
+    if refusals is None:
+        refusals = tile_refusals_of_model(model)
+    splits = project_splits(trace, size, refused=refusal_reason(refusals), **kw)
+    note = split_note(splits, shape)
+    if note:
+        notes.append(note)
+    return splits
 
 
 def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: list, *, policy):
@@ -356,7 +412,7 @@ def _window_constraints(model, shapes, layers, n: int, violations: list, notes: 
 
 def _memory(
     model, trace, layers, shapes, levels, *, data, dp, tp, n, batch_size, amp, violations, notes,
-    min_unit_params=FSDP2_MIN_UNIT_PARAMS, device="cpu",
+    min_unit_params=FSDP2_MIN_UNIT_PARAMS, device="cpu", q=1, tile_layers=None,
 ):  # fmt: skip
     """(MemoryEstimate, tp targets, FSDP units, local parameter numels) of one rank."""
     split, tp_listed = tp_split_dims(model, tp, violations)
@@ -366,7 +422,7 @@ def _memory(
             "repeats the same work"
         )
     # FSDP2 shards over the flattened dp x domain axis (composition.apply_data_parallel)
-    fsdp_dp = dp * n if data == DataMode.FSDP2 and dp * n > 1 else 1
+    fsdp_dp = dp * n * q if data == DataMode.FSDP2 and dp * n * q > 1 else 1
     local_numels, full_numel = {}, 0
     for pname, p in model.named_parameters():
         full_numel += p.numel()
@@ -391,6 +447,7 @@ def _memory(
     parts = activation_parts(
         trace, layers, shapes, {h for h, _ in levels}, n,
         batch_size=batch_size, act_bytes=act_bytes, data_bytes=param_dtype.itemsize, device=device,
+        q=q, tile_layers=tile_layers,
     )  # fmt: skip
     memory = MemoryEstimate(
         param_bytes=param_bytes,
@@ -420,8 +477,12 @@ def _meta_model(conf: dict, model: nn.Module | None, input_shapes):
 
 
 def _halo_bytes_per_rank(layers, batch_size: int, dtype_bytes: int, n: int) -> tuple:
+    """Bytes each of the ``n`` domain ranks sends per step: from the 1-D layer plans, or from
+    the tile plans (``tiles.TileLayerPlan``) of a lat x lon domain."""
+    tiles = bool(layers) and isinstance(layers[0], TileLayerPlan)
+    count = tile_halo_bytes if tiles else predicted_halo_bytes
     return tuple(
-        predicted_halo_bytes(layers, batch_size=batch_size, dtype_bytes=dtype_bytes, domain_rank=r)
+        count(layers, batch_size=batch_size, dtype_bytes=dtype_bytes, domain_rank=r)
         for r in range(n)
     )
 
@@ -464,36 +525,36 @@ def make_plan(
     model, model_type, shapes = _meta_model(conf, model, input_shapes)
     tp_partial_gradient_findings(model, shapes, tp, notes, violations)  # before the domain trace
     trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
+    double = not amp and next((p.dtype for p in model.parameters()), None) == torch.float64
+    tile_layers, tile_levels, refusals = [], [], None
     if lon > 1:
-        _tile_limits(model, n, lon, violations, notes)
+        refusals, tile_layers, tile_levels = _tiles(
+            model, trace, shapes, (n, lon), double, violations, notes
+        )
     levels = _levels(shapes, layers, trace, n, violations, notes)
     _window_constraints(model, shapes, layers, n, violations, notes)
 
     # ---- memory and communication
     memory, tp_listed, units, local_numels = _memory(
         model, trace, layers, shapes, levels, data=data, dp=dp, tp=tp, n=n, batch_size=batch_size, amp=amp,
-        violations=violations, notes=notes, device=device,
+        violations=violations, notes=notes, device=device, q=lon,
+        tile_layers=tile_layers or None,
         min_unit_params=(
             trainer.fsdp2_min_unit_params if trainer is not None
             else trainer_option(conf, "fsdp2_min_unit_params")
         ),
     )  # fmt: skip
     act_bytes = memory.activation_dtype_bytes
-    halo_per_rank = _halo_bytes_per_rank(layers, batch_size, act_bytes, n)
-    collectives = predicted_collectives(
-        layers,
-        data=data,
-        dp=max(dp, 1),
-        tp=tp,
-        domain=n,
-        tp_row_layers=sum(1 for t in tp_listed if t.role == "row"),
-        tp_col_layers=sum(1 for t in tp_listed if t.role == "col"),
-        tp_fused_layers=sum(1 for t in tp_listed if t.role == "col" and t.parts > 1),
-        fsdp_units=len(units),
-        grad_sizes_bytes=[v * _PARAM_BYTES for v in local_numels.values()],
+    halo_per_rank = _halo_bytes_per_rank(tile_layers or layers, batch_size, act_bytes, n * lon)
+    collectives = _collectives(
+        tile_layers or layers, data, dp, tp, n * lon, tp_listed, units, local_numels
     )
     if n > 1 and layers:
         notes.append(_FIRST_STEP_NOTE)
+    splits = _splits(
+        model, trace, (n, lon), refusals, notes, batch_size=batch_size, dtype_bytes=act_bytes,
+        double=double, dp=max(dp, 1),
+    )  # fmt: skip
     ranks, omitted = _rank_entries(dims) if dims is not None else ([], 0)
     return Plan(
         world_size=world_size,
@@ -515,12 +576,14 @@ def make_plan(
         layers=layers,
         memory=memory,
         halo_bytes_per_rank=halo_per_rank,
-        halo_bytes_per_step=predicted_halo_bytes(
-            layers, batch_size=batch_size, dtype_bytes=act_bytes
-        ),
+        halo_bytes_per_step=sum(halo_per_rank),
         collectives=collectives,
         tp_targets=[(t.path, t.role) for t in tp_listed],
         fsdp_units=[name or "<root>" for name, _ in units],
         violations=violations,
         notes=notes,
+        domain_shape=(n, lon),
+        tile_levels=tile_levels,
+        tile_layers=tile_layers,
+        splits=splits,
     )

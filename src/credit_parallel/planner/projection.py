@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from .cost import DomainLayerPlan
 
 __all__ = [
+    "DEFAULT_CLUSTER",
     "Cluster",
     "ComputeProfile",
     "Link",
@@ -48,6 +49,7 @@ __all__ = [
     "allreduce_time",
     "gather_time",
     "project_step",
+    "project_tiles",
 ]
 
 
@@ -137,6 +139,13 @@ class Projection:
     def efficiency(self) -> float:
         """``T(1 device) / (domain x T(step))``; dp replicas add samples, not shares."""
         return self.single_device_s / (self.domain * self.step_s) if self.step_s > 0 else 0.0
+
+
+# the links benchmarks/projection.py assumes by default (docs/performance.md gives the sources):
+# NVLink 4 inside a node of 8 GPUs, NDR InfiniBand across
+DEFAULT_CLUSTER = Cluster(
+    8, Link("NVLink 4", 3e-6, 1 / 360e9), Link("NDR InfiniBand", 10e-6, 1 / 45e9)
+)
 
 
 def _log_steps(group: int) -> int:
@@ -238,23 +247,112 @@ def project_step(
     rest = (profile.rest_s + unplanned) * batch_size * rest_share
     compute += rest
     parts["rest"] = rest
-    domain_grad = allreduce_time(domain_grad_bytes, domain, link, domain_grad_buckets)
-    dp_grad = allreduce_time(dp_grad_bytes, dp, cluster.link(domain * dp), dp_grad_buckets)
-    # the overlapped parts share the backward compute; the rest waits after it
+    grads = dict(
+        domain_grad_bytes=domain_grad_bytes, dp_grad_bytes=dp_grad_bytes,
+        domain_grad_buckets=domain_grad_buckets, dp_grad_buckets=dp_grad_buckets,
+        overlap=overlap, domain_overlap=domain_overlap, backward_fraction=backward_fraction,
+    )  # fmt: skip
+    times = dict(compute_s=compute, halo_s=halo, norm_s=norm, attention_s=attention)
+    return _with_gradients(
+        domain, dp, cluster, times, grads, profile.total_s * batch_size, sync_points, parts
+    )
+
+
+def _with_gradients(domain, dp, cluster, times, grads, single_s, sync_points, parts):
+    """The :class:`Projection` of ``times`` plus the gradient all-reduces of ``grads`` (the
+    domain group's and the dp group's; the overlapped parts share the backward compute, the
+    rest waits after it)."""
+    domain_grad = allreduce_time(
+        grads["domain_grad_bytes"], domain, cluster.link(domain), grads["domain_grad_buckets"]
+    )
+    dp_grad = allreduce_time(
+        grads["dp_grad_bytes"], dp, cluster.link(domain * dp), grads["dp_grad_buckets"]
+    )
+    overlap, domain_overlap = grads["overlap"], grads["domain_overlap"]
     overlapped = domain_grad * domain_overlap + dp_grad * overlap
     blocking = domain_grad * (1 - domain_overlap) + dp_grad * (1 - overlap)
-    exposed = max(0.0, overlapped - backward_fraction * compute) + blocking
+    backward = grads["backward_fraction"] * times["compute_s"]
+    exposed = max(0.0, overlapped - backward) + blocking
     return Projection(
-        domain=domain,
-        dp=dp,
-        compute_s=compute,
-        halo_s=halo,
-        norm_s=norm,
-        attention_s=attention,
-        domain_grad_s=domain_grad,
-        dp_grad_s=dp_grad,
-        exposed_grad_s=exposed,
-        single_device_s=profile.total_s * batch_size,
-        sync_points=sync_points,
-        parts=parts,
+        domain=domain, dp=dp, **times, domain_grad_s=domain_grad, dp_grad_s=dp_grad,
+        exposed_grad_s=exposed, single_device_s=single_s, sync_points=sync_points, parts=parts,
+    )  # fmt: skip
+
+
+def _tile_halo_time(layer, link: Link, batch_size: int, dtype_bytes: int) -> float:
+    """Seconds of one tile layer's exchanges (forward + backward) on its busiest rank: per
+    pass (rows, then columns of the row-extended tile: sequential), one message time of the
+    larger of what the rank sends and receives, its peers served concurrently."""
+    p, q = layer.shape
+    item = batch_size * dtype_bytes
+    worst = 0.0
+    for a in range(p):
+        for b in range(q):
+            (rows_f, cols_f), (rows_b, cols_b) = layer.pass_elements(a, b)
+            seconds = 2 * (
+                link.message(max(rows_f, rows_b) * item) + link.message(max(cols_f, cols_b) * item)
+            )
+            worst = max(worst, seconds)
+    return worst
+
+
+def project_tiles(
+    layers,
+    profile: ComputeProfile,
+    *,
+    shape: tuple[int, int],
+    dp: int,
+    cluster: Cluster,
+    batch_size: int = 1,
+    dtype_bytes: int = 4,
+    norm_stat_bytes: int = 64,
+    **grads,
+) -> Projection:
+    """:func:`project_step` of a ``shape`` = (P, Q) lat x lon domain from its tile plans
+    (``tiles.TileLayerPlan``; Q = 1 is the latitude split without exchange fusion): each
+    layer call's compute x the busiest tile's share (rows x columns) of its output, the rest
+    x the busiest tile's share of the first layer's input; halo: per exchanging call, the row
+    pass and the column pass of the busiest rank (:func:`_tile_halo_time`); GroupNorm
+    statistics over the P x Q group; layers with an ``error`` (not exact on tiles) add no
+    communication.  ``grads``: the gradient keywords of :func:`project_step`."""
+    p, q = shape
+    domain = p * q
+    if domain < 1 or dp < 1:
+        raise ValueError(f"project_tiles: shape and dp must be >= 1, got {shape=}, {dp=}")
+    link = cluster.link(domain)
+    compute = halo = norm = 0.0
+    parts: dict[str, float] = {}
+    for layer in layers:
+        (h, w), rows, cols = layer.out_hw, layer.out_rows, layer.out_cols
+        share = 1.0 if domain == 1 else max(rows) / max(h, 1) * max(cols) / max(w, 1)
+        seconds = profile.layers.get(layer.path, 0.0) * batch_size * share
+        compute += seconds
+        parts[layer.kind] = parts.get(layer.kind, 0.0) + seconds
+        if domain == 1 or layer.error:
+            continue
+        if layer.exchanges:
+            halo += _tile_halo_time(layer, link, batch_size, dtype_bytes)
+        if layer.kind == "group_norm":
+            norm += gather_time(norm_stat_bytes * domain, domain, link)
+            norm += allreduce_time(norm_stat_bytes, domain, link)
+    named = {layer.path for layer in layers}
+    unplanned = sum(t for path, t in profile.layers.items() if path not in named)
+    first = layers[0] if layers else None
+    rest_share = 1 / domain
+    if first is not None and domain > 1:
+        (h, w) = first.in_hw
+        rest_share = max(first.in_rows) / max(h, 1) * max(first.in_cols) / max(w, 1)
+    rest = (profile.rest_s + unplanned) * batch_size * rest_share
+    compute += rest
+    parts["rest"] = rest
+    grads = {
+        "domain_grad_bytes": 0, "dp_grad_bytes": 0, "domain_grad_buckets": 1,
+        "dp_grad_buckets": 1, "overlap": 0.0, "domain_overlap": None,
+        "backward_fraction": 2 / 3, **grads,
+    }  # fmt: skip
+    if grads["domain_overlap"] is None:
+        grads["domain_overlap"] = grads["overlap"]
+    times = dict(compute_s=compute, halo_s=halo, norm_s=norm, attention_s=0.0)
+    return _with_gradients(
+        domain, dp, cluster, times, grads, profile.total_s * batch_size, 0, parts
     )

@@ -81,10 +81,57 @@ def _layout_section(plan: Plan) -> list[str]:
 def _levels_section(plan: Plan) -> list[str]:
     out: list[str] = []
     n = plan.domain
-    out.append(f"== Rows per domain rank by resolution level (domain = {n}) ==")
+    what = f"latitude ranks P = {n}" if plan.domain_shape[1] > 1 else f"domain = {n}"
+    out.append(f"== Rows per domain rank by resolution level ({what}) ==")
     for index, (h, sizes) in enumerate(plan.levels):
         empty = f"  ({n - h} empty ranks)" if h < n else ""
         out.append(f"level {index}: H={h}  rows {list(sizes)}  {_ranges(h, n)}{empty}")
+    if plan.tile_levels:
+        p, q = plan.domain_shape
+        out.append("")
+        out.append(f"== Tiles per domain rank by grid size (lat x lon = {p} x {q}) ==")
+        for index, (h, w, rows, cols) in enumerate(plan.tile_levels):
+            largest = max(rows) * max(cols)
+            empty = sum(1 for r in rows for c in cols if r * c == 0)
+            idle = f"  ({empty} tiles empty)" if empty else ""
+            out.append(
+                f"grid {index}: {h} x {w}  rows {list(rows)} x cols {list(cols)}  "
+                f"largest tile {max(rows)} x {max(cols)} = {largest} cells{idle}"
+            )
+    return out
+
+
+def _tiles_section(plan: Plan) -> list[str]:
+    """Per tile-exchanging layer call: its grid, the halo bytes per step of the busiest rank
+    and of the group, and the messages of the busiest rank (forward + backward)."""
+    layers = [layer for layer in plan.tile_layers if layer.exchanges or layer.error]
+    if not plan.tile_layers:
+        return []
+    p, q = plan.domain_shape
+    b, item = plan.batch_size, plan.memory.activation_dtype_bytes
+    out = [f"== Tile exchanges ({len(layers)} of {len(plan.tile_layers)} calls exchange) =="]
+    rows = [["module", "kind", "H x W in", "halo/step busiest", "halo/step group", "msgs", ""]]
+    ranks = [divmod(r, q) for r in range(p * q)]
+    for layer in layers:
+        sent = [layer.sent_elements(a, c) * b * item for a, c in ranks]
+        msgs = max(sum(layer.messages(a, c)) for a, c in ranks)
+        rows.append(
+            [
+                layer.path,
+                layer.kind,
+                f"{layer.in_hw[0]} x {layer.in_hw[1]}",
+                _human(max(sent)),
+                _human(sum(sent)),
+                str(msgs),
+                f"NOT ON TILES: {layer.error}" if layer.error else "",
+            ]
+        )
+    out.extend(_table(rows))
+    out.append(
+        "halo/step: bytes sent forward + backward (rows first, then columns of the "
+        "row-extended tile); msgs: messages the busiest rank sends per step (one per peer "
+        "per pass, each direction)"
+    )
     return out
 
 
@@ -149,10 +196,11 @@ def _memory_section(plan: Plan) -> list[str]:
     m = plan.memory
     out.append("== Memory per rank (estimate) ==")
     if plan.data == DataMode.FSDP2:
-        over = max(plan.dp, 1) * plan.domain
+        size = plan.domain * plan.domain_shape[1]  # P x Q on a lat x lon domain
+        over = max(plan.dp, 1) * size
         sharding = (
-            f"sharded over dp x domain = {max(plan.dp, 1)} x {plan.domain} (FSDP2, dim 0 padded)"
-            if plan.domain > 1
+            f"sharded over dp x domain = {max(plan.dp, 1)} x {size} (FSDP2, dim 0 padded)"
+            if size > 1
             else f"sharded over dp={over} (FSDP2, dim 0 padded)"
         )
     else:
@@ -167,7 +215,7 @@ def _memory_section(plan: Plan) -> list[str]:
     out.append(
         f"saved activ.    {_human(m.activation_bytes):>12}  what autograd saves for backward "
         f"(traced on meta) x batch {plan.batch_size} x {m.activation_dtype_bytes} B, "
-        "4-D/5-D fields at the largest rank's rows"
+        "4-D/5-D fields at the largest rank's rows (tile)"
     )
     if m.exchange_bytes:
         out.append(
@@ -220,9 +268,13 @@ def _workspace_reason(m) -> str:
 
 def _communication_section(plan: Plan) -> list[str]:
     out: list[str] = []
-    n = plan.domain
     out.append("== Communication per training step ==")
-    per_rank = ", ".join(f"r{r}: {_human(b)}" for r, b in enumerate(plan.halo_bytes_per_rank))
+    q = plan.domain_shape[1]
+    per_rank = ", ".join(
+        (f"r{r} {divmod(r, q)}: " if q > 1 else f"r{r}: ") + _human(b)
+        for r, b in enumerate(plan.halo_bytes_per_rank)
+    )
+    n = len(plan.halo_bytes_per_rank)
     out.append(
         f"halo bytes (forward + backward): {_human(plan.halo_bytes_per_step)} per domain group"
         + (f"; sent per domain rank {per_rank}" if n > 1 else "")
@@ -267,10 +319,13 @@ def format_plan(plan: Plan) -> str:
         _layout_section,
         _levels_section,
         _layers_section,
+        _tiles_section,
         _memory_section,
         _communication_section,
         _constraints_section,
     ):
-        out.append("")
-        out.extend(section(plan))
+        lines = section(plan)
+        if lines:
+            out.append("")
+            out.extend(lines)
     return "\n".join(out) + "\n"

@@ -42,7 +42,7 @@ from .conv_geometry import (
     conv_windows,
     overlap_split,
 )
-from .conv_tiles import tile_conv_forward
+from .conv_tiles import tile_conv_forward, tile_conv_windows
 from .padding import DomainParallelPad
 from .split_conv import SplitConv, overlap_enabled
 
@@ -176,6 +176,11 @@ class _DomainParallelConvNd(DomainWrapper):
     def input_windows(self, input_height: int, n: int) -> tuple:
         windows_of = conv_transpose_windows if self.geometry.transposed else conv_windows
         return windows_of(self.geometry, self.spatial_index, input_height, n)[0]
+
+    def tile_windows(self, height: int, width: int, shape, *, double: bool = False) -> tuple:
+        """(row windows over the P latitude ranks, column windows over the Q longitude ranks)
+        of a ``height`` x ``width`` input on a ``shape`` = (P, Q) domain (``conv_tiles.py``)."""
+        return tile_conv_windows(self, height, width, shape)
 
     def _weight_and_bias(self, x):
         conv = self.wrapped_weights(x)

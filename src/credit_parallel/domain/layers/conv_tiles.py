@@ -32,7 +32,7 @@ from ..manager2d import tiles_unsupported
 from ..rows import shard_range
 from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
 
-__all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward"]
+__all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward", "tile_conv_windows"]
 
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
@@ -51,12 +51,15 @@ class TileConvCall:
     first_w: int | None
 
 
-def _axis_windows(geo, i: int, length: int, n: int, rank: int):
-    """(every rank's windows, owned output range, first window row) along spatial dim ``i``."""
+def tile_conv_windows(layer, height: int, width: int, shape) -> tuple[tuple, tuple]:
+    """(row windows of every latitude rank, column windows of every longitude rank) of
+    ``layer`` for a global ``height`` x ``width`` input on a ``shape`` = (P, Q) domain: what
+    :func:`tile_conv_call` exchanges (the planner asks this too)."""
+    geo, i_h, i_w = layer.geometry, layer.spatial_index, layer.nd - 1
     windows_of = conv_transpose_windows if geo.transposed else conv_windows
-    windows, out_len = windows_of(geo, i, length, n)
-    first = windows[rank][0] if windows[rank] else None
-    return windows, shard_range(out_len, n, rank), first
+    # along W the rule is that of the conv's other dims (circular: longitude wraps)
+    geo_w = replace(geo, edge_mode=geo.other_mode)
+    return windows_of(geo, i_h, height, shape[0])[0], windows_of(geo_w, i_w, width, shape[1])[0]
 
 
 def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCall:
@@ -69,10 +72,12 @@ def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCal
     if call is not None:
         return call
     geo, i_h, i_w = layer.geometry, layer.spatial_index, layer.nd - 1
-    rows, out_h, first_h = _axis_windows(geo, i_h, height, shape[0], coords[0])
-    # along W the rule is that of the conv's other dims (circular: longitude wraps)
-    geo_w = replace(geo, edge_mode=geo.other_mode)
-    cols, out_w, first_w = _axis_windows(geo_w, i_w, width, shape[1], coords[1])
+    (lat, lon), (p, q) = coords, shape
+    rows, cols = tile_conv_windows(layer, height, width, shape)
+    out_h = shard_range(geo.output_length(height, i_h), p, lat)
+    out_w = shard_range(geo.output_length(width, i_w), q, lon)
+    first_h = rows[lat][0] if rows[lat] else None  # the first input row / column of the window
+    first_w = cols[lon][0] if cols[lon] else None
     plan = tile_plan(height, width, shape, coords, rows, cols)
     op = None
     if not geo.transposed:  # the op pads the dims that are not split (T of a Conv3d) only

@@ -120,6 +120,16 @@ class DomainParallelPad(DomainWrapper):
         what = f"{type(self.wrapped).__name__}{self.padding}"
         return checked_pad_windows(input_height, n, top, bottom, self.mode, what)
 
+    def tile_windows(self, height: int, width: int, shape, *, double: bool = False) -> tuple:
+        """(row windows over the P latitude ranks, column windows over the Q longitude ranks)
+        of a ``height`` x ``width`` input on a ``shape`` = (P, Q) domain (:meth:`_forward_tile`)."""
+        left, right, top, bottom = self.padding
+        what = f"{type(self.wrapped).__name__}{self.padding}"
+        return (
+            checked_pad_windows(height, shape[0], top, bottom, self.mode, what),
+            checked_pad_windows(width, shape[1], left, right, self.mode, what),
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() not in (3, 4):
             raise ValueError(
@@ -145,14 +155,10 @@ class DomainParallelPad(DomainWrapper):
         latitude ranks, the columns one over the longitude ranks by the same rule (circular
         wraps longitude across them), exchanged along H, then along W of the H-extended tensor
         (so the corners come with it; ``conv_tiles.py``)."""
-        left, right, top, bottom = self.padding
-        what = f"{type(self.wrapped).__name__}{self.padding}"
         dim_h, dim_w = x.dim() - 2, x.dim() - 1
         height = mgr.global_height(self, x.shape[dim_h])
         width = mgr.global_width(self, x.shape[dim_w])
-        p, q = mgr.domain_shape
-        rows = checked_pad_windows(height, p, top, bottom, self.mode, what)
-        cols = checked_pad_windows(width, q, left, right, self.mode, what)
+        rows, cols = self.tile_windows(height, width, mgr.domain_shape)
         plan = tile_plan(height, width, mgr.domain_shape, mgr.domain_coords, rows, cols)
         return exchange_tile(x, plan, (dim_h, dim_w), mgr, self.value)
 

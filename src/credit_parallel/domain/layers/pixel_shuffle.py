@@ -71,6 +71,12 @@ class DomainParallelPixelShuffle(DomainWrapper):
     def input_windows(self, input_height: int, n: int) -> tuple:
         return pixel_shuffle_windows(input_height, n, self.upscale_factor)
 
+    def tile_windows(self, height: int, width: int, shape, *, double: bool = False) -> tuple:
+        """(row windows over the P latitude ranks, column windows over the Q longitude ranks)
+        of a ``height`` x ``width`` input on a ``shape`` = (P, Q) domain (:meth:`_forward_tile`)."""
+        r = self.upscale_factor
+        return pixel_shuffle_windows(height, shape[0], r), pixel_shuffle_windows(width, shape[1], r)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_height_dim(x, "DomainParallelPixelShuffle")
         mgr = resolve_manager(self.manager, "DomainParallelPixelShuffle")
@@ -139,6 +145,17 @@ class DomainParallelPixelUnshuffle(DomainWrapper):
     def input_windows(self, input_height: int, n: int) -> tuple:
         self.output_height(input_height)  # the divisibility check
         return pixel_unshuffle_windows(input_height, n, self.downscale_factor)
+
+    def tile_windows(self, height: int, width: int, shape, *, double: bool = False) -> tuple:
+        """(row windows over the P latitude ranks, column windows over the Q longitude ranks)
+        of a ``height`` x ``width`` input on a ``shape`` = (P, Q) domain (:meth:`_forward_tile`)."""
+        r = self.downscale_factor
+        self.output_height(height)  # the divisibility checks
+        self.output_height(width)
+        return (
+            pixel_unshuffle_windows(height, shape[0], r),
+            pixel_unshuffle_windows(width, shape[1], r),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_height_dim(x, "DomainParallelPixelUnshuffle")

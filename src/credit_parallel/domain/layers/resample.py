@@ -224,6 +224,17 @@ class DomainParallelInterpolate(OptionsMixin, nn.Module):
         )
         return plan.windows
 
+    def tile_windows(self, height: int, width: int, shape, *, double: bool = False) -> tuple:
+        """(row windows over the P latitude ranks, column windows over the Q longitude ranks)
+        of a ``height`` x ``width`` input on a ``shape`` = (P, Q) domain, with the portable
+        kernel arithmetic (:meth:`input_windows`; :meth:`_forward_tile` exchanges these)."""
+        out_hw, scales = interp_output_size(
+            (height, width), self.size, self.scale_factor, self.recompute_scale_factor
+        )
+        key = ((height, width), out_hw, scales, tuple(shape), double, KernelTraits())
+        rows, cols = _tile_interp_plans(self.mode, self.align_corners, key)
+        return rows.windows, cols.windows
+
     def _plans(self, key):
         return _interp_plans(self.mode, self.align_corners, key)
 

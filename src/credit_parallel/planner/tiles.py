@@ -1,0 +1,222 @@
+"""The planner's lat x lon tiles (SPEC §3b): per layer call, the tile exchange of every rank.
+
+Pure arithmetic, the exchange's own algebra (``domain/exchange/tiles.py``): a layer gives the
+windows of global rows its owned outputs read per latitude rank and of global columns per
+longitude rank (its ``tile_windows``); the rows are fetched COMPACT over the P ranks of a
+longitude column (each real row once, ``compact_windows``), then the columns over the Q ranks
+of a latitude band OF THE ROW-EXTENDED TILE (so the corners ride with the column pass and a
+periodic longitude wraps from the last column shard), each by ``rows.plan_exchange``.  Rank
+(lat, lon) therefore sends, per forward,
+
+    rows_sent[lat] x columns of its tile  +  columns_sent[lon] x rows of its row-extended tile
+
+elements (times the other dims: channels, a Conv3d's depth), and the backward returns the
+gradients of what it received: the same formula with the received counts.  Messages are one per
+peer per pass.  :func:`tile_halo_bytes` and :meth:`TileLayerPlan.messages` are what
+``record_exchange_stats`` counts on each rank (tests/test_plan_tiles.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..domain.exchange.tiles import compact_windows
+from ..domain.geometry import domain_form_of, domain_kind_of
+from ..domain.rows import plan_exchange, shard_sizes
+
+__all__ = [
+    "TileLayerPlan",
+    "tile_halo_bytes",
+    "tile_layer_plan",
+    "tile_layer_plans",
+    "tile_levels",
+    "tile_p2p_calls",
+]
+
+# forms that never exchange on tiles: row- and column-local, or statistics over the group
+_NO_EXCHANGE = ("local", "collective")
+
+
+@dataclass(frozen=True)
+class TileLayerPlan:
+    """One call of a domain layer on a P x Q domain, as the tile exchange runs it.
+
+    Per latitude rank ``a``: ``out_rows[a]`` owned output rows, ``rows_sent[a]`` /
+    ``rows_received[a]`` in the row pass (compact), ``row_peers_sent[a]`` /
+    ``row_peers_received[a]`` messages, ``band_rows[a]`` rows of the row-extended tile the
+    column pass carries.  Per longitude rank ``b``: ``out_cols[b]``, ``in_cols[b]`` (columns of
+    the input tile), ``cols_sent[b]`` / ``cols_received[b]`` and their peers.  ``cell_elements``:
+    elements of one (row, column) at batch 1 (channels x other dims).  ``error``: why the layer
+    cannot run on tiles (its exchange is then not counted)."""
+
+    path: str
+    kind: str
+    form: str
+    shape: tuple[int, int]
+    in_hw: tuple[int, int]
+    out_hw: tuple[int, int]
+    out_rows: tuple[int, ...]
+    out_cols: tuple[int, ...]
+    in_rows: tuple[int, ...]
+    in_cols: tuple[int, ...]
+    cell_elements: int
+    band_rows: tuple[int, ...] = ()
+    rows_sent: tuple[int, ...] = ()
+    rows_received: tuple[int, ...] = ()
+    row_peers_sent: tuple[int, ...] = ()
+    row_peers_received: tuple[int, ...] = ()
+    cols_sent: tuple[int, ...] = ()
+    cols_received: tuple[int, ...] = ()
+    col_peers_sent: tuple[int, ...] = ()
+    col_peers_received: tuple[int, ...] = ()
+    error: str | None = None
+    stats_with_exchange: bool = False  # no norm + conv link on tiles (fusions are off)
+
+    @property
+    def exchanges(self) -> bool:
+        return bool(self.rows_sent) and (any(self.rows_sent) or any(self.cols_sent))
+
+    def pass_elements(self, lat: int, lon: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((row pass, column pass) elements rank (lat, lon) sends in forward, the same in
+        backward) at batch 1."""
+        if not self.rows_sent:
+            return (0, 0), (0, 0)
+        cell = self.cell_elements
+        rows_fwd = self.rows_sent[lat] * self.in_cols[lon] * cell
+        cols_fwd = self.cols_sent[lon] * self.band_rows[lat] * cell
+        rows_bwd = self.rows_received[lat] * self.in_cols[lon] * cell
+        cols_bwd = self.cols_received[lon] * self.band_rows[lat] * cell
+        return (rows_fwd, cols_fwd), (rows_bwd, cols_bwd)
+
+    def sent_elements(self, lat: int, lon: int) -> int:
+        """Elements rank (lat, lon) sends per step (forward + backward) at batch 1."""
+        fwd, bwd = self.pass_elements(lat, lon)
+        return sum(fwd) + sum(bwd)
+
+    def messages(self, lat: int, lon: int) -> tuple[int, int]:
+        """(forward, backward) messages rank (lat, lon) sends: one per peer per pass."""
+        if not self.rows_sent:
+            return 0, 0
+        fwd = self.row_peers_sent[lat] + self.col_peers_sent[lon]
+        bwd = self.row_peers_received[lat] + self.col_peers_received[lon]
+        return fwd, bwd
+
+    def passes(self, lat: int, lon: int) -> tuple[bool, bool]:
+        """Whether rank (lat, lon) takes part in the row pass / the column pass (a rank with
+        nothing to send or receive in a pass makes no call)."""
+        if not self.rows_sent:
+            return False, False
+        rows = bool(self.row_peers_sent[lat] or self.row_peers_received[lat])
+        cols = bool(self.col_peers_sent[lon] or self.col_peers_received[lon])
+        return rows, cols
+
+    def rank_calls(self, domain_rank: int) -> int:
+        """Batched P2P calls of one direction (``lat * Q + lon``): one per pass it takes part in."""
+        return sum(self.passes(*divmod(domain_rank, self.shape[1])))
+
+    def received_elements(self, lat: int, lon: int) -> int:
+        """Elements of other tiles in rank (lat, lon)'s window (batch 1): what it saves beyond
+        its own tile."""
+        if not self.rows_sent:
+            return 0
+        window = self.band_rows[lat] * (self.in_cols[lon] + self.cols_received[lon])
+        return (window - self.in_rows[lat] * self.in_cols[lon]) * self.cell_elements
+
+
+def _axis(length: int, n: int, windows) -> tuple:
+    """(sent, received, peers sent, peers received) per rank of one pass."""
+    plans = plan_exchange(length, n, tuple(windows))
+    return (
+        tuple(p.rows_sent for p in plans),
+        tuple(p.rows_received for p in plans),
+        tuple(len(p.sends) for p in plans),
+        tuple(len(p.recvs) for p in plans),
+    )
+
+
+def tile_layer_plan(
+    path: str, layer, in_shape, out_shape, shape: tuple[int, int], double: bool = False
+) -> TileLayerPlan:
+    """The :class:`TileLayerPlan` of one call of the domain layer ``layer`` (the converter's
+    replacement) on an input of ``in_shape`` (batch 1, rows at ``layer.shard_dim``, columns
+    last) giving ``out_shape``, on a ``shape`` = (P, Q) domain.  ``double``: float64
+    activations (interpolation indices)."""
+    p, q = shape
+    dim = getattr(layer, "shard_dim", -2) % len(in_shape)
+    height, width = in_shape[dim], in_shape[-1]
+    out_h, out_w = out_shape[dim % len(out_shape)], out_shape[-1]
+    form = domain_form_of(layer) or ""
+    base = dict(
+        path=path, kind=domain_kind_of(layer), form=form, shape=(p, q), in_hw=(height, width),
+        out_hw=(out_h, out_w), out_rows=shard_sizes(out_h, p), out_cols=shard_sizes(out_w, q),
+        in_rows=shard_sizes(height, p), in_cols=shard_sizes(width, q),
+        cell_elements=math.prod(in_shape) // max(1, height * width),
+    )  # fmt: skip
+    if form in _NO_EXCHANGE or not form:
+        return TileLayerPlan(**base)
+    windows = getattr(layer, "tile_windows", None)
+    if windows is None or dim == len(in_shape) - 1:
+        return TileLayerPlan(**base, error=f"{form} layer not exact on lat x lon tiles")
+    try:
+        rows, cols = windows(height, width, (p, q), double=double)
+        compact, _ = compact_windows(tuple(rows))
+        r_sent, r_recv, r_ps, r_pr = _axis(height, p, compact)
+        c_sent, c_recv, c_ps, c_pr = _axis(width, q, cols)
+    except ValueError as err:
+        return TileLayerPlan(**base, error=str(err))
+    return TileLayerPlan(
+        **base, band_rows=tuple(len(w) for w in compact), rows_sent=r_sent,
+        rows_received=r_recv, row_peers_sent=r_ps, row_peers_received=r_pr, cols_sent=c_sent,
+        cols_received=c_recv, col_peers_sent=c_ps, col_peers_received=c_pr,
+    )  # fmt: skip
+
+
+def tile_layer_plans(trace, shape: tuple[int, int], double: bool = False) -> list[TileLayerPlan]:
+    """One :class:`TileLayerPlan` per domain-layer call of ``trace`` (``trace.trace_model``),
+    labelled as the 1-D plan labels them (``path (call k)`` from the second call on).  No
+    exchange fusion: the converter does not fuse on tiles."""
+    out, seen = [], {}
+    for path, _, replacement, in_shape, out_shape, _ in trace.calls:
+        seen[path] = seen.get(path, 0) + 1
+        label = path if seen[path] == 1 else f"{path} (call {seen[path]})"
+        out.append(tile_layer_plan(label, replacement, in_shape, out_shape, shape, double))
+    return out
+
+
+def tile_levels(
+    input_shapes, layers: Sequence[TileLayerPlan], shape: tuple[int, int]
+) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """``(H, W, rows per latitude rank, columns per longitude rank)`` of every grid size an
+    input or a domain layer has, largest first."""
+    sizes = {(s[-2], s[-1]) for s in input_shapes if len(s) >= 2}
+    for layer in layers:
+        sizes.update((layer.in_hw, layer.out_hw))
+    p, q = shape
+    return [
+        (h, w, shard_sizes(h, p), shard_sizes(w, q))
+        for h, w in sorted(sizes, key=lambda hw: (hw[0] * hw[1], hw), reverse=True)
+    ]
+
+
+def tile_halo_bytes(
+    layers: Sequence[TileLayerPlan],
+    *,
+    batch_size: int,
+    dtype_bytes: int,
+    domain_rank: int | None = None,
+) -> int:
+    """Halo bytes of one training step (forward + backward): what ``domain_rank`` (``lat * Q +
+    lon``) sends, or (None) the sum over the domain group."""
+    total = 0
+    for layer in layers:
+        p, q = layer.shape
+        ranks = range(p * q) if domain_rank is None else (domain_rank,)
+        total += sum(layer.sent_elements(*divmod(r, q)) for r in ranks)
+    return total * batch_size * dtype_bytes
+
+
+def tile_p2p_calls(layers: Sequence[TileLayerPlan], domain_rank: int) -> int:
+    """Batched P2P calls of one step (forward + backward) of ``domain_rank``."""
+    return 2 * sum(layer.rank_calls(domain_rank) for layer in layers)
