@@ -1,0 +1,95 @@
+"""What the forecast command shows and writes per step: the progress report (a bar on a
+terminal, plain lines in a batch job) and the model's outputs as the store's physical
+variables (and back, for scoring what a store already holds)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["Fields", "Progress", "store_variables"]
+
+
+class Progress:
+    """Rank 0's report: a tqdm bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, stream, total: int, enabled: bool):
+        self.stream, self.enabled, self.bar = stream, enabled, None
+        if enabled and getattr(stream, "isatty", lambda: False)():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="forecast", unit="step", file=stream)
+
+    def step(self, init: str, k: int, n: int, rate: float, lag: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(init=init, steps_s=f"{rate:.2f}", writer_lag=lag)
+            self.bar.update(1)
+        else:
+            line = f"forecast init {init} step {k}/{n} steps/s {rate:.3g} writer_lag {lag}"
+            print(line, file=self.stream, flush=True)
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Fields:
+    """Model outputs (normalised, this rank's rows) -> physical channels and store variables."""
+
+    def __init__(self, dataset, device):
+        self.dataset = dataset
+        self.mean = torch.as_tensor(dataset.channel_mean, device=device).view(-1, 1, 1)
+        self.std = torch.as_tensor(dataset.channel_std, device=device).view(-1, 1, 1)
+        n_levels = len(dataset.levels)
+        self.slices = []
+        c = 0
+        for name in dataset.upper_air_variables:
+            self.slices.append((name, slice(c, c + n_levels), True))
+            c += n_levels
+        for name in dataset.surface_variables:
+            self.slices.append((name, slice(c, c + 1), False))
+            c += 1
+
+    def physical(self, outputs) -> torch.Tensor:
+        from .scores import flatten_channels
+
+        return flatten_channels(outputs).double() * self.std + self.mean  # (B, C, rows, W)
+
+    def truth(self, step: np.ndarray, device) -> torch.Tensor:
+        """One time step of :meth:`ERA5Dataset.read_steps` in physical units, ``(1, C, rows, W)``."""
+        prognostic = torch.from_numpy(step[: self.dataset.channels_per_step]).to(device)
+        return (prognostic.double() * self.std + self.mean).unsqueeze(0)
+
+    def from_store(self, store, index: tuple, rows: tuple[int, int], device) -> torch.Tensor:
+        """What :meth:`variables` wrote at ``index``, read back as physical channels
+        ``(C, rows, W)`` (float32 values, as the store holds them)."""
+        parts = []
+        for name, _, upper in self.slices:
+            values = torch.from_numpy(store.read(name, index, rows))
+            parts.append(values if upper else values.unsqueeze(0))
+        return torch.cat(parts).to(device, torch.float64)
+
+    def variables(self, physical: torch.Tensor):
+        """``(name, values)`` per store variable of one batch entry (CPU float32 numpy)."""
+        host = physical.to("cpu", torch.float32).numpy()
+        for name, channels, upper in self.slices:
+            yield name, host[channels] if upper else host[channels.start]
+
+
+def store_variables(dataset) -> list:
+    from .store import StoreVariable
+
+    units = dataset.variable_units
+    return [StoreVariable(n, True, units.get(n, "")) for n in dataset.upper_air_variables] + [
+        StoreVariable(n, False, units.get(n, "")) for n in dataset.surface_variables
+    ]
