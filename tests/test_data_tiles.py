@@ -164,7 +164,7 @@ def _kwargs(conf):
 def test_a_dataset_reading_another_tile_and_bad_domain_shards_are_refused(cells):
     conf = _loader_conf(cells)
     other = _dataset(cells, domain_shard=(1, (2, 2)))
-    with pytest.raises(ValueError, match=r"owns rows \(0, 4\) and columns \(0, 5\)"):
+    with pytest.raises(ValueError, match=r"owns rows \(0, 4\) and columns \(0, 5\) of \(7, 10\)"):
         build_train_loader(
             conf,
             dp_rank=0,

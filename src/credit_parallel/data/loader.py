@@ -114,10 +114,11 @@ def _rank_rows(dataset, domain_rank: int, domain_size):
     got = (tuple(dataset.rows), getattr(dataset, "columns", None))
     got = (got[0], None if got[1] is None else tuple(got[1]))
     if got != expected:
+        what = (f"rows {{}} of {grid[0]}", "rows {} and columns {} of " + f"{grid}")
+        which = int(expected[1] is not None or got[1] is not None)
         raise ValueError(
-            f"build_train_loader: the dataset reads rows {got[0]} and columns {got[1]} (None: "
-            f"all) but domain rank {domain_rank} of {domain_size} owns rows {expected[0]} and "
-            f"columns {expected[1]} of {grid}"
+            f"build_train_loader: the dataset reads {what[which].format(*got)} but domain rank "
+            f"{domain_rank} of {domain_size} owns {what[which].format(*expected)}"
         )
     return dataset
 
