@@ -1,0 +1,159 @@
+"""The trainer on lat x lon tiles (issue 26, SPEC §3b): the demo U-Net at {lat 2, lon 2} trains
+like one process, and checkpoints move between 1-D and 2-D layouts with the optimizer.
+
+The bundled demo config (``configs/demo_unet.yaml``: 33 x 64 grid, both poles, 17 / 16 rows per
+latitude band; forcing and static channels), float64, on a sample store of its grid:
+
+* 3 AdamW steps at ``{data: none, domain: {lat: 2, lon: 2}}`` and at ``{data: fsdp2, ...}``:
+  the losses, gradient norms and learning rates of every step and the final weights equal the
+  single-process run's (max abs error <= 1e-10); so do ``evaluate``'s RMSE and ACC (against the
+  training climatology read by tiles);
+* a checkpoint saved after 2 steps at ``{fsdp2, domain: 2}`` (2 ranks) resumes at
+  ``{fsdp2, domain: {lat 2, lon 2}}`` (4 ranks), and one saved at {lat 2, lon 2} resumes at
+  domain 2: the third step's loss and the weights after it equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (imported once here so forked workers inherit it)
+import torch.distributed.tensor  # noqa: F401
+
+import credit_parallel
+from credit_parallel.data import write_sample_dataset
+from credit_parallel.layout.config import load_config
+from credit_parallel.testing import run_on_ranks
+from credit_parallel.train.trainer import Trainer
+
+TOL = 1e-10
+DEMO = Path(credit_parallel.__file__).parent / "configs" / "demo_unet.yaml"
+TILES = {"lat": 2, "lon": 2}
+STEPS, SAVE_AT = 3, 2
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    conf = load_config(DEMO)["model"]
+    path = tmp_path_factory.mktemp("demo") / "demo.zarr"
+    height, width = conf["image_height"], conf["image_width"]
+    return str(write_sample_dataset(path, n_times=16, nlat=height, nlon=width))
+
+
+def _conf(store, data="none", domain=TILES):
+    conf = copy.deepcopy(load_config(DEMO))
+    conf["data"].update(path=store, time_slice=[0, 12], valid_time_slice=[12, 16], num_workers=0)
+    conf["trainer"].update(
+        parallelism={"data": data, "tensor": 1, "domain": domain},
+        dtype="float64",
+        steps=STEPS,
+        batch_size=2,
+        lr=0.01,
+        warmup_steps=1,
+        val_batches=1,
+    )
+    return conf
+
+
+def _params(trainer):
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+    return out
+
+
+def _run(trainer, steps):
+    return [trainer.train_step() for _ in range(steps)]
+
+
+def _save_1d(rank, world, store, directory):
+    """Domain 2 (2 ranks): 2 steps, saved."""
+    trainer = Trainer(_conf(store, "fsdp2", 2))
+    _run(trainer, SAVE_AT)
+    trainer.save(directory)
+
+
+def _tiles_worker(rank, world, store, dirs):
+    out = {}
+    trainer = Trainer(_conf(store))
+    out["none"] = (_run(trainer, STEPS), _params(trainer))
+    trainer.use_training_climatology()
+    out["evaluate"] = trainer.evaluate()
+    trainer = Trainer(_conf(store, "fsdp2"))
+    records = _run(trainer, SAVE_AT)
+    trainer.save(dirs["from_2d"])
+    out["fsdp2"] = (records + _run(trainer, STEPS - SAVE_AT), _params(trainer))
+    trainer = Trainer(_conf(store, "fsdp2"))
+    trainer.resume_latest(dirs["from_1d"])
+    out["resumed_from_1d"] = (_run(trainer, STEPS - SAVE_AT), _params(trainer))
+    return out
+
+
+def _resume_1d(rank, world, store, directory):
+    trainer = Trainer(_conf(store, "fsdp2", 2))
+    trainer.resume_latest(directory)
+    return _run(trainer, STEPS - SAVE_AT), _params(trainer)
+
+
+@pytest.fixture(scope="module")
+def runs(store, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    dirs = {"from_1d": str(root / "from_1d"), "from_2d": str(root / "from_2d")}
+    run_on_ranks(_save_1d, 2, store, dirs["from_1d"], timeout=300)
+    tiles = run_on_ranks(_tiles_worker, 4, store, dirs, timeout=400)
+    back = run_on_ranks(_resume_1d, 2, store, dirs["from_2d"], timeout=300)
+    return tiles, back
+
+
+@pytest.fixture(scope="module")
+def reference(store):
+    trainer = Trainer(_conf(store, domain=1))
+    records = _run(trainer, STEPS)
+    params = _params(trainer)
+    trainer.use_training_climatology()
+    return records, params, trainer.evaluate()
+
+
+def _assert_records(got, want):
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        for key in ("loss", "grad_norm", "lr"):
+            assert abs(g[key] - w[key]) <= TOL, (g["step"], key, g[key], w[key])
+
+
+def _assert_params(got, want):
+    assert got.keys() == want.keys()
+    err = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert err <= TOL, err
+
+
+def test_three_demo_steps_at_lat2_lon2_equal_one_process(runs, reference):
+    records, params, _ = reference
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] and records[0]["grad_norm"] > 0  # it trains
+    for out in runs[0]:  # every rank reports the same numbers
+        for mode in ("none", "fsdp2"):
+            _assert_records(out[mode][0], records)
+            _assert_params(out[mode][1], params)
+
+
+def test_evaluate_on_tiles_equals_one_process(runs, reference):
+    expected = reference[2]
+    assert any(k.startswith("acc/") for k in expected)  # the climatology was read and used
+    for out in runs[0]:
+        assert out["evaluate"].keys() == expected.keys()
+        for key, value in expected.items():
+            assert abs(out["evaluate"][key] - value) <= TOL, key
+
+
+def test_checkpoints_move_between_domain2_and_lat2_lon2_with_the_optimizer(runs, reference):
+    records, params, _ = reference
+    for got, weights in [out["resumed_from_1d"] for out in runs[0]] + list(runs[1]):
+        _assert_records(got, records[SAVE_AT:])  # step 3 after the resume: AdamW moments kept
+        _assert_params(weights, params)
