@@ -15,6 +15,7 @@ import pytest
 import torch
 import xarray as xr
 import yaml
+import zarr
 
 from credit_parallel import cli
 from credit_parallel.data import write_sample_dataset
@@ -139,12 +140,14 @@ def _assert_same_store(a, b, rel=1e-5):
     [
         {"data": "fsdp2", "tensor": 1, "domain": 2},  # 2 dp groups: 3 initial times, a stand-in
         {"data": "none", "tensor": 2, "domain": 2},  # tp peers hold the same rows: one writes
+        {"data": "none", "tensor": 1, "domain": {"lat": 2, "lon": 2}},  # tiles: rows x columns
     ],
-    ids=["dp2_domain2", "tp2_domain2"],
+    ids=["dp2_domain2", "tp2_domain2", "tiles_2x2"],
 )
 def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup, parallelism):
     conf = _conf(setup["store"], parallelism=parallelism)
-    out = setup["root"] / f"four_{parallelism['data']}_{parallelism['tensor']}"
+    q = parallelism["domain"]["lon"] if isinstance(parallelism["domain"], dict) else 1
+    out = setup["root"] / f"four_{parallelism['data']}_{parallelism['tensor']}_{q}"
     results = run_on_ranks(_worker, 4, conf, _args(setup["conf"], setup["ckpt"], out), timeout=300)
     _assert_same_store(setup["one"] / "forecast.zarr", out / "forecast.zarr")
     ds = xr.open_zarr(out / "forecast.zarr")
@@ -168,8 +171,10 @@ def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup, parallelism
         for chunk in result["written_chunks"]:
             owners.setdefault(tuple(chunk), set()).add(rank)
     assert all(len(ranks) == 1 for ranks in owners.values())
-    per_variable = len(INITS) * STEPS * H  # row chunks of 1 row: 9 / 8 rows share no divisor
+    # row chunks of 1 row: 9 / 8 rows share no divisor; on 2 x 2 tiles, 8 columns per chunk
+    per_variable = len(INITS) * STEPS * H * q
     assert row_chunk_for([(0, 9), (9, 17)]) == 1
+    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-1] == W // q
     assert sum(1 for name, _ in owners if name == "T") == per_variable
     # scores: every rank of every layout has the same rows, equal to the one-process scores
     one = setup["one_result"]["scores"]

@@ -56,8 +56,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _forecast_dataset(conf: dict, domain_rank: int, domain_size: int):
-    """This domain rank's rows of the WHOLE store's time axis, one step per sample."""
+def _forecast_dataset(conf: dict, domain_rank: int, domain_size):
+    """This domain rank's rows (``domain_size`` = (P, Q): its tile) of the WHOLE store's time
+    axis, one step per sample."""
     from ..data.dataset import dataset_from_conf
 
     data = {k: v for k, v in conf["data"].items() if k not in ("time_slice", "valid_time_slice")}
@@ -224,7 +225,9 @@ class _Run:
         self.seed, self.amp = tc.seed, tc.amp
         self.dtype = torch.float64 if tc.dtype == "float64" else torch.float32
         self.device = device_for_process_group()
-        self.dataset = _forecast_dataset(conf, self.coords["domain"], self.dims.domain)
+        # latitude rows, or (P, Q) tiles of rows x columns (SPEC §3b)
+        self.domain_split = self.dims.domain_shape if self.dims.is_2d else self.dims.domain
+        self.dataset = _forecast_dataset(conf, self.coords["domain"], self.domain_split)
         self.times = resolve_init_times(
             self.dataset.times,
             init_times=args.init_times,
@@ -243,7 +246,7 @@ class _Run:
         self.manifest = load_forecast_weights(self.model, args.checkpoint)
         self.manager = get_domain_manager(self.model)
         self.fields = _Fields(self.dataset, self.device)
-        self.rows = self.dataset.rows
+        self.rows, self.columns = self.dataset.rows, self.dataset.columns
         total = len(self.times.positions) * args.steps
         self.report = _Progress(stream, total, self.rank == 0 and args.progress)
         # the members of an initial time over `split` dp groups (a slot), `per` members each
@@ -262,8 +265,9 @@ class _Run:
         args, ds = self.args, self.dataset
         if self.rank == 0 and (args.overwrite or not self.store_path.exists()):
             remove_store(self.store_path)
-            height = ds.grid_shape[0]
-            ranges = [shard_range(height, self.dims.domain, d) for d in range(self.dims.domain)]
+            (height, width), (p, q) = ds.grid_shape, self.dims.domain_shape
+            ranges = [shard_range(height, p, d) for d in range(p)]
+            columns = [shard_range(width, q, d) for d in range(q)]
             ForecastStore.create(
                 self.store_path,
                 variables=self.variables,
@@ -274,6 +278,7 @@ class _Run:
                 levels=ds.levels if ds.upper_air_variables else (),
                 members=args.members,
                 row_chunk=row_chunk_for(ranges),
+                column_chunk=row_chunk_for(columns) if q > 1 else None,
                 attrs=config_attrs(self.conf, self.manifest.get("checkpoint", args.checkpoint)),
             )
         _barrier()
@@ -284,7 +289,7 @@ class _Run:
 
         clim = climatology(
             self.conf,
-            domain_shard=(self.coords["domain"], self.dims.domain),
+            domain_shard=(self.coords["domain"], self.domain_split),
             path=getattr(self.args, "climatology", None),
         )
         return ScoreAccumulator.for_dataset(
@@ -352,7 +357,7 @@ class _Run:
             for n, m in enumerate(self.members if writes else ()):
                 index = (i, m, k - 1) if members > 1 else (i, k - 1)
                 for name, values in self.fields.variables(physical[n]):
-                    writer.put(name, index, self.rows, values)
+                    writer.put(name, index, self.rows, values, self.columns)
             if real and k <= self.times.truth_steps[i]:
                 truth = self.fields.truth(
                     self.dataset.read_steps(position + k, position + k + 1)[0], self.device
