@@ -7,7 +7,7 @@ latitude band; forcing and static channels), float64, on a sample store of its g
 * 3 AdamW steps at ``{data: none, domain: {lat: 2, lon: 2}}`` and at ``{data: fsdp2, ...}``:
   the losses, gradient norms and learning rates of every step and the final weights equal the
   single-process run's (max abs error <= 1e-10); so do ``evaluate``'s RMSE and ACC (against the
-  training climatology read by tiles);
+  training climatology read by tiles); a batch of another tile's width is refused;
 * a checkpoint saved after 2 steps at ``{fsdp2, domain: 2}`` (2 ranks) resumes at
   ``{fsdp2, domain: {lat 2, lon 2}}`` (4 ranks), and one saved at {lat 2, lon 2} resumes at
   domain 2: the third step's loss and the weights after it equal the uninterrupted run's.
@@ -85,6 +85,7 @@ def _tiles_worker(rank, world, store, dirs):
     out["none"] = (_run(trainer, STEPS), _params(trainer))
     trainer.use_training_climatology()
     out["evaluate"] = trainer.evaluate()
+    out["wrong_tile"] = _wrong_tile_message(trainer)
     trainer = Trainer(_conf(store, "fsdp2"))
     records = _run(trainer, SAVE_AT)
     trainer.save(dirs["from_2d"])
@@ -93,6 +94,19 @@ def _tiles_worker(rank, world, store, dirs):
     trainer.resume_latest(dirs["from_1d"])
     out["resumed_from_1d"] = (_run(trainer, STEPS - SAVE_AT), _params(trainer))
     return out
+
+
+def _wrong_tile_message(trainer):
+    """``register_row_batch``'s refusal of a batch one column too wide for this rank's tile."""
+    from credit_parallel.data.loader import register_row_batch
+
+    rows = trainer.dataset.sample_grid_shape[0]
+    x = torch.zeros(1, 2, rows, 33)  # every tile of 64 columns over 2 ranks is 32 wide
+    try:
+        register_row_batch({"x": x}, 33, manager=trainer.manager, global_width=64)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _resume_1d(rank, world, store, directory):
@@ -150,6 +164,13 @@ def test_evaluate_on_tiles_equals_one_process(runs, reference):
         assert out["evaluate"].keys() == expected.keys()
         for key, value in expected.items():
             assert abs(out["evaluate"][key] - value) <= TOL, key
+
+
+def test_a_batch_of_another_tile_is_refused_naming_the_columns(runs):
+    for rank, out in enumerate(runs[0]):
+        assert f"has 33 columns along dim 3 but domain rank {rank} of 4 owns 32 of 64" in (
+            out["wrong_tile"] or ""
+        )
 
 
 def test_checkpoints_move_between_domain2_and_lat2_lon2_with_the_optimizer(runs, reference):
