@@ -351,6 +351,32 @@ def test_members_spread_over_dp_groups_equal_one_process(setup, tmp_path):
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a, b)
 
 
+def test_members_on_1x3_tiles_uneven_columns_equal_one_process(setup, tmp_path):
+    inits = INITS[:2]
+    one = tmp_path / "one"
+    single = run_forecast(
+        _conf(setup["store"]),
+        _args(setup["conf"], setup["ckpt"], one, "--members", "2", inits=inits, steps=2),
+        stream=io.StringIO(),
+    )
+    tiles = {"data": "none", "tensor": 1, "domain": {"lat": 1, "lon": 3}}  # 6 / 5 / 5 columns
+    out = tmp_path / "tiles"
+    args = _args(setup["conf"], setup["ckpt"], out, "--members", "2", inits=inits, steps=2)
+    results = run_on_ranks(_worker, 3, _conf(setup["store"], parallelism=tiles), args, timeout=300)
+    _assert_same_store(one / "forecast.zarr", out / "forecast.zarr")
+    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-2:] == (H, 1)
+    columns: dict = {}  # rank -> the longitude chunks it wrote
+    for rank, result in enumerate(results):
+        for _, chunk in result["written_chunks"]:
+            columns.setdefault(rank, set()).add(chunk[-1])
+    assert columns == {0: set(range(6)), 1: set(range(6, 11)), 2: set(range(11, 16))}
+    for result in results:
+        assert len(result["scores"]) == len(single["scores"])
+        for a, b in zip(result["scores"], single["scores"]):
+            for key in ("rmse", "acc", "crps", "spread"):
+                assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a, b)
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True
