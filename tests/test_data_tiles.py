@@ -3,7 +3,7 @@
 * at (P, Q) = (2, 2) and (1, 3) on a 7 x 10 grid (uneven rows AND columns), a rank's sample is
   bitwise the tile of a ``rows=(0, H)`` read (prognostic, forcing and static channels, 4-D and
   5-D samples), and the bytes it fetches from a store chunked one row x one column are exactly
-  its tile's bytes, under both readers;
+  its tile's bytes, under both readers; a float64 store (read through xarray) likewise;
 * ``build_train_loader`` with ``domain_size=(P, Q)`` gives each rank the tile of the batch of
   the whole-globe loader, from the store and from a dataset without rows of its own
   (``RowView`` cuts rows and columns); a dataset reading another rank's tile is refused.
@@ -89,6 +89,26 @@ def test_a_rank_reads_exactly_its_tile_bytes_and_values(cells, shape, reader):
         assert torch.equal(part.row_lat_weights, part.lat_weights[r0:r1])
         seen[r0:r1, c0:c1] += 1
     assert (seen == 1).all()  # the tiles cover the grid once
+
+
+def test_tiles_of_a_store_read_through_xarray_are_the_tiles_of_the_whole_read(cells, tmp_path):
+    """A float64 store (zarr cannot decode it into float32: the xarray path) read by tiles."""
+    ds = xr.open_zarr(cells, chunks=None, consolidated=False).load()
+    ds = ds.assign({n: ds[n].astype(np.float64) for n in ds.data_vars})
+    for var in ds.variables:
+        ds[var].encoding.clear()
+    path = tmp_path / "f64.zarr"
+    ds.to_zarr(path, consolidated=False)
+    stats = str(cells).replace(".zarr", "_stats.zarr")
+    xr.open_zarr(stats, consolidated=False).load().to_zarr(tmp_path / "f64_stats.zarr")
+    whole = _dataset(path, rows=(0, H))
+    assert not whole._direct  # the xarray path
+    whole = whole[0]
+    for rank, ((r0, r1), (c0, c1)) in _tiles((2, 2)):
+        part = _dataset(path, domain_shard=(rank, (2, 2)))[0]
+        for key, value in whole.items():
+            want = value[..., r0:r1, c0:c1] if value.dim() == 3 else value
+            assert torch.equal(part[key], want), (rank, key)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
