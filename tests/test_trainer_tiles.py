@@ -150,7 +150,9 @@ def _assert_params(got, want):
 def test_three_demo_steps_at_lat2_lon2_equal_one_process(runs, reference):
     records, params, _ = reference
     losses = [r["loss"] for r in records]
-    assert losses[-1] < losses[0] and records[0]["grad_norm"] > 0  # it trains
+    assert losses[-1] < losses[0]  # it trains
+    # the demo's grad_clip (1.0) acts at every step: the clipped update is what is compared
+    assert all(r["grad_norm"] > 1.0 for r in records)
     for out in runs[0]:  # every rank reports the same numbers
         for mode in ("none", "fsdp2"):
             _assert_records(out[mode][0], records)
