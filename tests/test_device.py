@@ -158,6 +158,7 @@ ALLOWED = {
         'torch.device("cpu")',
     ): "replays the plain build on the CPU (its RNG stream)",
     ("tools/bench/loader.py", 'device="cpu"'): "the loader-only benchmark times host batches",
+    ("forecast/scores.py", ".cpu()"): "score sums kept on the host, for the CSV / JSON files",
 }
 
 

@@ -208,6 +208,12 @@ def test_resume_after_a_killed_rank_finishes_the_store(setup):
     _assert_same_store(setup["one"] / "forecast.zarr", out / "forecast.zarr")
     assert np.array_equal(xr.open_zarr(out / "forecast.zarr")["T"].isel(init_time=0).values, first)
     assert xr.open_zarr(out / "forecast.zarr")["complete"].values.tolist() == [1, 1, 1]
+    # the scores cover every initial time: the skipped one is scored from the store
+    one = setup["one_result"]["scores"]
+    assert len(results[0]["scores"]) == len(one)
+    for a, b in zip(results[0]["scores"], one):
+        assert abs(a["rmse"] - b["rmse"]) <= 1e-5 * b["rmse"], (a, b)
+        assert abs(a["acc"] - b["acc"]) <= 1e-5, (a, b)
 
 
 def test_miles_credit_checkpoint_with_credit_domain_renames(setup):

@@ -47,6 +47,7 @@ from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
 from .tiles_convert import check_tiles
+from .traced_heights import install_height_probe
 from .wrap import converted_tree, visit_outermost
 
 __all__ = [
@@ -541,6 +542,9 @@ def convert_to_domain_parallel(
         vars(model)["_domain_manager"] = manager  # read by composition.get_domain_manager
     except TypeError:
         pass
+    if hasattr(manager, "height_table") and manager.domain_world_size > 1:
+        # torch.compile(model) then derives every layer's global height at trace time
+        install_height_probe(model, manager)
     return model
 
 

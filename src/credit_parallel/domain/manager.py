@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..layout.compat import all_gather_single
 from ..layout.config import all_ranks_joined, require_process_group
+from .traced_heights import HeightTable, traced_height
 
 __all__ = [
     "DomainParallelManager",
@@ -122,6 +123,10 @@ class DomainParallelManager:
         self._token = None
         # per layer (weakly held): its global heights learned in earlier forwards
         self._heights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # the heights a compiled forward reads (traced_heights.py), and what token attention
+        # noted per owner (attention/token_core.py): state of the library, not of the modules
+        self.height_table = HeightTable()
+        self.token_counts_noted: dict = {}
         self._rank = rank
         self._domain_rank = self._domain_ranks.index(rank)
         self._dp_rank = self._dp_ranks.index(rank)
@@ -262,31 +267,17 @@ class DomainParallelManager:
         return self._remember(owner, local_length, length)
 
     def _remember(self, owner, local_length: int, length: int) -> int:
-        """Note on ``owner`` the global length of ``local_length`` rows under this forward's
-        token, for :meth:`_traced_length` (a compiled forward cannot ask the group); a second,
-        different length for the same key is noted as ambiguous (-1)."""
-        heights = owner.__dict__.get("_domain_heights")
-        if heights is None:
-            heights = {}
-            object.__setattr__(owner, "_domain_heights", heights)
-        key = (self._token, local_length)
-        heights[key] = length if heights.get(key, length) == length else -1
+        """Note in :attr:`height_table` (the manager's, never on ``owner``) that ``owner`` was
+        called at global ``length`` under this forward's token, for :meth:`_traced_length`."""
+        self.height_table.note(owner, self._token, length)
         return length
 
     def _traced_length(self, owner, local_length: int) -> int:
-        """The global length under ``torch.compile``: what an eager forward of the same input
-        shapes (same token) noted on ``owner``; the compiled block's first call runs eagerly
-        for that (``credit_parallel.parallel.compile``)."""
-        heights = getattr(owner, "_domain_heights", None) or {}
-        length = heights.get((self._token, local_length), -1)
-        if length < 0:
-            raise RuntimeError(
-                f"{type(owner).__name__}: no single global height known for {local_length} local "
-                "rows of this input shape under torch.compile; compile the model with "
-                "credit_parallel.compile_blocks (its first call per input shape runs eagerly), "
-                "or call the layer eagerly once first"
-            )
-        return length
+        """The global length under ``torch.compile``, derived at trace time without asking the
+        group: the height noted for ``owner`` under this forward's token by the trace-time probe
+        of the whole model (``traced_heights.py``) or by an eager call (``compile_blocks``)."""
+        # int(): a height Dynamo holds as a symbol is specialised (guarded) to its value
+        return traced_height(self, id(owner), self._token, int(local_length))
 
     def _gather_length(self, owner, local_length: int) -> int:
         from .rows import shard_sizes

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 __all__ = [
     "FILL",
@@ -32,12 +33,26 @@ __all__ = [
     "edge_source_row",
     "interp_source_rows",
     "plan_exchange",
+    "pure_cached",
     "row_owner",
     "same_padding",
     "shard_range",
     "shard_sizes",
     "shard_start",
 ]
+
+
+def pure_cached(maxsize: int):
+    """``lru_cache`` for a pure function of the row arithmetic (ints, tuples, frozen geometry)
+    that Dynamo runs for real while it traces, its result a constant of the graph
+    (``assume_constant_result``): a compiled forward neither traces the arithmetic (numpy
+    included) nor breaks its graph on it, and needs no eager call to fill a cache first."""
+
+    def wrap(fn):
+        return lru_cache(maxsize=maxsize)(torch._dynamo.assume_constant_result(fn))
+
+    return wrap
+
 
 FILL = -1  # a window row that is not a row of the tensor: zeros (or the pad constant)
 
@@ -241,7 +256,7 @@ def _runs(rows):
     return tuple((s, c) for s, c in out)
 
 
-@lru_cache(maxsize=4096)
+@pure_cached(maxsize=4096)
 def plan_exchange(length: int, n: int, windows: tuple) -> tuple[RankExchangePlan, ...]:
     """Exchange plans of all ``n`` ranks, given the window (a tuple of global rows or FILL)
     that each rank must assemble from a dim of ``length`` rows in the balanced layout."""

@@ -37,7 +37,14 @@ class DomainWrapper(OptionsMixin, nn.Module):
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
 
     def wrapped_weights(self, *args):
-        """Run the wrapped module's forward pre-hooks (e.g. spectral norm) and return it."""
+        """Run the wrapped module's forward pre-hooks (e.g. spectral norm) and return it.
+
+        Without such hooks, the wrapper itself (the same parameter dict): under
+        ``torch.compile`` of an FSDP2 model, FSDP's unshard replaces the parameters on the
+        wrapper (the module in the tree), and Dynamo tracks that replacement on the object it
+        was made on, not on the wrapped module that shares the dict."""
+        if not self.wrapped._forward_pre_hooks:
+            return self
         run_forward_pre_hooks(self.wrapped, args)
         return self.wrapped
 

@@ -145,6 +145,15 @@ class _Fields:
         prognostic = torch.from_numpy(step[: self.dataset.channels_per_step]).to(device)
         return (prognostic.double() * self.std + self.mean).unsqueeze(0)
 
+    def from_store(self, store, index: tuple, rows: tuple[int, int], device) -> torch.Tensor:
+        """What :meth:`variables` wrote at ``index``, read back as physical channels
+        ``(C, rows, W)`` (float32 values, as the store holds them)."""
+        parts = []
+        for name, _, upper in self.slices:
+            values = torch.from_numpy(store.read(name, index, rows))
+            parts.append(values if upper else values.unsqueeze(0))
+        return torch.cat(parts).to(device, torch.float64)
+
     def variables(self, physical: torch.Tensor):
         """``(name, values)`` per store variable of one batch entry (CPU float32 numpy)."""
         host = physical.to("cpu", torch.float32).numpy()
@@ -369,6 +378,30 @@ class _Run:
             if real:
                 self.report.step(label, k, steps, rate, writer.lag)
 
+    def score_stored(self, i: int, acc) -> None:
+        """Score initial time ``i`` from what the store holds (a ``--resume`` run skipped it):
+        this rank's rows of its members, read back, against the truth, as :meth:`forecast_one`
+        scores a computed one (the scores cover every initial time of the store)."""
+        members = self.args.members
+        label = str(np.datetime64(self.times.init_times[i], "m"))
+        position = self.times.positions[i]
+        for k in range(1, self.times.truth_steps[i] + 1):
+            physical = torch.stack(
+                [
+                    self.fields.from_store(
+                        self.store,
+                        (i, m, k - 1) if members > 1 else (i, k - 1),
+                        self.rows,
+                        self.device,
+                    )
+                    for m in self.members
+                ]
+            )
+            truth = self.fields.truth(
+                self.dataset.read_steps(position + k, position + k + 1)[0], self.device
+            )
+            acc.add([label], k, physical if members == 1 else physical.unsqueeze(1), truth)
+
     # ---------------------------------------------------------------- all of them
     def _complete(self, writer, fence: int, items: list) -> None:
         """Mark ``items`` complete once every rank has written its rows of them (its writer
@@ -408,6 +441,9 @@ class _Run:
         finally:
             writer.close()
         elapsed = time.perf_counter() - clock["start"]
+        skipped_items = [i for i in range(len(done)) if done[i]]
+        for i in skipped_items[group::dp]:  # complete before this run: scored from the store
+            self.score_stored(i, acc)
         rows = acc.result()
         self.report.close()
         return {

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..layout.device import device_for_process_group
 from . import metrics as fm
 
 __all__ = [
@@ -232,16 +233,10 @@ class ScoreAccumulator:
         ``dp_group`` (a collective: every rank of it calls this)."""
         sums = self.sums.clone()
         if _group_size(self.dp_group) > 1:
-            moved = sums.to(self._collective_device())
+            moved = sums.to(device_for_process_group(self.dp_group))
             dist.all_reduce(moved, group=self.dp_group)
             sums = moved.cpu()
         return sums
-
-    def _collective_device(self) -> torch.device:
-        backend = str(dist.get_backend(self.dp_group))
-        if "nccl" in backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def result(self) -> list[dict]:
         """One row per (lead, channel) that has at least one scored initial time, in lead then

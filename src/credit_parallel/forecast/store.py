@@ -213,6 +213,13 @@ class ForecastStore:
         for chunk in chunk_indices(region, array.chunks):
             self.written_chunks.add((name, chunk))
 
+    def read(self, name: str, index: tuple, rows: tuple[int, int]) -> np.ndarray:
+        """The inverse of :meth:`write`: rows ``rows`` of variable ``name`` at ``index``,
+        ``([levels,] rows, W)``."""
+        array = self._group()[name]
+        values = array[(*index, ..., slice(*rows), slice(None))]
+        return np.asarray(values)
+
     def complete_times(self) -> np.ndarray:
         """Boolean per initial time: marked complete."""
         return np.asarray(self._group()[COMPLETE][:]) == 1

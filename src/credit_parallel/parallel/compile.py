@@ -12,7 +12,9 @@ parameter names and ``state_dict`` keys.
 
 A compiled block of a domain-parallel model cannot ask the domain group for the global height of
 a new input shape inside a graph: the first call of a block per input shape (the manager's
-forward token) runs eagerly and notes the heights; later calls run the compiled graph.
+forward token) runs eagerly and notes the heights; later calls run the compiled graph.  (A
+block's inputs are not the sharded batch, so the trace-time derivation that a whole-model
+``torch.compile`` uses, ``domain/traced_heights.py``, does not reach them.)
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ The mesh and the manager stay reachable from the returned model (``get_device_me
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.parallel import DistributedDataParallel
 
 from ..domain.convert import convert_to_domain_parallel
@@ -89,9 +90,10 @@ class RecipeOptions:
 
 
 def get_raw_model(model: nn.Module) -> nn.Module:
-    """The model inside a DistributedDataParallel wrapper (FSDP2 keeps the module itself)."""
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
+    """The model inside a DistributedDataParallel wrapper (FSDP2 keeps the module itself) and
+    inside a ``torch.compile`` wrapper."""
+    while isinstance(model, (DistributedDataParallel, OptimizedModule)):
+        model = model.module if isinstance(model, DistributedDataParallel) else model._orig_mod
     return model
 
 
@@ -192,6 +194,21 @@ def parallelize_dims(
 ) -> nn.Module:
     """The recipe on an already-parsed layout: meshes, domain conversion -> tensor parallel ->
     FSDP2 / DDP (see the module docstring)."""
+    if isinstance(model, OptimizedModule):
+        # parallelize(torch.compile(model), conf), CREDIT's trainer order: the recipe runs on
+        # the module inside, and the user's compile is kept around the result
+        if dims.tp > 1:
+            raise ValueError(
+                f"parallelize: {type(model._orig_mod).__name__} is compiled whole "
+                "(torch.compile before parallelize) and trainer.parallelism.tensor is "
+                f"{dims.tp}: tensor parallelism traces its first forward eagerly (the "
+                "partial-gradient guard), which a whole-model compile cannot; pass the model "
+                "uncompiled and set trainer.compile: true (per-block compile_blocks)"
+            )
+        inner = parallelize_dims(model._orig_mod, dims, replace(options, compile=False))
+        if inner is model._orig_mod:
+            return model
+        return OptimizedModule(inner, model.dynamo_ctx)
     meshes = layout_meshes(dims)
     if meshes is None:
         if options.compile:

@@ -41,6 +41,7 @@ from ..layout.device import batch_to_device, deterministic_kernels, device_for_p
 from ..layout.mesh import data_parallel_coords
 from ..models import build_model
 from ..parallel.composition import get_domain_manager, parallelize
+from ..planner.trace import model_input_shapes
 from ..train.loss import local_lat_weights
 from ..train.step import TrainStep, batch_keys, latitude_weighted_loss
 
@@ -56,7 +57,7 @@ __all__ = [
 ]
 
 
-def _global_batch(conf: dict, dataset, batch: int, dtype) -> dict:
+def _global_batch(conf: dict, dataset, batch: int, dtype, model=None) -> dict:
     """The global batch on the host: ``batch`` samples of the dataset, or random tensors of the
     model's shapes (the generator is a host one, so every rank draws the same numbers)."""
     if dataset is not None:
@@ -77,10 +78,30 @@ def _global_batch(conf: dict, dataset, batch: int, dtype) -> dict:
             "y_upper": torch.randn(batch, m["upper_channels"], z, h, w, generator=g, dtype=dtype),
             "y_surface": torch.randn(batch, m["surface_channels"], h, w, generator=g, dtype=dtype),
         }
-    return {
-        "x": torch.randn(batch, m["in_channels"], h, w, generator=g, dtype=dtype),
-        "y": torch.randn(batch, m["out_channels"], h, w, generator=g, dtype=dtype),
-    }
+    if "in_channels" in m and "out_channels" in m:
+        return {
+            "x": torch.randn(batch, m["in_channels"], h, w, generator=g, dtype=dtype),
+            "y": torch.randn(batch, m["out_channels"], h, w, generator=g, dtype=dtype),
+        }
+    return _batch_of_the_model(model, batch, dtype, g)
+
+
+def _batch_of_the_model(model, batch: int, dtype, g) -> dict:
+    """A random batch of the shapes the model itself declares (``input_shapes`` or its
+    in_channels/image_height/image_width attributes: a CREDIT model block names its channels
+    per variable group, not as ``in_channels``); the targets take the shape of its output."""
+    if model is None:
+        raise ValueError(
+            "verify without data.path needs model.in_channels / out_channels, or a model that "
+            "declares its input shapes"
+        )
+    (shape,) = model_input_shapes(model)
+    x = torch.randn(batch, *shape, generator=g, dtype=dtype)
+    probe = copy.deepcopy(model).eval()  # the model's buffers (norm statistics) stay untouched
+    with torch.no_grad():
+        out = probe(x.to(next(probe.parameters()).device))
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return {"x": x, "y": torch.randn(tuple(out.shape), generator=g, dtype=dtype)}
 
 
 class _SequentialGatherFilter(logging.Filter):
@@ -177,7 +198,9 @@ def _prepare(conf: dict, dtype, batch_size, dataset, device):
     torch.manual_seed(int(conf["trainer"].get("seed", 0)))
     ref = build_model(conf["model"]).to(device=device, dtype=dtype)
     par = copy.deepcopy(ref)
-    batch = batch_to_device(_global_batch(conf, dataset, per_rank * dp_size, dtype), device)
+    batch = batch_to_device(
+        _global_batch(conf, dataset, per_rank * dp_size, dtype, model=ref), device
+    )
     h = batch[batch_keys(batch)[0][0]].shape[-2]
     if dataset is not None:
         lat = dataset.lat_weights.to(device=device, dtype=dtype)

@@ -14,9 +14,7 @@ each rank computes on all positions.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
-from ..rows import shard_range
+from ..rows import pure_cached, shard_range
 
 __all__ = [
     "check_permutation",
@@ -36,7 +34,7 @@ def _check_divides(height: int, rows: int, what: str) -> int:
     return height // rows
 
 
-@lru_cache(maxsize=256)  # every forward asks again; the answer is pure
+@pure_cached(maxsize=256)  # every forward asks again; the answer is pure
 def window_layout(height: int, n: int, window_rows: int) -> tuple[tuple[int, ...], ...]:
     """Windows ``[j*w, (j+1)*w)`` tile H; rank r holds the balanced share of whole windows.
 
@@ -50,7 +48,7 @@ def window_layout(height: int, n: int, window_rows: int) -> tuple[tuple[int, ...
     return tuple(out)
 
 
-@lru_cache(maxsize=256)  # every forward asks again; the answer is pure
+@pure_cached(maxsize=256)  # every forward asks again; the answer is pure
 def shifted_window_layout(
     height: int, n: int, window_rows: int, shift_rows: int
 ) -> tuple[tuple[int, ...], ...]:
@@ -62,7 +60,7 @@ def shifted_window_layout(
     )
 
 
-@lru_cache(maxsize=256)  # every forward asks again; the answer is pure
+@pure_cached(maxsize=256)  # every forward asks again; the answer is pure
 def strided_group_layout(height: int, n: int, group_rows: int) -> tuple[tuple[int, ...], ...]:
     """CREDIT's long-distance attention (``rearrange "(l1 h)"`` with ``l1 = group_rows``): group
     ``j`` is rows ``j, j + H/k, j + 2H/k, ...``.  Rank r holds the balanced share of whole groups

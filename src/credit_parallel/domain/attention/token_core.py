@@ -8,6 +8,7 @@ all-to-alls, and ``F.scaled_dot_product_attention`` over tokens sharded in rank 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -39,10 +40,12 @@ def token_counts(manager, *lengths: int, owner=None) -> list[tuple[int, ...]]:
     """Per domain rank, its local token counts ``lengths`` (one tiny all_gather, on the
     device the group communicates on).
 
-    The counts are a function of the input shapes alone, so an eager call notes them on
-    ``owner`` (the attention wrapper) under the manager's forward token, as layers note their
-    global heights; under ``torch.compile`` they are read back from there (a compiled graph
-    cannot read a gathered tensor on the host): no communication, no graph break.
+    The counts are a function of the input shapes alone, so an eager call notes them for
+    ``owner`` (the attention wrapper) in the manager, under its forward token, as layers note
+    their global heights; under ``torch.compile`` they are read back from there (a compiled
+    graph cannot read a gathered tensor on the host): no communication, no graph break.  A
+    whole-model compile with no eager call first has none noted and stops, naming the module
+    and ``compile_blocks``.
     """
     if torch.compiler.is_compiling():
         return _noted_counts(manager, owner, lengths)
@@ -51,24 +54,37 @@ def token_counts(manager, *lengths: int, owner=None) -> list[tuple[int, ...]]:
     dist.all_gather(out, mine, group=manager.domain_group)
     counts = [tuple(int(v) for v in t.tolist()) for t in out]
     if owner is not None:
-        noted = owner.__dict__.get("_domain_token_counts")
-        if noted is None:
-            noted = {}
-            object.__setattr__(owner, "_domain_token_counts", noted)
+        noted = _noted_for(manager, owner)
         key = (manager._token, tuple(lengths))
         noted[key] = counts if noted.get(key, counts) == counts else None  # None: ambiguous
     return counts
 
 
+def _noted_for(manager, owner) -> dict:
+    """The counts noted for ``owner``, kept by the manager (``id(owner)``, dropped with the
+    owner): the library writes nothing on the modules it wraps."""
+    table = manager.token_counts_noted
+    noted = table.get(id(owner))
+    if noted is None:
+        noted = table[id(owner)] = {}
+        weakref.finalize(owner, table.pop, id(owner), None)
+    return noted
+
+
 def _noted_counts(manager, owner, lengths) -> list[tuple[int, ...]]:
-    noted = getattr(owner, "_domain_token_counts", None) or {}
-    counts = noted.get((manager._token, tuple(lengths)))
+    return _counts_at_trace(manager, id(owner), type(owner).__name__, manager._token, lengths)
+
+
+@torch._dynamo.assume_constant_result
+def _counts_at_trace(manager, owner_id: int, name: str, token, lengths) -> list:
+    counts = manager.token_counts_noted.get(owner_id, {}).get((token, tuple(lengths)))
     if counts is None:
         raise RuntimeError(
-            f"{type(owner).__name__}: no token counts of the domain ranks known for local "
-            f"lengths {tuple(lengths)} of this input shape under torch.compile; compile the model "
-            "with credit_parallel.compile_blocks (its first call per input shape runs eagerly "
-            "and notes them), or call the attention eagerly once first"
+            f"{name}: no token counts of the domain ranks known for local lengths "
+            f"{tuple(lengths)} of this input shape under torch.compile: sequence-parallel token "
+            "attention learns them eagerly; compile the model with "
+            "credit_parallel.compile_blocks (its first call per input shape runs eagerly and "
+            "notes them)"
         )
     return counts
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import copy
 import weakref
-from functools import lru_cache
 
 from ..layers.conv_geometry import ConvGeometry
-from ..rows import conv_window, edge_source_row, shard_range
+from ..rows import conv_window, edge_source_row, pure_cached, shard_range
 from .halo import exchange_rows
 
 __all__ = ["SharedInputExchange", "share_input_exchange", "sharing_step", "union_windows"]
@@ -38,7 +37,7 @@ def sharing_step(served, index: int, same_tensor: bool, unchanged: bool = True):
     return True, same_tensor or len(served) != 1
 
 
-@lru_cache(maxsize=1024)
+@pure_cached(maxsize=1024)
 def union_windows(geometries: tuple, i: int, length: int, n: int, rank: int) -> tuple:
     """``(windows, offsets)`` of convolutions ``geometries`` (same boundary rule) sharing one
     input of ``length`` rows along spatial dim ``i``: ``windows[r]`` is the union window of rank

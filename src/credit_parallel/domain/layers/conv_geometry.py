@@ -13,7 +13,6 @@ computed once per geometry and height.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +24,7 @@ from ..rows import (
     conv_transpose_output_length,
     conv_window,
     edge_source_row,
+    pure_cached,
     same_padding,
     shard_range,
 )
@@ -108,7 +108,7 @@ def conv_needs_domain_wrapper(conv: nn.Module, spatial_index: int) -> bool:
     return not ConvGeometry.of(conv).is_row_local(spatial_index)
 
 
-@lru_cache(maxsize=4096)
+@pure_cached(maxsize=4096)
 def conv_windows(geo: ConvGeometry, i: int, length: int, n: int) -> tuple:
     """``(windows, output length)`` of a (non-transposed) conv along spatial dim ``i`` of a global
     ``length``: ``windows[r]`` are the input rows (or FILL, by the boundary rule) of rank r's
@@ -132,7 +132,7 @@ def conv_windows(geo: ConvGeometry, i: int, length: int, n: int) -> tuple:
     return tuple(windows), out_len
 
 
-@lru_cache(maxsize=4096)
+@pure_cached(maxsize=4096)
 def conv_transpose_windows(geo: ConvGeometry, i: int, length: int, n: int) -> tuple:
     """``(windows, output length)`` of a transposed conv: ``windows[r]`` are the input rows that
     write into rank r's output rows (empty when none does: those outputs are just the bias)."""
@@ -175,7 +175,7 @@ class OverlapSplit:
     bottom_start: int
 
 
-@lru_cache(maxsize=4096)
+@pure_cached(maxsize=4096)
 def overlap_split(geo: ConvGeometry, i: int, length: int, n: int, rank: int):
     """The :class:`OverlapSplit` of ``rank`` for a (non-transposed) conv ``geo`` along spatial
     dim ``i`` of a global ``length``, or None when the rank has no interior output row (its

@@ -16,8 +16,6 @@ wraps to the first KEPT row, as ``F.pad`` does).
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +24,7 @@ from ..exchange.halo import exchange_rows
 from ..exchange.tiles import exchange_tile, tile_plan
 from ..manager import resolve_manager
 from ..options import LayerOptions
-from ..rows import FILL, edge_source_row, shard_range
+from ..rows import FILL, edge_source_row, pure_cached, shard_range
 from ..wrap import DomainWrapper
 
 __all__ = ["DomainParallelPad", "checked_pad_windows", "pad_mode_of", "pad_windows"]
@@ -69,7 +67,7 @@ def pad_windows(length: int, n: int, top: int, bottom: int, mode: str) -> tuple:
     return tuple(windows)
 
 
-@lru_cache(maxsize=1024)
+@pure_cached(maxsize=1024)
 def checked_pad_windows(length: int, n: int, top: int, bottom: int, mode: str, what: str) -> tuple:
     """:func:`pad_windows`, after letting PyTorch judge whether the GLOBAL padding is legal
     (reflect wider than the height, circular wrapping more than once, ...): every rank decides

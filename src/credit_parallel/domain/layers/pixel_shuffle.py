@@ -3,15 +3,13 @@ global height, each rank exchanging exactly the input rows its output rows read.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..exchange.halo import exchange_rows
 from ..manager import resolve_manager
-from ..rows import shard_range
+from ..rows import pure_cached, shard_range
 from ..wrap import DomainWrapper
 
 __all__ = [
@@ -28,7 +26,7 @@ def _check_height_dim(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what}: needs an input of at least 3 dims (..., C, H, W), got {x.dim()}")
 
 
-@lru_cache(maxsize=1024)
+@pure_cached(maxsize=1024)
 def pixel_shuffle_windows(in_h: int, n: int, r: int) -> tuple:
     """Input rows of each rank's balanced share of the ``in_h * r`` output rows of
     PixelShuffle(r) (output row o reads input row o // r)."""
@@ -39,7 +37,7 @@ def pixel_shuffle_windows(in_h: int, n: int, r: int) -> tuple:
     return tuple(windows)
 
 
-@lru_cache(maxsize=1024)
+@pure_cached(maxsize=1024)
 def pixel_unshuffle_windows(in_h: int, n: int, r: int) -> tuple:
     """Input rows of each rank's share of the ``in_h // r`` output rows of PixelUnshuffle(r)
     (output row o reads rows o*r .. o*r+r-1)."""

@@ -19,7 +19,6 @@ is in ``interp_rows.py``, PixelShuffle/PixelUnshuffle in ``pixel_shuffle.py``.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from ..exchange.halo import exchange_rows
 from ..manager import resolve_manager
 from ..options import OptionsMixin
+from ..rows import pure_cached
 from .interp_rows import (  # noqa: F401 - re-exported names
     _MODES,
     InterpRowPlan,
@@ -73,7 +73,7 @@ def _resample_dim(t: torch.Tensor, dim: int, pos0, pos1, w0, w1) -> torch.Tensor
     return t.index_select(dim, pos0) * w0 + t.index_select(dim, pos1) * w1
 
 
-@lru_cache(maxsize=256)
+@pure_cached(maxsize=256)
 def _interp_plans(mode: str, align_corners, key) -> tuple[InterpRowPlan, InterpRowPlan]:
     """(row plan over the domain ranks, column plan) of one interpolation geometry; shared by
     all layers (a layer built per call, as in ``unpad_shard_interp``, plans only once)."""
@@ -89,7 +89,7 @@ def _interp_plans(mode: str, align_corners, key) -> tuple[InterpRowPlan, InterpR
     return rows, cols
 
 
-@lru_cache(maxsize=256)
+@pure_cached(maxsize=256)
 def _tile_interp_plans(mode: str, align_corners, key) -> tuple[InterpRowPlan, InterpRowPlan]:
     """(row plan over the P latitude ranks, column plan over the Q longitude ranks) of one
     interpolation geometry on lat x lon tiles."""
@@ -275,16 +275,17 @@ class DomainParallelInterpolate(OptionsMixin, nn.Module):
             return self._forward_tile(x, mgr)
         n = mgr.domain_world_size
         in_hw = (mgr.global_length(self, x.shape[2]), x.shape[3])
-        out_hw, scales = interp_output_size(
-            in_hw, self.size, self.scale_factor, self.recompute_scale_factor
-        )
         # the kernels compute indices and weights in float64 for float64, else in float32
         compute_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-        traits = kernel_traits(x.device, compute_dtype)
-        key = (in_hw, out_hw, scales, n, x.dtype == torch.float64, traits)
-        row_plan, _ = self._plans(key)
-        rows, cols = self._tensors(key, mgr.domain_rank, x.device, compute_dtype)
-        window = exchange_rows(x, row_plan.windows, in_hw[0], 2, mgr).to(compute_dtype)
+        if torch.compiler.is_compiling():  # the same geometry, computed at trace time
+            spec = (self.size, self.mode, self.align_corners, self.scale_factor)
+            spec += (self.recompute_scale_factor,)
+            windows, rows, cols = _geometry_at_trace(
+                spec, in_hw, n, mgr.domain_rank, x.device, x.dtype, compute_dtype
+            )
+        else:
+            windows, rows, cols = self._geometry(in_hw, n, mgr.domain_rank, x, compute_dtype)
+        window = exchange_rows(x, windows, in_hw[0], 2, mgr).to(compute_dtype)
         # width first, then rows: the association of the 2-D kernels' h0*(w0*x00 + w1*x01) + ...
         y = _resample_dim(window, 3, *cols)
         y = _resample_dim(y, 2, *rows)
@@ -321,7 +322,35 @@ class DomainParallelInterpolate(OptionsMixin, nn.Module):
         y = _resample_dim(y, 2, *rows)
         return y.to(x.dtype)
 
+    def _geometry(self, in_hw, n: int, rank: int, x, compute_dtype):
+        """(row windows, this rank's row positions/weights, the column positions/weights)."""
+        out_hw, scales = interp_output_size(
+            in_hw, self.size, self.scale_factor, self.recompute_scale_factor
+        )
+        traits = kernel_traits(x.device, compute_dtype)
+        key = (in_hw, out_hw, scales, n, x.dtype == torch.float64, traits)
+        row_plan, _ = self._plans(key)
+        rows, cols = self._tensors(key, rank, x.device, compute_dtype)
+        return row_plan.windows, rows, cols
+
     def extra_repr(self) -> str:
         what = f"size={self.size}" if self.size is not None else f"scale_factor={self.scale_factor}"
         ac = f", align_corners={self.align_corners}" if self.mode == "bilinear" else ""
         return f"{what}, mode={self.mode!r}{ac}, shard_dim={self.shard_dim}"
+
+
+@torch._dynamo.assume_constant_result
+def _geometry_at_trace(spec, in_hw, n: int, rank: int, device, dtype, compute_dtype):
+    """:meth:`DomainParallelInterpolate._geometry` for a layer of ``spec`` (size, mode,
+    align_corners, scale_factor, recompute_scale_factor), run for real while Dynamo traces: the
+    kernel probe, the row plan and the index tensors are constants of the compiled graph."""
+    size, mode, align_corners, scale_factor, recompute = spec
+    layer = DomainParallelInterpolate(
+        size=size,
+        mode=mode,
+        align_corners=align_corners,
+        scale_factor=scale_factor,
+        recompute_scale_factor=recompute,
+    )
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return layer._geometry(in_hw, n, rank, probe, compute_dtype)
