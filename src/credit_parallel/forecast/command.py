@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 import sys
 import time
@@ -145,12 +144,12 @@ class _Fields:
         prognostic = torch.from_numpy(step[: self.dataset.channels_per_step]).to(device)
         return (prognostic.double() * self.std + self.mean).unsqueeze(0)
 
-    def from_store(self, store, index: tuple, rows: tuple[int, int], device) -> torch.Tensor:
+    def from_store(self, store, index: tuple, rows: tuple, device, columns=None) -> torch.Tensor:
         """What :meth:`variables` wrote at ``index``, read back as physical channels
-        ``(C, rows, W)`` (float32 values, as the store holds them)."""
+        ``(C, rows, W)`` (float32 values, as the store holds them; ``columns``: a tile's)."""
         parts = []
         for name, _, upper in self.slices:
-            values = torch.from_numpy(store.read(name, index, rows))
+            values = torch.from_numpy(store.read(name, index, rows, columns))
             parts.append(values if upper else values.unsqueeze(0))
         return torch.cat(parts).to(device, torch.float64)
 
@@ -182,30 +181,6 @@ def _groups(dims, rank: int, key) -> object:
         if k == keys[rank]:
             mine = group
     return mine
-
-
-def member_split(members: int, dp: int) -> int:
-    """Over how many dp groups the members of one initial time are spread: the largest number
-    dividing both (each of them runs ``members / split`` members as one batch)."""
-    return math.gcd(members, dp) if members > 1 else 1
-
-
-def _member_states(state: tuple, members: range, seed: int, manager, extra: int, key: int):
-    """The batch of the perturbed copies ``members`` of a one-sample state (the control alone:
-    the state itself): :func:`.ensemble.perturb` on the prognostic channels (``extra``: the
-    forcing and static channels at the end of the last input stay exact), keyed by the initial
-    time's dataset position ``key`` so every layout draws the same noise."""
-    if list(members) == [0]:
-        return state
-    from .ensemble import perturb
-
-    channels = [s.shape[1] for s in state]
-    channels[-1] -= extra
-    copies = [
-        perturb(state, m, seed, manager=manager, channels=channels, init_times=[key])
-        for m in members
-    ]
-    return tuple(torch.cat([c[i] for c in copies]) for i in range(len(state)))
 
 
 def _maybe_fail(rank: int, round_index: int) -> None:
@@ -259,6 +234,8 @@ class _Run:
         total = len(self.times.positions) * args.steps
         self.report = _Progress(stream, total, self.rank == 0 and args.progress)
         # the members of an initial time over `split` dp groups (a slot), `per` members each
+        from .ensemble import member_split
+
         self.split = member_split(args.members, self.dims.dp)
         self.slot, part = divmod(self.coords["dp"], self.split)
         per = args.members // self.split
@@ -330,7 +307,9 @@ class _Run:
         keys = next(k for k in INPUT_KEYS if all(name in sample for name in k))
         state = tuple(self._tensor(sample[k].numpy()) for k in keys)
         extra = ds.n_forcing + ds.n_static
-        return _member_states(state, self.members, self.seed, self.manager, extra, position)
+        from .ensemble import member_states
+
+        return member_states(state, self.members, self.seed, self.manager, extra, position)
 
     def forcing(self, position: int):
         ds, members = self.dataset, len(self.members)
@@ -393,6 +372,7 @@ class _Run:
                         (i, m, k - 1) if members > 1 else (i, k - 1),
                         self.rows,
                         self.device,
+                        self.columns,
                     )
                     for m in self.members
                 ]

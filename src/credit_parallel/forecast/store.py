@@ -213,11 +213,18 @@ class ForecastStore:
         for chunk in chunk_indices(region, array.chunks):
             self.written_chunks.add((name, chunk))
 
-    def read(self, name: str, index: tuple, rows: tuple[int, int]) -> np.ndarray:
-        """The inverse of :meth:`write`: rows ``rows`` of variable ``name`` at ``index``,
-        ``([levels,] rows, W)``."""
+    def read(
+        self,
+        name: str,
+        index: tuple,
+        rows: tuple[int, int],
+        columns: tuple[int, int] | None = None,
+    ) -> np.ndarray:
+        """The inverse of :meth:`write`: rows ``rows`` (and longitudes ``columns``; None: all)
+        of variable ``name`` at ``index``, ``([levels,] rows, columns)``."""
         array = self._group()[name]
-        values = array[(*index, ..., slice(*rows), slice(None))]
+        lon = slice(*columns) if columns is not None else slice(None)
+        values = array[(*index, ..., slice(*rows), lon)]
         return np.asarray(values)
 
     def complete_times(self) -> np.ndarray:
