@@ -8,9 +8,10 @@ latitude band; forcing and static channels), float64, on a sample store of its g
   the losses, gradient norms and learning rates of every step and the final weights equal the
   single-process run's (max abs error <= 1e-10); so do ``evaluate``'s RMSE and ACC (against the
   training climatology read by tiles); a batch of another tile's width is refused;
-* a checkpoint saved after 2 steps at ``{fsdp2, domain: 2}`` (2 ranks) resumes at
-  ``{fsdp2, domain: {lat 2, lon 2}}`` (4 ranks), and one saved at {lat 2, lon 2} resumes at
-  domain 2: the third step's loss and the weights after it equal the uninterrupted run's.
+* a checkpoint saved after 2 steps at ``{fsdp2, domain: 2}`` (dp 2 x domain 2, one sample per
+  dp rank: the same global batches) resumes at ``{fsdp2, domain: {lat 2, lon 2}}``, and one
+  saved at {lat 2, lon 2} resumes at domain 2: the third step's loss and the weights after it
+  equal the uninterrupted run's (AdamW's moments and step count came along).
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ def store(tmp_path_factory):
     return str(write_sample_dataset(path, n_times=16, nlat=height, nlon=width))
 
 
-def _conf(store, data="none", domain=TILES):
+def _conf(store, data="none", domain=TILES, batch_size=2):
     conf = copy.deepcopy(load_config(DEMO))
     conf["data"].update(path=store, time_slice=[0, 12], valid_time_slice=[12, 16], num_workers=0)
     conf["trainer"].update(
         parallelism={"data": data, "tensor": 1, "domain": domain},
         dtype="float64",
         steps=STEPS,
-        batch_size=2,
+        batch_size=batch_size,
         lr=0.01,
         warmup_steps=1,
         val_batches=1,
@@ -72,15 +73,18 @@ def _run(trainer, steps):
     return [trainer.train_step() for _ in range(steps)]
 
 
-def _save_1d(rank, world, store, directory):
-    """Domain 2 (2 ranks): 2 steps, saved."""
-    trainer = Trainer(_conf(store, "fsdp2", 2))
-    _run(trainer, SAVE_AT)
-    trainer.save(directory)
+def _domain2(store):
+    """The 1-D layout at 4 ranks: FSDP2 over dp 2 x domain 2 with 1 sample per dp rank, the
+    same global batches as 2 samples at dp 1 (the sampler's order is a function of the
+    micro-batch number)."""
+    return Trainer(_conf(store, "fsdp2", 2, batch_size=1))
 
 
 def _tiles_worker(rank, world, store, dirs):
     out = {}
+    trainer = _domain2(store)
+    _run(trainer, SAVE_AT)
+    trainer.save(dirs["from_1d"])
     trainer = Trainer(_conf(store))
     out["none"] = (_run(trainer, STEPS), _params(trainer))
     trainer.use_training_climatology()
@@ -93,6 +97,9 @@ def _tiles_worker(rank, world, store, dirs):
     trainer = Trainer(_conf(store, "fsdp2"))
     trainer.resume_latest(dirs["from_1d"])
     out["resumed_from_1d"] = (_run(trainer, STEPS - SAVE_AT), _params(trainer))
+    trainer = _domain2(store)
+    trainer.resume_latest(dirs["from_2d"])
+    out["resumed_from_2d"] = (_run(trainer, STEPS - SAVE_AT), _params(trainer))
     return out
 
 
@@ -109,20 +116,11 @@ def _wrong_tile_message(trainer):
     return None
 
 
-def _resume_1d(rank, world, store, directory):
-    trainer = Trainer(_conf(store, "fsdp2", 2))
-    trainer.resume_latest(directory)
-    return _run(trainer, STEPS - SAVE_AT), _params(trainer)
-
-
 @pytest.fixture(scope="module")
 def runs(store, tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     dirs = {"from_1d": str(root / "from_1d"), "from_2d": str(root / "from_2d")}
-    run_on_ranks(_save_1d, 2, store, dirs["from_1d"], timeout=300)
-    tiles = run_on_ranks(_tiles_worker, 4, store, dirs, timeout=400)
-    back = run_on_ranks(_resume_1d, 2, store, dirs["from_2d"], timeout=300)
-    return tiles, back
+    return run_on_ranks(_tiles_worker, 4, store, dirs, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +151,7 @@ def test_three_demo_steps_at_lat2_lon2_equal_one_process(runs, reference):
     assert losses[-1] < losses[0]  # it trains
     # the demo's grad_clip (1.0) acts at every step: the clipped update is what is compared
     assert all(r["grad_norm"] > 1.0 for r in records)
-    for out in runs[0]:  # every rank reports the same numbers
+    for out in runs:  # every rank reports the same numbers
         for mode in ("none", "fsdp2"):
             _assert_records(out[mode][0], records)
             _assert_params(out[mode][1], params)
@@ -162,14 +160,14 @@ def test_three_demo_steps_at_lat2_lon2_equal_one_process(runs, reference):
 def test_evaluate_on_tiles_equals_one_process(runs, reference):
     expected = reference[2]
     assert any(k.startswith("acc/") for k in expected)  # the climatology was read and used
-    for out in runs[0]:
+    for out in runs:
         assert out["evaluate"].keys() == expected.keys()
         for key, value in expected.items():
             assert abs(out["evaluate"][key] - value) <= TOL, key
 
 
 def test_a_batch_of_another_tile_is_refused_naming_the_columns(runs):
-    for rank, out in enumerate(runs[0]):
+    for rank, out in enumerate(runs):
         assert f"has 33 columns along dim 3 but domain rank {rank} of 4 owns 32 of 64" in (
             out["wrong_tile"] or ""
         )
@@ -177,6 +175,6 @@ def test_a_batch_of_another_tile_is_refused_naming_the_columns(runs):
 
 def test_checkpoints_move_between_domain2_and_lat2_lon2_with_the_optimizer(runs, reference):
     records, params, _ = reference
-    for got, weights in [out["resumed_from_1d"] for out in runs[0]] + list(runs[1]):
+    for got, weights in [out[k] for out in runs for k in ("resumed_from_1d", "resumed_from_2d")]:
         _assert_records(got, records[SAVE_AT:])  # step 3 after the resume: AdamW moments kept
         _assert_params(weights, params)
