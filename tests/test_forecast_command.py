@@ -15,6 +15,7 @@ import pytest
 import torch
 import xarray as xr
 import yaml
+import zarr
 
 from credit_parallel import cli
 from credit_parallel.data import write_sample_dataset
@@ -139,12 +140,14 @@ def _assert_same_store(a, b, rel=1e-5):
     [
         {"data": "fsdp2", "tensor": 1, "domain": 2},  # 2 dp groups: 3 initial times, a stand-in
         {"data": "none", "tensor": 2, "domain": 2},  # tp peers hold the same rows: one writes
+        {"data": "none", "tensor": 1, "domain": {"lat": 2, "lon": 2}},  # tiles: rows x columns
     ],
-    ids=["dp2_domain2", "tp2_domain2"],
+    ids=["dp2_domain2", "tp2_domain2", "tiles_2x2"],
 )
 def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup, parallelism):
     conf = _conf(setup["store"], parallelism=parallelism)
-    out = setup["root"] / f"four_{parallelism['data']}_{parallelism['tensor']}"
+    q = parallelism["domain"]["lon"] if isinstance(parallelism["domain"], dict) else 1
+    out = setup["root"] / f"four_{parallelism['data']}_{parallelism['tensor']}_{q}"
     results = run_on_ranks(_worker, 4, conf, _args(setup["conf"], setup["ckpt"], out), timeout=300)
     _assert_same_store(setup["one"] / "forecast.zarr", out / "forecast.zarr")
     ds = xr.open_zarr(out / "forecast.zarr")
@@ -168,8 +171,10 @@ def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup, parallelism
         for chunk in result["written_chunks"]:
             owners.setdefault(tuple(chunk), set()).add(rank)
     assert all(len(ranks) == 1 for ranks in owners.values())
-    per_variable = len(INITS) * STEPS * H  # row chunks of 1 row: 9 / 8 rows share no divisor
+    # row chunks of 1 row: 9 / 8 rows share no divisor; on 2 x 2 tiles, 8 columns per chunk
+    per_variable = len(INITS) * STEPS * H * q
     assert row_chunk_for([(0, 9), (9, 17)]) == 1
+    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-1] == W // q
     assert sum(1 for name, _ in owners if name == "T") == per_variable
     # scores: every rank of every layout has the same rows, equal to the one-process scores
     one = setup["one_result"]["scores"]
@@ -350,6 +355,42 @@ def test_members_spread_over_dp_groups_equal_one_process(setup, tmp_path):
         for a, b in zip(result["scores"], single["scores"]):
             for key in ("rmse", "acc", "crps", "spread"):
                 assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a, b)
+
+
+def test_members_on_1x3_tiles_uneven_columns_equal_one_process(setup, tmp_path):
+    inits = INITS[:2]
+    one = tmp_path / "one"
+    single = run_forecast(
+        _conf(setup["store"]),
+        _args(setup["conf"], setup["ckpt"], one, "--members", "2", inits=inits, steps=2),
+        stream=io.StringIO(),
+    )
+    tiles = {"data": "none", "tensor": 1, "domain": {"lat": 1, "lon": 3}}  # 6 / 5 / 5 columns
+    out = tmp_path / "tiles"
+    args = _args(setup["conf"], setup["ckpt"], out, "--members", "2", inits=inits, steps=2)
+    results = run_on_ranks(_worker, 3, _conf(setup["store"], parallelism=tiles), args, timeout=300)
+    _assert_same_store(one / "forecast.zarr", out / "forecast.zarr")
+    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-2:] == (H, 1)
+    columns: dict = {}  # rank -> the longitude chunks it wrote
+    for rank, result in enumerate(results):
+        for _, chunk in result["written_chunks"]:
+            columns.setdefault(rank, set()).add(chunk[-1])
+    assert columns == {0: set(range(6)), 1: set(range(6, 11)), 2: set(range(11, 16))}
+    # --resume of the complete store: every initial time scored from the tiles the store holds
+    args = _args(
+        setup["conf"], setup["ckpt"], out, "--members", "2", "--resume", inits=inits, steps=2
+    )
+    resumed = run_on_ranks(_worker, 3, _conf(setup["store"], parallelism=tiles), args, timeout=300)
+    assert all(r["skipped"] == 2 and not r["computed"] for r in resumed)
+    # scored from the float32 store: SP (~1e5 Pa, float32 steps of ~0.008 Pa) has a member
+    # spread of ~0.5 Pa, so the spread and the CRPS of stored values agree to ~1e-3 of it only
+    for result, rel in [(r, 1e-5) for r in results] + [(r, 1e-3) for r in resumed]:
+        assert len(result["scores"]) == len(single["scores"])
+        for a, b in zip(result["scores"], single["scores"]):
+            assert abs(a["rmse"] - b["rmse"]) <= 1e-5 * b["rmse"], (a, b)
+            assert abs(a["acc"] - b["acc"]) <= 1e-5, (a, b)
+            for key in ("crps", "spread"):
+                assert abs(a[key] - b[key]) <= rel * max(1.0, abs(b[key])), (key, a, b)
 
 
 class _Terminal(io.StringIO):

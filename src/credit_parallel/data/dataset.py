@@ -33,7 +33,15 @@ import xarray as xr
 from torch.utils.data import Dataset
 
 from .chunk_reader import ChunkReader, choose_reader
-from .selection import format_level, level_index, name_list, positive_int, row_range, time_label
+from .selection import (
+    format_level,
+    latitude_weights,
+    level_index,
+    name_list,
+    positive_int,
+    tile_window,
+    time_label,
+)
 from .store import (
     LAT_NAMES,
     LEVEL_NAMES,
@@ -51,26 +59,6 @@ __all__ = ["DEFAULT_CACHE_LIMIT_BYTES", "ERA5Dataset", "dataset_from_conf", "lat
 # Below this size (float32, selected variables, levels, times and rows) the whole selection is
 # read once and kept in memory, already normalised; above it each sample is read on demand.
 DEFAULT_CACHE_LIMIT_BYTES = 1 << 30
-
-
-def latitude_weights(lat_degrees, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``cos(lat)`` normalised to mean 1, shape ``(H,)``; the poles keep their exact (tiny) value."""
-    if isinstance(lat_degrees, torch.Tensor):
-        lat_degrees = lat_degrees.detach().cpu().numpy()
-    lat = np.asarray(lat_degrees, dtype=np.float64)
-    if lat.ndim != 1 or lat.size == 0:
-        raise ValueError(
-            f"latitude_weights: lat_degrees must be a non-empty 1-D array, got shape {lat.shape}"
-        )
-    if not np.all(np.isfinite(lat)) or np.any(np.abs(lat) > 90.0):
-        raise ValueError(
-            "latitude_weights: lat_degrees must be finite degrees in [-90, 90], got "
-            f"min {lat.min()} max {lat.max()}"
-        )
-    weights = np.cos(np.deg2rad(lat))
-    if weights.sum() <= 0.0:
-        raise ValueError("latitude_weights: all latitudes are poles; cos(lat) has no mass")
-    return torch.as_tensor(weights / weights.mean(), dtype=dtype)
 
 
 class ERA5Dataset(Dataset):
@@ -92,11 +80,13 @@ class ERA5Dataset(Dataset):
 
     ``rows=(start, stop)``: read only the global latitude rows ``start..stop-1`` (north to south,
     after any flip) of every sample; ``domain_shard=(domain_rank, domain_size)`` instead: the rows
-    the balanced layout gives that domain rank (``credit_parallel.domain.rows.shard_range``).
-    Samples then have ``stop - start`` rows, normalised in float32 (the whole-globe mode
+    the balanced layout gives that domain rank (``credit_parallel.domain.rows.shard_range``);
+    ``domain_shard=(domain_rank, (P, Q))``: the tile (rows x ``columns``) of domain rank
+    ``lat * Q + lon`` of a lat x lon domain (SPEC §3b).  Samples then have ``stop - start`` rows
+    (and the tile's columns), normalised in float32 (the whole-globe mode
     ``rows=None`` normalises in float64 and rounds once, the single-process reference).  Every
     element is computed by the same float32 operations whatever the row range, so a rank's rows
-    are bitwise the same rows of a ``rows=(0, H)`` read.
+    (or tile) are bitwise the same elements of a ``rows=(0, H)`` read.
 
     When the selection is at most ``cache_limit_bytes`` (float32; default 1 GiB) it is read once
     and kept normalised in memory (``.cached``, ``.nbytes``); otherwise each sample reads its
@@ -111,8 +101,8 @@ class ERA5Dataset(Dataset):
     channel of x / y: ``"T_500@t-1"``, ``"T_500@t"``, ``"T_500@t+1"``, offsets from the last
     input time),
     ``latitude``, ``longitude``, ``levels``, ``times``, ``lat_weights`` (``latitude_weights`` of
-    the GLOBE, shape ``(H,)``); ``rows`` (``None`` or the row range), ``sample_grid_shape`` (rows
-    and columns of a sample), ``row_lat_weights`` (the weights of the sample's rows: the loss
+    the GLOBE, shape ``(H,)``); ``rows`` / ``columns`` (``None`` or the range read),
+    ``sample_grid_shape`` (rows and columns of a sample), ``row_lat_weights`` (the weights of the sample's rows: the loss
     weights of a domain rank, normalised over the globe).
     """
 
@@ -178,9 +168,10 @@ class ERA5Dataset(Dataset):
         self.longitude = ds[self._lon_dim].values.astype(np.float64)
         self.grid_shape = (self.latitude.size, self.longitude.size)
         self.lat_weights = latitude_weights(self.latitude)
-        self.rows = row_range(rows, domain_shard, self.grid_shape[0])
+        self.rows, self.columns = tile_window(rows, domain_shard, self.grid_shape)
         first, stop = self.rows if self.rows is not None else (0, self.grid_shape[0])
-        self.sample_grid_shape = (stop - first, self.grid_shape[1])
+        west, east = self.columns if self.columns is not None else (0, self.grid_shape[1])
+        self.sample_grid_shape = (stop - first, east - west)
         self.row_lat_weights = self.lat_weights[first:stop]
         self._name_channels()
 
@@ -410,6 +401,10 @@ class ERA5Dataset(Dataset):
         first, stop = self.rows if self.rows is not None else (0, height)
         return slice(height - stop, height - first) if self._flip_lat else slice(first, stop)
 
+    def _lon_index(self) -> slice:
+        """Store positions of the sample's columns (all of them unless a tile's)."""
+        return slice(*self.columns) if self.columns is not None else slice(None)
+
     def _read(self, start: int, stop: int) -> np.ndarray:
         """Times ``start..stop-1`` of the selection, float32 ``(T, channels_per_step, rows, W)``.
 
@@ -439,12 +434,13 @@ class ERA5Dataset(Dataset):
         upper = name in self.upper_air_variables
         if name in self._direct:
             view = target[..., ::-1, :] if self._flip_lat else target  # the store's row order
-            selection = [time_index, self._lat_index(), slice(None)]
+            selection = [time_index, self._lat_index(), self._lon_index()]
             if upper:
                 selection.insert(1, self._level_index)
             self._reader.read(name, tuple(selection), self._level_block or not upper, view)
             return None
         index = {self._time_dim: time_index, self._lat_dim: self._lat_index()}
+        index[self._lon_dim] = self._lon_index()
         dims = [self._time_dim, self._lat_dim, self._lon_dim]
         if upper:
             index[self._level_dim] = self._level_positions
@@ -457,7 +453,7 @@ class ERA5Dataset(Dataset):
         (shaped like ``target``'s variable), else ``target`` itself (normalised in place)."""
         if raw is not None and raw.ndim == target.ndim - 1:
             raw = raw[:, None]
-        if self.rows is None:
+        if self.rows is None and self.columns is None:
             # the single-process reference: float64 arithmetic, rounded once to float32
             source = target if raw is None else raw
             mean = self._mean[channels, None, None]
@@ -550,7 +546,8 @@ class ERA5Dataset(Dataset):
     def _read_static(self, ds: xr.Dataset) -> np.ndarray:
         out = np.empty((self.n_static, *self.sample_grid_shape), np.float32)
         for c, name in enumerate(self.static_variables):
-            raw = ds[name].isel({self._lat_dim: self._lat_index()})
+            index = {self._lat_dim: self._lat_index(), self._lon_dim: self._lon_index()}
+            raw = ds[name].isel(index)
             raw = raw.transpose(self._lat_dim, self._lon_dim).values
             out[c] = raw[::-1] if self._flip_lat else raw
         channels = slice(self._channels_read, self._channels_read + self.n_static)

@@ -1,18 +1,21 @@
-"""Argument checks and selections of ``ERA5Dataset``: variable-name lists, row ranges, level
-blocks and channel labels (pure functions, no store access)."""
+"""Argument checks and selections of ``ERA5Dataset``: variable-name lists, row and tile ranges,
+the latitude weights, level blocks and channel labels (pure functions, no store access)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ..domain.rows import shard_range
+from ..domain.tiles import tile_range
 
 __all__ = [
     "format_level",
+    "latitude_weights",
     "level_index",
     "name_list",
     "positive_int",
-    "row_range",
+    "tile_window",
     "time_label",
 ]
 
@@ -37,19 +40,43 @@ def positive_int(value, key: str) -> int:
     return int(value)
 
 
-def row_range(rows, domain_shard, height: int) -> tuple[int, int] | None:
+def _domain_shard(domain_shard) -> tuple[int, tuple[int, int] | None, int]:
+    """``(domain_rank, (P, Q) or None, domain size)`` of a ``domain_shard`` argument."""
+    ok = isinstance(domain_shard, tuple | list) and len(domain_shard) == 2
+    rank, size = domain_shard if ok else (None, None)
+    shape = None
+    if isinstance(size, tuple | list) and len(size) == 2:  # a lat x lon domain (P, Q)
+        shape = tuple(size)
+        ok = all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in shape)
+        size = shape[0] * shape[1] if ok and min(shape) >= 1 else None
+    ok = ok and isinstance(rank, int | np.integer) and isinstance(size, int | np.integer)
+    if not ok or not 0 <= rank < size:
+        raise ValueError(
+            "ERA5Dataset: domain_shard must be (domain_rank, domain_size) or (domain_rank, "
+            "(P, Q)) with 0 <= domain_rank < domain_size (= P * Q; the rank is lat * Q + lon), "
+            f"got {domain_shard!r}"
+        )
+    return int(rank), None if shape is None else (int(shape[0]), int(shape[1])), int(size)
+
+
+def tile_window(rows, domain_shard, grid_shape: tuple[int, int]) -> tuple:
+    """``(rows, columns)`` a dataset reads: ``(start, stop)`` ranges, or None for all of them.
+
+    ``domain_shard=(domain_rank, domain_size)``: the balanced latitude rows of that domain rank,
+    every column; ``(domain_rank, (P, Q))``: the tile of domain rank ``lat * Q + lon`` of a
+    lat x lon domain (SPEC §3b, ``domain.tiles.tile_range``).  ``rows=(start, stop)`` instead:
+    those global rows, every column."""
+    height, width = grid_shape
     if domain_shard is not None:
         if rows is not None:
             raise ValueError("ERA5Dataset: pass rows or domain_shard, not both")
-        ok = isinstance(domain_shard, tuple | list) and len(domain_shard) == 2
-        if not ok or not 0 <= domain_shard[0] < domain_shard[1]:
-            raise ValueError(
-                "ERA5Dataset: domain_shard must be (domain_rank, domain_size) with "
-                f"0 <= domain_rank < domain_size, got {domain_shard!r}"
-            )
-        return shard_range(height, int(domain_shard[1]), int(domain_shard[0]))
+        rank, shape, size = _domain_shard(domain_shard)
+        if shape is None:
+            return shard_range(height, size, rank), None
+        coords = (rank // shape[1], rank % shape[1])
+        return tile_range(height, width, shape, coords)
     if rows is None:
-        return None
+        return None, None
     ok = isinstance(rows, tuple | list) and len(rows) == 2
     ok = ok and all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in rows)
     if not ok or not 0 <= rows[0] <= rows[1] <= height:
@@ -57,7 +84,27 @@ def row_range(rows, domain_shard, height: int) -> tuple[int, int] | None:
             f"ERA5Dataset: rows must be a (start, stop) pair of ints with 0 <= start <= stop <= "
             f"{height} (the store's latitude count), got {rows!r}"
         )
-    return int(rows[0]), int(rows[1])
+    return (int(rows[0]), int(rows[1])), None
+
+
+def latitude_weights(lat_degrees, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``cos(lat)`` normalised to mean 1, shape ``(H,)``; the poles keep their exact (tiny) value."""
+    if isinstance(lat_degrees, torch.Tensor):
+        lat_degrees = lat_degrees.detach().cpu().numpy()
+    lat = np.asarray(lat_degrees, dtype=np.float64)
+    if lat.ndim != 1 or lat.size == 0:
+        raise ValueError(
+            f"latitude_weights: lat_degrees must be a non-empty 1-D array, got shape {lat.shape}"
+        )
+    if not np.all(np.isfinite(lat)) or np.any(np.abs(lat) > 90.0):
+        raise ValueError(
+            "latitude_weights: lat_degrees must be finite degrees in [-90, 90], got "
+            f"min {lat.min()} max {lat.max()}"
+        )
+    weights = np.cos(np.deg2rad(lat))
+    if weights.sum() <= 0.0:
+        raise ValueError("latitude_weights: all latitudes are poles; cos(lat) has no mass")
+    return torch.as_tensor(weights / weights.mean(), dtype=dtype)
 
 
 def level_index(positions) -> tuple:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
 import sys
 import time
@@ -58,8 +57,9 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _forecast_dataset(conf: dict, domain_rank: int, domain_size: int):
-    """This domain rank's rows of the WHOLE store's time axis, one step per sample."""
+def _forecast_dataset(conf: dict, domain_rank: int, domain_size):
+    """This domain rank's rows (``domain_size`` = (P, Q): its tile) of the WHOLE store's time
+    axis, one step per sample."""
     from ..data.dataset import dataset_from_conf
 
     data = {k: v for k, v in conf["data"].items() if k not in ("time_slice", "valid_time_slice")}
@@ -100,30 +100,6 @@ def _groups(dims, rank: int, key) -> object:
     return mine
 
 
-def member_split(members: int, dp: int) -> int:
-    """Over how many dp groups the members of one initial time are spread: the largest number
-    dividing both (each of them runs ``members / split`` members as one batch)."""
-    return math.gcd(members, dp) if members > 1 else 1
-
-
-def _member_states(state: tuple, members: range, seed: int, manager, extra: int, key: int):
-    """The batch of the perturbed copies ``members`` of a one-sample state (the control alone:
-    the state itself): :func:`.ensemble.perturb` on the prognostic channels (``extra``: the
-    forcing and static channels at the end of the last input stay exact), keyed by the initial
-    time's dataset position ``key`` so every layout draws the same noise."""
-    if list(members) == [0]:
-        return state
-    from .ensemble import perturb
-
-    channels = [s.shape[1] for s in state]
-    channels[-1] -= extra
-    copies = [
-        perturb(state, m, seed, manager=manager, channels=channels, init_times=[key])
-        for m in members
-    ]
-    return tuple(torch.cat([c[i] for c in copies]) for i in range(len(state)))
-
-
 def _maybe_fail(rank: int, round_index: int) -> None:
     spec = os.environ.get(FAIL_ENV)
     if spec and spec == f"{rank}:{round_index}":
@@ -150,7 +126,9 @@ class _Run:
         self.seed, self.amp = tc.seed, tc.amp
         self.dtype = torch.float64 if tc.dtype == "float64" else torch.float32
         self.device = device_for_process_group()
-        self.dataset = _forecast_dataset(conf, self.coords["domain"], self.dims.domain)
+        # latitude rows, or (P, Q) tiles of rows x columns (SPEC §3b)
+        self.domain_split = self.dims.domain_shape if self.dims.is_2d else self.dims.domain
+        self.dataset = _forecast_dataset(conf, self.coords["domain"], self.domain_split)
         self.times = resolve_init_times(
             self.dataset.times,
             init_times=args.init_times,
@@ -169,10 +147,12 @@ class _Run:
         self.manifest = load_forecast_weights(self.model, args.checkpoint)
         self.manager = get_domain_manager(self.model)
         self.fields = Fields(self.dataset, self.device)
-        self.rows = self.dataset.rows
+        self.rows, self.columns = self.dataset.rows, self.dataset.columns
         total = len(self.times.positions) * args.steps
         self.report = Progress(stream, total, self.rank == 0 and args.progress)
         # the members of an initial time over `split` dp groups (a slot), `per` members each
+        from .ensemble import member_split
+
         self.split = member_split(args.members, self.dims.dp)
         self.slot, part = divmod(self.coords["dp"], self.split)
         per = args.members // self.split
@@ -188,8 +168,9 @@ class _Run:
         args, ds = self.args, self.dataset
         if self.rank == 0 and (args.overwrite or not self.store_path.exists()):
             remove_store(self.store_path)
-            height = ds.grid_shape[0]
-            ranges = [shard_range(height, self.dims.domain, d) for d in range(self.dims.domain)]
+            (height, width), (p, q) = ds.grid_shape, self.dims.domain_shape
+            ranges = [shard_range(height, p, d) for d in range(p)]
+            columns = [shard_range(width, q, d) for d in range(q)]
             ForecastStore.create(
                 self.store_path,
                 variables=self.variables,
@@ -200,6 +181,7 @@ class _Run:
                 levels=ds.levels if ds.upper_air_variables else (),
                 members=args.members,
                 row_chunk=row_chunk_for(ranges),
+                column_chunk=row_chunk_for(columns) if q > 1 else None,
                 attrs=config_attrs(self.conf, self.manifest.get("checkpoint", args.checkpoint)),
             )
         _barrier()
@@ -210,7 +192,7 @@ class _Run:
 
         clim = climatology(
             self.conf,
-            domain_shard=(self.coords["domain"], self.dims.domain),
+            domain_shard=(self.coords["domain"], self.domain_split),
             path=getattr(self.args, "climatology", None),
         )
         return ScoreAccumulator.for_dataset(
@@ -242,7 +224,9 @@ class _Run:
         keys = next(k for k in INPUT_KEYS if all(name in sample for name in k))
         state = tuple(self._tensor(sample[k].numpy()) for k in keys)
         extra = ds.n_forcing + ds.n_static
-        return _member_states(state, self.members, self.seed, self.manager, extra, position)
+        from .ensemble import member_states
+
+        return member_states(state, self.members, self.seed, self.manager, extra, position)
 
     def forcing(self, position: int):
         ds, members = self.dataset, len(self.members)
@@ -278,7 +262,7 @@ class _Run:
             for n, m in enumerate(self.members if writes else ()):
                 index = (i, m, k - 1) if members > 1 else (i, k - 1)
                 for name, values in self.fields.variables(physical[n]):
-                    writer.put(name, index, self.rows, values)
+                    writer.put(name, index, self.rows, values, self.columns)
             if real and k <= self.times.truth_steps[i]:
                 truth = self.fields.truth(
                     self.dataset.read_steps(position + k, position + k + 1)[0], self.device
@@ -305,6 +289,7 @@ class _Run:
                         (i, m, k - 1) if members > 1 else (i, k - 1),
                         self.rows,
                         self.device,
+                        self.columns,
                     )
                     for m in self.members
                 ]

@@ -18,6 +18,7 @@ tiles) a rank draws its rows whole and keeps its columns, so the tiles agree the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ import torch
 
 from ..layout.small_collectives import gather_small
 
-__all__ = ["perturb", "row_noise"]
+__all__ = ["member_split", "member_states", "perturb", "row_noise"]
 
 
 def row_noise(
@@ -133,3 +134,25 @@ def perturb(
         delta = (noise * sigma).to(device=x.device, dtype=x.dtype)
         out.append(torch.cat([x[:, :count] + delta, x[:, count:]], dim=1))
     return out[0] if single else tuple(out)
+
+
+def member_split(members: int, dp: int) -> int:
+    """Over how many dp groups the members of one initial time are spread: the largest number
+    dividing both (each of them runs ``members / split`` members as one batch)."""
+    return math.gcd(members, dp) if members > 1 else 1
+
+
+def member_states(state: tuple, members: range, seed: int, manager, extra: int, key: int):
+    """The batch of the perturbed copies ``members`` of a one-sample state (the control alone:
+    the state itself): :func:`perturb` on the prognostic channels (``extra``: the
+    forcing and static channels at the end of the last input stay exact), keyed by the initial
+    time's dataset position ``key`` so every layout draws the same noise."""
+    if list(members) == [0]:
+        return state
+    channels = [s.shape[1] for s in state]
+    channels[-1] -= extra
+    copies = [
+        perturb(state, m, seed, manager=manager, channels=channels, init_times=[key])
+        for m in members
+    ]
+    return tuple(torch.cat([c[i] for c in copies]) for i in range(len(state)))

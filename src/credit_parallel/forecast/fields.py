@@ -70,12 +70,12 @@ class Fields:
         prognostic = torch.from_numpy(step[: self.dataset.channels_per_step]).to(device)
         return (prognostic.double() * self.std + self.mean).unsqueeze(0)
 
-    def from_store(self, store, index: tuple, rows: tuple[int, int], device) -> torch.Tensor:
+    def from_store(self, store, index: tuple, rows: tuple, device, columns=None) -> torch.Tensor:
         """What :meth:`variables` wrote at ``index``, read back as physical channels
-        ``(C, rows, W)`` (float32 values, as the store holds them)."""
+        ``(C, rows, W)`` (float32 values, as the store holds them; ``columns``: a tile's)."""
         parts = []
         for name, _, upper in self.slices:
-            values = torch.from_numpy(store.read(name, index, rows))
+            values = torch.from_numpy(store.read(name, index, rows, columns))
             parts.append(values if upper else values.unsqueeze(0))
         return torch.cat(parts).to(device, torch.float64)
 

@@ -4,7 +4,8 @@
 state, feeding each prediction back as the next input exactly as training advances its state
 (:func:`credit_parallel.train.step.advance_state`: drop the oldest history step, append the
 prediction, replace the dynamic forcing channels with the next input time's, keep the static
-ones).  Every tensor stays this rank's rows: a domain-parallel model never sees the globe, and
+ones).  Every tensor stays this rank's rows (on a lat x lon domain: its tile, rows x columns): a
+domain-parallel model never sees the globe, and
 the caller writes or scores the rows it is handed.
 
 The model runs in eval mode under ``torch.no_grad()`` (bf16 autocast with ``amp``), each step
@@ -22,6 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..data.loader import register_row_batch
+from ..domain.manager2d import is_tiled
 from ..layout.device import autocast_for
 from ..parallel.composition import get_domain_manager
 from ..train.step import advance_state
@@ -39,17 +41,23 @@ def _as_tuple(value) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
-def _global_height(manager, state: tuple) -> int:
+def _global_size(manager, state: tuple) -> tuple[int, int | None]:
+    """The global (H, W) of the state; W is None unless the domain is lat x lon tiles."""
     local = int(state[0].shape[-2])
     if manager is None or manager.domain_world_size == 1:
-        return local
-    return int(manager.global_length(_HeightOwner(), local, cached=False))
+        return local, None
+    if is_tiled(manager):  # ask each axis of the tile (SPEC §3b)
+        width = int(state[0].shape[-1])
+        height = manager.lat.global_length(_HeightOwner(), local, cached=False)
+        return int(height), int(manager.lon.global_length(_HeightOwner(), width, cached=False))
+    return int(manager.global_length(_HeightOwner(), local, cached=False)), None
 
 
-def _register(state: tuple, height: int, manager) -> None:
+def _register(state: tuple, size: tuple[int, int | None], manager) -> None:
     """The forward token of the coming step, as the trainer registers a row batch."""
     if manager is not None and manager.domain_world_size > 1:
-        register_row_batch({f"state{i}": s for i, s in enumerate(state)}, height, manager=manager)
+        batch = {f"state{i}": s for i, s in enumerate(state)}
+        register_row_batch(batch, size[0], manager=manager, global_width=size[1])
 
 
 def _step_forcing(forcing: ForcingFn | None, k: int) -> tuple | None:
@@ -90,10 +98,10 @@ def rollout(
     model.eval()
     try:
         with torch.no_grad():
-            height = _global_height(manager, state)
+            size = _global_size(manager, state)
         for k in range(steps):
             with torch.no_grad(), autocast_for(state[0].device, amp):
-                _register(state, height, manager)
+                _register(state, size, manager)
                 outputs = tuple(o.detach() for o in _as_tuple(model(*state)))
             yield outputs
             if k + 1 == steps:

@@ -432,8 +432,8 @@ def _time_mean_from_file(path, conf: dict, domain_shard) -> np.ndarray:
     rows: data variables named as the dataset's, dims ``([level,] latitude, longitude)``."""
     import xarray as xr
 
+    from ..data.selection import tile_window
     from ..data.store import LAT_NAMES, LEVEL_NAMES
-    from ..domain.rows import shard_range
 
     path = Path(path)
     ds = xr.open_zarr(path) if path.is_dir() else xr.open_dataset(path)
@@ -453,9 +453,10 @@ def _time_mean_from_file(path, conf: dict, domain_shard) -> np.ndarray:
         else:
             parts.append(np.asarray(da.values, dtype=np.float64))
     field = np.stack(parts)
-    if domain_shard is not None:
-        a, b = shard_range(field.shape[-2], int(domain_shard[1]), int(domain_shard[0]))
-        field = field[..., a:b, :]
+    if domain_shard is not None:  # rows, or a lat x lon tile: rows x columns
+        (a, b), columns = tile_window(None, domain_shard, field.shape[-2:])
+        west, east = columns if columns is not None else (0, field.shape[-1])
+        field = field[..., a:b, west:east]
     return field
 
 
@@ -463,9 +464,9 @@ def climatology(conf: dict, *, domain_shard=None, path=None) -> torch.Tensor:
     """The climatology of this rank's rows, ``(C, H_local, W)`` float64 in physical units, in
     the dataset's channel order: the time mean at each grid point of the training range
     (``data.time_slice``) of the store ``data.path``, read by rows (``domain_shard=(domain_rank,
-    domain_size)``; None: the whole globe), or the fields of the file ``path`` (zarr directory or
-    netCDF; same variable names, dims ``([level,] latitude, longitude)``).  On latitude x
-    longitude tiles, take the tile's columns of the rows: ``climatology(...)[..., c0:c1]``."""
+    domain_size)``; None: the whole globe; ``(domain_rank, (P, Q))``: the rank's lat x lon tile),
+    or the fields of the file ``path`` (zarr directory or netCDF; same variable names, dims
+    ``([level,] latitude, longitude)``)."""
     if path is not None:
         return torch.from_numpy(_time_mean_from_file(path, conf, domain_shard))
     return torch.from_numpy(_time_mean_from_dataset(conf, domain_shard))

@@ -1,4 +1,5 @@
-"""The forecast store: ONE zarr store ``DIR/forecast.zarr`` written by rows from every rank.
+"""The forecast store: ONE zarr store ``DIR/forecast.zarr`` written by rows (or lat x lon tiles)
+from every rank.
 
 Layout (``xarray.open_zarr`` opens it): one data variable per dataset variable, named as in the
 dataset, in physical units, dims ``(init_time, [member,] lead_time, [level,] latitude,
@@ -12,7 +13,9 @@ Chunks: one initial time, member and lead per chunk, all levels and longitudes, 
 latitude rows, where ``row_chunk`` divides every domain rank's first row
 (:func:`row_chunk_for`: the rows of one rank when the shards are even, their greatest common
 divisor otherwise), so no chunk holds rows of two ranks and no two ranks ever write one chunk
-(the writes need no lock and no read-modify-write).
+(the writes need no lock and no read-modify-write).  On a lat x lon domain (SPEC §3b) the
+longitudes are chunked the same way (``column_chunk``: :func:`row_chunk_for` of the column
+ranges), so a chunk lies inside one tile.
 
 Rank 0 creates the store (metadata only: every data chunk is the NaN fill value until written,
 so no rank holds more than its rows of a field), then every rank writes its rows of its own
@@ -123,9 +126,11 @@ class ForecastStore:
         levels: Sequence[float] = (),
         members: int = 1,
         row_chunk: int,
+        column_chunk: int | None = None,
         attrs: dict | None = None,
     ) -> ForecastStore:
-        """Write the store's metadata and coordinates (no data chunk) to ``path``."""
+        """Write the store's metadata and coordinates (no data chunk) to ``path``;
+        ``column_chunk``: longitudes per chunk (None: all of them)."""
         path = Path(path)
         coords = {
             "init_time": ("init_time", np.asarray(init_times, dtype="datetime64[ns]")),
@@ -165,7 +170,7 @@ class ForecastStore:
             group.create_array(
                 variable.name,
                 shape=(*lead_shape, *level_shape, height, width),
-                chunks=(*(1 for _ in lead_shape), *level_shape, row_chunk, width),
+                chunks=(*(1 for _ in lead_shape), *level_shape, row_chunk, column_chunk or width),
                 dtype="float32",
                 fill_value=np.float32("nan"),
                 dimension_names=(*lead_dims, *level_dims, "latitude", "longitude"),
@@ -190,21 +195,36 @@ class ForecastStore:
             )
         return group
 
-    def write(self, name: str, index: tuple, rows: tuple[int, int], values: np.ndarray) -> None:
-        """Write ``values`` (``[levels,] rows, W``) at ``index`` (init position, [member,] lead)
-        into rows ``rows`` of variable ``name``."""
+    def write(
+        self,
+        name: str,
+        index: tuple,
+        rows: tuple[int, int],
+        values: np.ndarray,
+        columns: tuple[int, int] | None = None,
+    ) -> None:
+        """Write ``values`` (``[levels,] rows, columns``) at ``index`` (init position, [member,]
+        lead) into rows ``rows`` (and longitudes ``columns``; None: from 0) of ``name``."""
         array = self._group()[name]
         region = (*(slice(i, i + 1) for i in index), *(slice(0, n) for n in values.shape[:-2]))
-        region = (*region, slice(*rows), slice(0, values.shape[-1]))
+        columns = columns if columns is not None else (0, values.shape[-1])
+        region = (*region, slice(*rows), slice(*columns))
         array[region] = values.reshape(tuple(s.stop - s.start for s in region))
         for chunk in chunk_indices(region, array.chunks):
             self.written_chunks.add((name, chunk))
 
-    def read(self, name: str, index: tuple, rows: tuple[int, int]) -> np.ndarray:
-        """The inverse of :meth:`write`: rows ``rows`` of variable ``name`` at ``index``,
-        ``([levels,] rows, W)``."""
+    def read(
+        self,
+        name: str,
+        index: tuple,
+        rows: tuple[int, int],
+        columns: tuple[int, int] | None = None,
+    ) -> np.ndarray:
+        """The inverse of :meth:`write`: rows ``rows`` (and longitudes ``columns``; None: all)
+        of variable ``name`` at ``index``, ``([levels,] rows, columns)``."""
         array = self._group()[name]
-        values = array[(*index, ..., slice(*rows), slice(None))]
+        lon = slice(*columns) if columns is not None else slice(None)
+        values = array[(*index, ..., slice(*rows), lon)]
         return np.asarray(values)
 
     def complete_times(self) -> np.ndarray:
@@ -339,10 +359,17 @@ class BackgroundWriter:
     def lag(self) -> int:
         return self.queue.unfinished_tasks
 
-    def put(self, name: str, index: tuple, rows: tuple[int, int], values: np.ndarray) -> None:
+    def put(
+        self,
+        name: str,
+        index: tuple,
+        rows: tuple[int, int],
+        values: np.ndarray,
+        columns: tuple[int, int] | None = None,
+    ) -> None:
         self._raise()
         started = time.perf_counter()
-        self.queue.put((name, index, rows, values))
+        self.queue.put((name, index, rows, values, columns))
         self.blocked_s += time.perf_counter() - started
 
     def flush(self) -> None:

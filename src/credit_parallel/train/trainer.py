@@ -1,7 +1,7 @@
 """The parallel trainer (CREDIT's gen2 loop): one code path for 1 process or N ranks.
 
 Data: each rank's DataLoader (:func:`~credit_parallel.data.loader.build_train_loader`) reads only
-its domain rows of its dp share, in worker processes; the trainer moves each batch to its
+its domain rows (on a lat x lon domain: its tile, rows x columns) of its dp share, in worker processes; the trainer moves each batch to its
 device and registers the global shape with the domain manager (``register_row_batch``, what
 ``shard_batch`` does for a whole-globe batch).  A single process reads rows ``(0, H)`` through the
 same path, so the float32 normalisation is the same on every layout.
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data.loader import build_train_loader, register_row_batch
+from ..data.loader import build_train_loader, global_width, register_row_batch
 from ..data.prefetch import DevicePrefetcher
 from ..domain.guard import FunctionalCallGuard, guard_requested
 from ..forecast.metrics import spatial_acc, spatial_mse
@@ -102,15 +102,11 @@ class Trainer:
         self.dtype = torch.float64 if self.tc.dtype == "float64" else torch.float32
         self.device = torch.device(device) if device is not None else device_for_process_group()
         # the SPEC layout's coordinates, known before the model (and its manager) exists
-        if self.dims.is_2d:  # the loader and the loss read latitude rows (SPEC §3b: not yet)
-            raise ValueError(
-                f"trainer.parallelism.domain {self.block['domain']}: the trainer, its loader and "
-                "its loss do not support two-dimensional (lat x lon) domains yet; use an int "
-                "domain (latitude only)"
-            )
         coords = self.dims.coords(self.rank)
         self.dp_rank, self.dp_size = coords["dp"], self.dims.dp
         self.domain_rank, self.domain_size = coords["domain"], self.dims.domain
+        # what the loader splits: latitude rows, or (P, Q) tiles of rows x columns (SPEC §3b)
+        self.domain_split = self.dims.domain_shape if self.dims.is_2d else self.dims.domain
         self._train_source, self._val_source = dataset, val_dataset
         self.step = 0
         self._start_loader()
@@ -127,10 +123,12 @@ class Trainer:
         self.climatology: torch.Tensor | None = None
         self.lat_weights = self.dataset.lat_weights.to(device=self.device, dtype=self.dtype)
         self.global_height = int(self.lat_weights.shape[0])
+        # the global W: the loss share of a tile is normalised by it (None: rows hold every column)
+        self.global_width = global_width(self.dataset) if self.dims.is_2d else None
         self._lat_local = self.dataset.row_lat_weights.to(device=self.device, dtype=self.dtype)
         self.step_fn = TrainStep(
             self.model,
-            latitude_weighted_loss(self._lat_local, self.global_height),
+            latitude_weighted_loss(self._lat_local, self.global_height, self.global_width),
             manager=self.manager,
             forecast_len=int(getattr(self.dataset, "forecast_len", 1) or 1),
             max_norm=self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf"),
@@ -183,7 +181,7 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
             domain_rank=self.domain_rank,
-            domain_size=self.domain_size,
+            domain_size=self.domain_split,
             device=self.device,
             start_step=start_step,
             split=split,
@@ -210,13 +208,18 @@ class Trainer:
         """A host batch of this rank's rows on the trainer's device and dtype, its global shape
         registered with the manager (what ``shard_batch`` did for a whole-globe batch)."""
         batch = batch_to_device(host, self.device, self.dtype)
-        register_row_batch(batch, self.global_height, manager=self.manager)
+        self._register(batch)
         return batch
+
+    def _register(self, batch: dict) -> None:
+        register_row_batch(
+            batch, self.global_height, manager=self.manager, global_width=self.global_width
+        )
 
     def _micro_batches(self):
         for _ in range(self.tc.grad_accum):
             batch = next(self._batches)  # already on the device, in the trainer's dtype
-            register_row_batch(batch, self.global_height, manager=self.manager)
+            self._register(batch)
             yield batch
 
     def _check_rows_match_manager(self) -> None:
@@ -350,7 +353,7 @@ class Trainer:
         training range at each grid point of this rank's rows, read by rows from the store
         (:func:`credit_parallel.forecast.scores.climatology`; ``path``: a climatology file
         instead), in the data's normalised units.  Reads the whole training range once."""
-        raw = climatology(self.conf, domain_shard=(self.domain_rank, self.domain_size), path=path)
+        raw = climatology(self.conf, domain_shard=(self.domain_rank, self.domain_split), path=path)
         mean = torch.as_tensor(self.dataset.channel_mean).view(-1, 1, 1)
         std = torch.as_tensor(self.dataset.channel_std).view(-1, 1, 1)
         self.climatology = ((raw - mean) / std).to(device=self.device, dtype=torch.float64)
