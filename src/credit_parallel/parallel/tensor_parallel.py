@@ -572,12 +572,13 @@ def apply_tensor_parallel(
     converted = set(getattr(model, _TP_PARAMETERS_ATTR, ()))
     for path in plan:
         converted.update(_join(path, n) for n, _ in model.get_submodule(path).named_parameters())
+    # replicated tensors meeting sharded activations: found on the first forward (or at trace
+    # time on a meta twin taken now, before the conversion), made exact
+    roles = {role: {p for p, t in plan.items() if _role_of(t) == role} for role in (COLUMN, ROW)}
+    install_partial_gradient_guard(model, roles[COLUMN], roles[ROW], tp_mesh.get_group())
     # every style converts its layer in place, so torch's own walker applies the plan
     parallelize_module(model, tp_mesh, plan, src_data_rank=src_data_rank)
     setattr(model, _TP_PARAMETERS_ATTR, frozenset(converted))
-    # replicated tensors meeting sharded activations: found on the first forward, made exact
-    roles = {role: {p for p, t in plan.items() if _role_of(t) == role} for role in (COLUMN, ROW)}
-    install_partial_gradient_guard(model, roles[COLUMN], roles[ROW], tp_mesh.get_group())
     return model
 
 
