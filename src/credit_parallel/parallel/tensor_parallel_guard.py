@@ -17,9 +17,15 @@ them *full*.  A module output that is partial and never full has a gradient that
 sum over tp of the per-rank gradients, so Megatron's "f" on that output (identity forward,
 all-reduce of the gradient in backward) makes it, and everything computed before it, exact.
 
-:func:`install_partial_gradient_guard` (called by ``apply_tensor_parallel``) traces the first
-forward of the converted model, puts "f" on the gradient of the tensors it found in that forward
-and on the output of their modules in every later one.  A replicated parameter used directly on
+:func:`install_partial_gradient_guard` (called by ``apply_tensor_parallel`` before it converts)
+traces the first forward of the converted model, puts "f" on the gradient of the tensors it found
+in that forward and on the output of their modules in every later one.  Under ``torch.compile``
+of the whole model (no eager call first) the trace cannot run inside the graph: the structure it
+finds does not depend on the values, so it runs at trace time (``assume_constant_result``,
+outside the graph, as the domain height probe does) on a meta twin of the model taken before the
+tp conversion, on meta inputs of the global input shapes, and "f" is a forward hook on those
+modules' outputs from the first forward on; its backward all-reduce is traced as a functional
+collective.  A replicated parameter used directly on
 sharded activations (not through a submodule), or a module output whose gradient is partly
 partial and partly full, cannot be made exact this way: that raises, naming the path and the fix.
 :func:`find_partial_gradient_modules` runs the same trace on an unconverted model in one process
