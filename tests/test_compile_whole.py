@@ -212,6 +212,38 @@ def test_whole_model_compile_under_tensor_parallel_matches_single_process(order,
     _check(results)
 
 
+def _wxformer_worker(rank, world):
+    from test_tp_partial_gradients import _batch, _transformer
+
+    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 2, "domain": 1}}}
+    model = parallelize(torch.compile(_transformer(), backend="aot_eager"), conf)  # CREDIT's order
+    x, w = _batch()
+    x = x.requires_grad_()
+    (model(x) * w).sum().backward()
+    inner = get_raw_model(model)
+    explained = torch._dynamo.explain(model)(_batch()[0])
+    grads = {n: _full(p.grad) for n, p in inner.named_parameters()}
+    modules = inner._tp_partial_gradient_report.modules
+    return grads, x.grad, modules, explained.graph_break_count, explained.graph_count
+
+
+@pytest.mark.slow  # 40-50 s: miles-credit's Transformer traced whole on 2 ranks
+def test_credit_wxformer_next_compiled_whole_under_tensor_parallel_matches_single_process():
+    # CREDIT's dynamic position bias (four dpb modules) found at trace time, exact over tp 2
+    from test_tp_partial_gradients import DPB, _reference
+
+    ref_grads, ref_input = _reference()
+    for grads, input_grad, modules, breaks, graphs in run_on_ranks(
+        _wxformer_worker, 2, timeout=900
+    ):
+        assert modules == DPB and (breaks, graphs) == (0, 1)
+        assert float((input_grad - ref_input).abs().max()) <= 1e-10
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            err = float((grad - ref_grads[name]).abs().max())
+            assert err <= 1e-10, (name, err)
+
+
 class _HeadBias(nn.Module):
     _tp_col, _tp_row = "up", "down"
 
