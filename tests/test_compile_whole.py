@@ -155,7 +155,9 @@ def _parity_worker(rank, world, name, order, backend, h, data="none", tp=1):
         errors[f"param:{pname}"] = float((_full(p.grad) - reference[pname].grad).abs().max())
     assert len(errors) == 2 + len(reference)
     again = model(shard_tensor(x, -2, mgr))  # the compiled graph again
-    errors["second_call"] = float((gather_tensor(again.detach(), -2, mgr) - yr).abs().max())
+    errors["second_call"] = float(
+        (gather_tensor(again.detach(), -2, mgr) - yr.detach()).abs().max()
+    )
     explained = torch._dynamo.explain(model)(shard_tensor(x, -2, mgr))
     reasons = [str(b.reason)[:300] for b in explained.break_reasons]
     return errors, explained.graph_break_count, explained.graph_count, reasons
@@ -198,16 +200,21 @@ def test_whole_model_compile_with_fsdp2_over_dp_and_domain(order):
 
 @pytest.mark.parametrize("order", _ORDERS)
 @pytest.mark.parametrize(
-    "world",
-    [2, pytest.param(4, marks=pytest.mark.slow)],  # 4 ranks: 20-30 s on a loaded 2-core machine
-    ids=["tp2", "tp2_domain2"],
+    "world, data",
+    [
+        (2, "none"),
+        pytest.param(4, "none", marks=pytest.mark.slow),  # 4 ranks: 20-30 s on 2 loaded cores
+        pytest.param(4, "fsdp2", marks=pytest.mark.slow),
+    ],
+    ids=["tp2", "tp2_domain2", "fsdp2_domain2_tp2"],
 )
-def test_whole_model_compile_under_tensor_parallel_matches_single_process(order, world):
+def test_whole_model_compile_under_tensor_parallel_matches_single_process(order, world, data):
     # the partial-gradient guard finds block.pos at trace time on a meta twin (no eager call
     # first) and all-reduces its output gradient over tp inside the compiled graph; at world 4
-    # also domain 2 (rows 7/6): the twin runs at the registered global height
+    # also domain 2 (rows 7/6; the twin runs at the registered global height), and FSDP2 over
+    # the domain axis on top
     results = run_on_ranks(
-        _parity_worker, world, "tp", order, "aot_eager", 13, "none", 2, timeout=600
+        _parity_worker, world, "tp", order, "aot_eager", 13, data, 2, timeout=600
     )
     _check(results)
 
