@@ -4,10 +4,11 @@ trainer order).  With no eager call first, the compiled model computes the singl
 function (float64, 1e-10: output rows, input gradient, every parameter gradient after
 ``sync_domain_gradients(op="sum")``) at domain 2 and 3 on uneven rows, with ``aot_eager`` and
 ``inductor``, and ``torch._dynamo.explain`` finds one graph and no break; also with FSDP2 over
-dp x domain, and for the bundled U-Net and CrossFormer (tensor parallelism traces its first
-forward eagerly: a model compiled whole is refused there, naming ``trainer.compile``).  The heights the
-traced layers need are derived at trace time (``domain/traced_heights.py``); nothing is written
-on the user's modules."""
+dp x domain, for the bundled U-Net and CrossFormer, and with tensor 2 (also tensor 2 x domain 2)
+on a model whose sharded activations meet a replicated module's output.  The heights the traced
+layers need are derived at trace time (``domain/traced_heights.py``), and so are the module
+outputs whose gradient tensor parallelism all-reduces (``parallel/tensor_parallel_guard.py``, on
+a meta twin); nothing is written on the user's modules by the domain layers."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from credit_parallel import (
     compile_blocks,
     gather_tensor,
     get_domain_manager,
+    get_raw_model,
     parallelize,
     shard_batch,
     shard_tensor,
@@ -72,13 +74,43 @@ class _BlockNet(nn.Module):
         return self.out(self.block(self.inp(x)))
 
 
+class _TpBlock(nn.Module):
+    """A tensor-parallel pair (1x1 convs, channels split over tp) whose sharded activations meet
+    the output of a replicated module (``pos``, a 3x3 conv broadcast over the channels, like
+    CREDIT's dynamic position bias over the heads): each tp rank's ``pos`` gradient is only its
+    channels' share unless the partial-gradient guard all-reduces it."""
+
+    _tp_col = "up"
+    _tp_row = "down"
+
+    def __init__(self, c):
+        super().__init__()
+        self.up = nn.Conv2d(c, 2 * c, 1)
+        self.down = nn.Conv2d(2 * c, c, 1)
+        self.pos = nn.Conv2d(c, 1, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x) + self.pos(x)))
+
+
+class _TpNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Conv2d(3, 8, 3, padding=1)
+        self.block = _TpBlock(8)
+        self.out = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.out(self.block(self.inp(x)))
+
+
 def _build(name):
     torch.manual_seed(0)
     if name == "crossformer":
         return CrossFormer(3, 2, 16, 16, dims=(16, 32), depths=(2, 2), window_sizes=(4, 2))
     if name == "unet":
         return UNet(3, 2, 16, 16, base_channels=8, channel_mults=(1, 2))
-    return {"net": _ConvNormNet, "blocks": _BlockNet}[name]()
+    return {"net": _ConvNormNet, "blocks": _BlockNet, "tp": _TpNet}[name]()
 
 
 def _full(g):
@@ -96,8 +128,8 @@ def _parity_worker(rank, world, name, order, backend, h, data="none", tp=1):
         assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
     else:
         model = torch.compile(parallelize(model, conf), backend=backend)
-    mgr = get_domain_manager(model)
-    assert mgr is not None and mgr.domain_world_size == domain
+    mgr = get_domain_manager(model)  # None at domain 1: sharding is the identity
+    assert (mgr.domain_world_size if mgr is not None else 1) == domain
     x = torch.randn(2, 3, h, 16, generator=torch.Generator().manual_seed(1))
     xr = x.clone().requires_grad_()
     yr = ref(xr)
@@ -109,19 +141,23 @@ def _parity_worker(rank, world, name, order, backend, h, data="none", tp=1):
         xl = shard_tensor(x, -2, mgr).detach().requires_grad_()  # registers the global shape
     y = model(xl)  # the first call: traced and compiled, no eager call before it
     (y * shard_tensor(weights, -2, mgr, register=False)).sum().backward()
+    if name == "tp":  # found by the guard's trace on the meta twin, before the first forward
+        assert get_raw_model(model)._tp_partial_gradient_report.modules == ["block.pos"]
     errors = {
-        "output": float((gather_tensor(y.detach(), -2, mgr) - yr).abs().max()),
+        "output": float((gather_tensor(y.detach(), -2, mgr) - yr.detach()).abs().max()),
         "input_grad": float((gather_tensor(xl.grad, -2, mgr) - xr.grad).abs().max()),
     }
     inner = getattr(model, "_orig_mod", model)
-    if data != "fsdp2":  # FSDP2 over dp x domain sums over the domain in its reduce-scatter
+    if data != "fsdp2" and mgr is not None:  # FSDP2 over dp x domain sums in its reduce-scatter
         sync_domain_gradients(inner, mgr, op="sum")
     reference = dict(ref.named_parameters())
     for pname, p in inner.named_parameters():
         errors[f"param:{pname}"] = float((_full(p.grad) - reference[pname].grad).abs().max())
     assert len(errors) == 2 + len(reference)
     again = model(shard_tensor(x, -2, mgr))  # the compiled graph again
-    errors["second_call"] = float((gather_tensor(again.detach(), -2, mgr) - yr).abs().max())
+    errors["second_call"] = float(
+        (gather_tensor(again.detach(), -2, mgr) - yr.detach()).abs().max()
+    )
     explained = torch._dynamo.explain(model)(shard_tensor(x, -2, mgr))
     reasons = [str(b.reason)[:300] for b in explained.break_reasons]
     return errors, explained.graph_break_count, explained.graph_count, reasons
@@ -162,20 +198,90 @@ def test_whole_model_compile_with_fsdp2_over_dp_and_domain(order):
     _check(results)
 
 
-def _tp_worker(rank, world):
+@pytest.mark.parametrize("order", _ORDERS)
+@pytest.mark.parametrize(
+    "world, data",
+    [
+        (2, "none"),
+        pytest.param(4, "none", marks=pytest.mark.slow),  # 4 ranks: 20-30 s on 2 loaded cores
+        pytest.param(4, "fsdp2", marks=pytest.mark.slow),
+    ],
+    ids=["tp2", "tp2_domain2", "fsdp2_domain2_tp2"],
+)
+def test_whole_model_compile_under_tensor_parallel_matches_single_process(order, world, data):
+    # the partial-gradient guard finds block.pos at trace time on a meta twin (no eager call
+    # first) and all-reduces its output gradient over tp inside the compiled graph; at world 4
+    # also domain 2 (rows 7/6; the twin runs at the registered global height), and FSDP2 over
+    # the domain axis on top
+    results = run_on_ranks(
+        _parity_worker, world, "tp", order, "aot_eager", 13, data, 2, timeout=600
+    )
+    _check(results)
+
+
+def _wxformer_worker(rank, world):
+    from test_tp_partial_gradients import _batch, _transformer
+
     conf = {"trainer": {"parallelism": {"data": "none", "tensor": 2, "domain": 1}}}
+    model = parallelize(torch.compile(_transformer(), backend="aot_eager"), conf)  # CREDIT's order
+    x, w = _batch()
+    x = x.requires_grad_()
+    (model(x) * w).sum().backward()
+    inner = get_raw_model(model)
+    explained = torch._dynamo.explain(model)(_batch()[0])
+    grads = {n: _full(p.grad) for n, p in inner.named_parameters()}
+    modules = inner._tp_partial_gradient_report.modules
+    return grads, x.grad, modules, explained.graph_break_count, explained.graph_count
+
+
+@pytest.mark.slow  # 40-50 s: miles-credit's Transformer traced whole on 2 ranks
+def test_credit_wxformer_next_compiled_whole_under_tensor_parallel_matches_single_process():
+    # CREDIT's dynamic position bias (four dpb modules) found at trace time, exact over tp 2
+    from test_tp_partial_gradients import DPB, _reference
+
+    ref_grads, ref_input = _reference()
+    for grads, input_grad, modules, breaks, graphs in run_on_ranks(
+        _wxformer_worker, 2, timeout=900
+    ):
+        assert modules == DPB and (breaks, graphs) == (0, 1)
+        assert float((input_grad - ref_input).abs().max()) <= 1e-10
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            err = float((grad - ref_grads[name]).abs().max())
+            assert err <= 1e-10, (name, err)
+
+
+class _HeadBias(nn.Module):
+    _tp_col, _tp_row = "up", "down"
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 3, 1)
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return self.down(self.up(x) + self.bias)
+
+
+def _unfixable_worker(rank, world, order):
+    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 2, "domain": 1}}}
+    if order == "compile_then_parallelize":
+        model = parallelize(torch.compile(_HeadBias(), backend="aot_eager"), conf)
+    else:
+        model = torch.compile(parallelize(_HeadBias(), conf), backend="aot_eager")
     try:
-        parallelize(torch.compile(_build("unet"), backend="aot_eager"), conf)
-    except ValueError as e:
+        model(torch.randn(1, 3, 4, 4))
+    except Exception as e:  # Dynamo wraps the error raised while it traces
         return str(e)
     return None
 
 
-def test_compiled_model_under_tensor_parallel_is_refused_naming_the_supported_way():
-    # tensor parallelism's partial-gradient guard traces the first forward eagerly: a model
-    # compiled whole cannot take it; per-block compile (trainer.compile) is the supported way
-    for message in run_on_ranks(_tp_worker, 2, timeout=300):
-        assert message is not None and "UNet" in message and "trainer.compile" in message
+@pytest.mark.parametrize("order", _ORDERS)
+def test_whole_model_compile_refuses_what_the_guard_cannot_make_exact_naming_it(order):
+    # a replicated parameter used directly on the sharded channels: no module output to give
+    # "f"; refused at trace time with the eager path's message, not a Dynamo internal error
+    for message in run_on_ranks(_unfixable_worker, 2, order, timeout=300):
+        assert message is not None and "parameter bias" in message and "submodule" in message
 
 
 @pytest.mark.slow

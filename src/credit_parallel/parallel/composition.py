@@ -197,14 +197,6 @@ def parallelize_dims(
     if isinstance(model, OptimizedModule):
         # parallelize(torch.compile(model), conf), CREDIT's trainer order: the recipe runs on
         # the module inside, and the user's compile is kept around the result
-        if dims.tp > 1:
-            raise ValueError(
-                f"parallelize: {type(model._orig_mod).__name__} is compiled whole "
-                "(torch.compile before parallelize) and trainer.parallelism.tensor is "
-                f"{dims.tp}: tensor parallelism traces its first forward eagerly (the "
-                "partial-gradient guard), which a whole-model compile cannot; pass the model "
-                "uncompiled and set trainer.compile: true (per-block compile_blocks)"
-            )
         inner = parallelize_dims(model._orig_mod, dims, replace(options, compile=False))
         if inner is model._orig_mod:
             return model

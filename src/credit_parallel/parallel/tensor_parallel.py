@@ -538,8 +538,8 @@ def apply_tensor_parallel(
     Every target is checked before anything changes (no half-converted model).  Call it before
     FSDP2: parameters become ``nn.Parameter`` s wrapping DTensors on ``tp_mesh`` (a 1-D submesh of
     the full mesh), which ``fully_shard`` shards further over dp.  The first forward is traced
-    (``tensor_parallel_guard``): replicated tensors meeting sharded activations get their
-    gradient all-reduced over tp from then on.
+    (``tensor_parallel_guard``; under ``torch.compile`` at trace time, on a meta twin): replicated
+    tensors meeting sharded activations get their gradient all-reduced over tp.
 
     Args:
         model: the model to convert (its opted-in blocks name their column/row layers).
@@ -572,12 +572,12 @@ def apply_tensor_parallel(
     converted = set(getattr(model, _TP_PARAMETERS_ATTR, ()))
     for path in plan:
         converted.update(_join(path, n) for n, _ in model.get_submodule(path).named_parameters())
-    # every style converts its layer in place, so torch's own walker applies the plan
-    parallelize_module(model, tp_mesh, plan, src_data_rank=src_data_rank)
-    setattr(model, _TP_PARAMETERS_ATTR, frozenset(converted))
     # replicated tensors meeting sharded activations: found on the first forward, made exact
     roles = {role: {p for p, t in plan.items() if _role_of(t) == role} for role in (COLUMN, ROW)}
     install_partial_gradient_guard(model, roles[COLUMN], roles[ROW], tp_mesh.get_group())
+    # every style converts its layer in place, so torch's own walker applies the plan
+    parallelize_module(model, tp_mesh, plan, src_data_rank=src_data_rank)
+    setattr(model, _TP_PARAMETERS_ATTR, frozenset(converted))
     return model
 
 

@@ -17,9 +17,15 @@ them *full*.  A module output that is partial and never full has a gradient that
 sum over tp of the per-rank gradients, so Megatron's "f" on that output (identity forward,
 all-reduce of the gradient in backward) makes it, and everything computed before it, exact.
 
-:func:`install_partial_gradient_guard` (called by ``apply_tensor_parallel``) traces the first
-forward of the converted model, puts "f" on the gradient of the tensors it found in that forward
-and on the output of their modules in every later one.  A replicated parameter used directly on
+:func:`install_partial_gradient_guard` (called by ``apply_tensor_parallel`` before it converts)
+traces the first forward of the converted model, puts "f" on the gradient of the tensors it found
+in that forward and on the output of their modules in every later one.  Under ``torch.compile``
+of the whole model (no eager call first) the trace cannot run inside the graph: the structure it
+finds does not depend on the values, so it runs at trace time (``assume_constant_result``,
+outside the graph, as the domain height probe does) on a meta twin of the model taken before the
+tp conversion, on meta inputs of the global input shapes, and "f" is a forward hook on those
+modules' outputs from the first forward on; its backward all-reduce is traced as a functional
+collective.  A replicated parameter used directly on
 sharded activations (not through a submodule), or a module output whose gradient is partly
 partial and partly full, cannot be made exact this way: that raises, naming the path and the fix.
 :func:`find_partial_gradient_modules` runs the same trace on an unconverted model in one process
@@ -36,6 +42,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+
+from ..domain.traced_heights import _describe, _global_meta, _shape_twin, token_heights
 
 __all__ = [
     "CopyToTensorParallel",
@@ -259,13 +267,29 @@ def find_partial_gradient_modules(
 
 def install_partial_gradient_guard(
     model: nn.Module, column: set[str], row: set[str], group
-) -> None:
-    """Trace the first forward of the converted ``model`` and make the partial gradients it
-    finds exact over ``group`` (the tp process group), in that forward and every later one.
-    The first forward runs eagerly (``torch.compiler`` stance ``force_eager``) while traced."""
+) -> PartialGradientGuard:
+    """Make the partial gradients of the converted ``model`` exact over ``group`` (the tp
+    process group).  Call it BEFORE the tp conversion: it keeps a meta twin of the model.
+
+    Eagerly, the first forward is traced (``torch.compiler`` stance ``force_eager``: blocks
+    compiled by ``compile_blocks`` run eagerly while traced); the gradients of the tensors it
+    finds are all-reduced in that forward and the outputs of their modules get "f" in every
+    later one.  When Dynamo traces the model first (``torch.compile`` of the whole model), the
+    same trace runs at trace time on the meta twin (:class:`PartialGradientGuard`), outside the
+    graph, and "f" is on those outputs from the first forward on."""
+    guard = PartialGradientGuard(model, column, row, group)
     state = {}
 
     def before(module, args, kwargs):
+        if torch.compiler.is_compiling():
+            manager = getattr(model, "_domain_manager", None)
+            token = manager._token if manager is not None else None
+            described = tuple(_describe(a) for a in args)
+            named = tuple((k, _describe(v)) for k, v in kwargs.items())
+            _detect_at_trace(guard, token, described, named)
+            return
+        if guard.report is not None:
+            return
         trace = TensorParallelTrace(model, column, row)
         trace.attach()
         trace.__enter__()
@@ -273,29 +297,93 @@ def install_partial_gradient_guard(
         state["stance"] = _set_stance("force_eager")
 
     def after(module, args, kwargs, output):
+        if torch.compiler.is_compiling():
+            return None
         trace = state.pop("trace", None)
         if trace is None:
             return None
         trace.__exit__(None, None, None)
         trace.detach()
         _set_stance(state.pop("stance"))
-        for handle in state.pop("handles"):
-            handle.remove()
         report = trace.finish(output)
-        model._tp_partial_gradient_report = report
+        if not report.unfixable:
+            for path in report.modules:
+                for t in trace.outputs[path]:
+                    if t.requires_grad:
+                        t.register_hook(_all_reduce_hook(group))
+        guard.install(report)
+        return None
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+    model.register_forward_hook(after, with_kwargs=True, always_call=True)
+    return guard
+
+
+class PartialGradientGuard:
+    """What :func:`install_partial_gradient_guard` keeps: the tp targets, the group, a meta twin
+    of the model taken before the tp conversion (every parameter and buffer on the meta device;
+    domain layers run their original module, ``traced_heights``) and, once found, the report."""
+
+    def __init__(self, model: nn.Module, column: set[str], row: set[str], group):
+        self.model = weakref.ref(model)
+        self.column, self.row, self.group = set(column), set(row), group
+        self.report: PartialGradientReport | None = None
+        self.twin, self.why = None, None
+        try:
+            self.twin = _shape_twin(model, _NoHeights())
+        except Exception as e:  # an un-copyable model: eager forwards still work
+            self.why = f"{type(e).__name__}: {e}"
+
+    def detect(self, token, args, kwargs) -> None:
+        """At trace time: run the trace on the twin, on meta inputs of the GLOBAL shapes of the
+        inputs described by ``args`` / ``kwargs`` (``traced_heights._describe``), and install."""
+        if self.report is not None:
+            return
+        model = self.model()
+        name = type(model).__name__
+        if self.twin is None:
+            raise RuntimeError(
+                f"torch.compile of the whole tensor-parallel {name}: no meta twin to find the "
+                f"partial gradients on ({self.why}); set trainer.compile: true (per-block "
+                "compile_blocks) instead"
+            )
+        manager = getattr(model, "_domain_manager", None)
+        heights, n, rank = {}, 1, 0
+        if manager is not None:
+            heights = token_heights(token, manager.shard_dim)
+            n, rank = manager.domain_world_size, manager.domain_rank
+        meta_args = [_global_meta(d, heights, n, rank) for d in args]
+        meta_kwargs = {k: _global_meta(d, heights, n, rank) for k, d in kwargs}
+        with torch.no_grad():
+            report = find_partial_gradient_modules(
+                self.twin, self.column, self.row, *meta_args, **meta_kwargs
+            )
+        self.install(report)
+
+    def install(self, report: PartialGradientReport) -> None:
+        """Keep ``report`` (also as ``model._tp_partial_gradient_report``), refuse what it cannot
+        make exact, and put "f" on the output of every module it names."""
+        model = self.model()
+        self.report = report
+        object.__setattr__(model, "_tp_partial_gradient_report", report)
         if report.unfixable:
             raise _unfixable_error(report)
         for path in report.modules:
-            for t in trace.outputs[path]:
-                if t.requires_grad:
-                    t.register_hook(_all_reduce_hook(group))
-            model.get_submodule(path).register_forward_hook(_copy_output_hook(group))
+            model.get_submodule(path).register_forward_hook(_copy_output_hook(self.group))
+        self.twin = None  # found once: the twin's structure is not needed again
+
+
+class _NoHeights:
+    """The twin's recorders note heights for the domain probe; the guard's twin notes none."""
+
+    def sink(self, owner, height: int) -> None:
         return None
 
-    state["handles"] = [
-        model.register_forward_pre_hook(before, with_kwargs=True),
-        model.register_forward_hook(after, with_kwargs=True, always_call=True),
-    ]
+
+@torch._dynamo.assume_constant_result
+def _detect_at_trace(guard: PartialGradientGuard, token, args, kwargs) -> bool:
+    guard.detect(token, args, kwargs)
+    return True
 
 
 def _set_stance(stance: str) -> str:
