@@ -38,7 +38,16 @@ from torch import nn
 
 from .rows import shard_sizes
 
-__all__ = ["HeightProbe", "HeightTable", "install_height_probe", "token_heights", "traced_height"]
+__all__ = [
+    "HeightProbe",
+    "HeightTable",
+    "describe_input",
+    "global_meta",
+    "install_height_probe",
+    "shape_twin",
+    "token_heights",
+    "traced_height",
+]
 
 
 class HeightTable:
@@ -193,7 +202,7 @@ def _is_domain_layer(module) -> bool:
     return getattr(type(module), "_domain_parallel", False) is True
 
 
-def _shape_twin(model: nn.Module, probe: HeightProbe) -> nn.Module:
+def shape_twin(model: nn.Module, probe: HeightProbe) -> nn.Module:
     """A copy of ``model`` with every parameter and buffer on the meta device (no storage) and
     each converted layer replaced by a :class:`_Recorder` for the matching layer of ``model``."""
     memo = {}
@@ -231,7 +240,7 @@ class HeightProbe:
         self._token = None
         self.twin, self.why = None, None
         try:
-            self.twin = _shape_twin(model, self)
+            self.twin = shape_twin(model, self)
         except Exception as e:  # an un-copyable model: compile_blocks still works
             self.why = f"{type(e).__name__}: {e}"
 
@@ -240,7 +249,7 @@ class HeightProbe:
 
     def run(self, token, args, kwargs) -> None:
         """Note the global heights of every converted layer for a forward on inputs described by
-        ``args`` / ``kwargs`` (see :func:`_describe`) under ``token``."""
+        ``args`` / ``kwargs`` (see :func:`describe_input`) under ``token``."""
         key = (token, args, kwargs)
         if key in self._done:
             return
@@ -258,8 +267,8 @@ class HeightProbe:
                 "compile the model with credit_parallel.compile_blocks"
             )
         n, rank = mgr.domain_world_size, mgr.domain_rank
-        meta_args = [_global_meta(d, heights, n, rank) for d in args]
-        meta_kwargs = {k: _global_meta(d, heights, n, rank) for k, d in kwargs}
+        meta_args = [global_meta(d, heights, n, rank) for d in args]
+        meta_kwargs = {k: global_meta(d, heights, n, rank) for k, d in kwargs}
         self._token = token
         try:
             with torch.no_grad():
@@ -269,7 +278,7 @@ class HeightProbe:
         self._done.add(key)
 
 
-def _global_meta(desc, heights: dict, n: int, rank: int):
+def global_meta(desc, heights: dict, n: int, rank: int):
     """A meta tensor of the GLOBAL shape of an input described as ``("tensor", shape, dtype)``;
     any other description is the value itself."""
     if not (isinstance(desc, tuple) and len(desc) == 3 and desc[0] == "tensor"):
@@ -290,7 +299,7 @@ def _global_meta(desc, heights: dict, n: int, rank: int):
     return torch.empty(shape, dtype=desc[2], device="meta")
 
 
-def _describe(value):
+def describe_input(value):
     """An input as a constant Dynamo can hand to :func:`_probe_at_trace`."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(int(s) for s in value.shape), value.dtype)
@@ -310,8 +319,8 @@ def install_height_probe(model: nn.Module, manager) -> HeightProbe:
 
     def hook(module, args, kwargs):
         if torch.compiler.is_compiling():
-            described = tuple(_describe(a) for a in args)
-            named = tuple((k, _describe(v)) for k, v in kwargs.items())
+            described = tuple(describe_input(a) for a in args)
+            named = tuple((k, describe_input(v)) for k, v in kwargs.items())
             _probe_at_trace(probe, probe.manager._token, described, named)
 
     model.register_forward_pre_hook(hook, with_kwargs=True)

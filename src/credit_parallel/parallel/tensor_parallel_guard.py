@@ -43,7 +43,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..domain.traced_heights import _describe, _global_meta, _shape_twin, token_heights
+from ..domain.traced_heights import describe_input, global_meta, shape_twin, token_heights
 
 __all__ = [
     "CopyToTensorParallel",
@@ -284,8 +284,8 @@ def install_partial_gradient_guard(
         if torch.compiler.is_compiling():
             manager = getattr(model, "_domain_manager", None)
             token = manager._token if manager is not None else None
-            described = tuple(_describe(a) for a in args)
-            named = tuple((k, _describe(v)) for k, v in kwargs.items())
+            described = tuple(describe_input(a) for a in args)
+            named = tuple((k, describe_input(v)) for k, v in kwargs.items())
             _detect_at_trace(guard, token, described, named)
             return
         if guard.report is not None:
@@ -330,13 +330,13 @@ class PartialGradientGuard:
         self.report: PartialGradientReport | None = None
         self.twin, self.why = None, None
         try:
-            self.twin = _shape_twin(model, _NoHeights())
+            self.twin = shape_twin(model, _NoHeights())
         except Exception as e:  # an un-copyable model: eager forwards still work
             self.why = f"{type(e).__name__}: {e}"
 
     def detect(self, token, args, kwargs) -> None:
         """At trace time: run the trace on the twin, on meta inputs of the GLOBAL shapes of the
-        inputs described by ``args`` / ``kwargs`` (``traced_heights._describe``), and install."""
+        inputs described by ``args`` / ``kwargs`` (``traced_heights.describe_input``), and install."""
         if self.report is not None:
             return
         model = self.model()
@@ -352,8 +352,8 @@ class PartialGradientGuard:
         if manager is not None:
             heights = token_heights(token, manager.shard_dim)
             n, rank = manager.domain_world_size, manager.domain_rank
-        meta_args = [_global_meta(d, heights, n, rank) for d in args]
-        meta_kwargs = {k: _global_meta(d, heights, n, rank) for k, d in kwargs}
+        meta_args = [global_meta(d, heights, n, rank) for d in args]
+        meta_kwargs = {k: global_meta(d, heights, n, rank) for k, d in kwargs}
         with torch.no_grad():
             report = find_partial_gradient_modules(
                 self.twin, self.column, self.row, *meta_args, **meta_kwargs
