@@ -117,12 +117,14 @@ def _full(g):
     return g.full_tensor() if hasattr(g, "full_tensor") else g
 
 
-def _parity_worker(rank, world, name, order, backend, h, data="none", tp=1):
+def _parity_worker(rank, world, name, order, backend, h, data="none", tp=1, one_unit=True):
     torch.set_default_dtype(torch.float64)
     ref = _build(name)
     model = copy.deepcopy(ref)
     domain = world // tp // (2 if data == "fsdp2" and world // tp > 2 else 1)
     conf = {"trainer": {"parallelism": {"data": data, "tensor": tp, "domain": domain}}}
+    if data == "fsdp2" and one_unit:  # the opt-in merge: the root is the only FSDP2 unit
+        conf["trainer"]["fsdp2_min_unit_params"] = 10**9
     if order == "compile_then_parallelize":  # CREDIT's trainer
         model = parallelize(torch.compile(model, backend=backend), conf)
         assert isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
@@ -191,11 +193,29 @@ def test_whole_model_compile_inductor_matches_single_process(order, world):
 @pytest.mark.slow
 @pytest.mark.parametrize("order", _ORDERS)
 def test_whole_model_compile_with_fsdp2_over_dp_and_domain(order):
-    # 4 ranks: dp 2 x domain 2, FSDP2 units on the block and the root; rows 7/6
+    # 4 ranks: dp 2 x domain 2, one FSDP2 unit (the root; the block merged by the opt-in
+    # fsdp2_min_unit_params); rows 7/6
     results = run_on_ranks(
         _parity_worker, 4, "blocks", order, "aot_eager", 13, "fsdp2", timeout=900
     )
     _check(results)
+
+
+@pytest.mark.slow  # 4 ranks, two compiles
+def test_whole_model_compile_with_an_fsdp2_unit_per_block_is_exact():
+    """Every ``_fsdp2_shard`` block its own unit (the default): still exact; the graph breaks
+    there are FSDP2's own hooks at each unit boundary (Dynamo skips them, as torch's
+    ``skip_fsdp_hooks`` says), not the library's layers: for one graph per block compile per
+    block (``trainer.compile``), as torchtitan does."""
+    results = run_on_ranks(
+        _parity_worker, 4, "blocks", "parallelize_then_compile", "aot_eager", 13, "fsdp2", 1,
+        False, timeout=900,
+    )  # fmt: skip
+    for errors, breaks, graphs, reasons in results:
+        bad = {k: v for k, v in errors.items() if v > 1e-10}
+        assert not bad, bad
+        assert graphs == breaks + 1 and reasons, (graphs, breaks)
+        assert all("disable" in r for r in reasons), reasons  # FSDP2's disabled hooks only
 
 
 @pytest.mark.parametrize("order", _ORDERS)

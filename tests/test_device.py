@@ -147,7 +147,7 @@ ALLOWED = {
     ("domain/manager.py", "torch.device('cuda', ...)"): "the manager's buffers follow its group",
     ("domain/layers/resample.py", 'device="cpu"'): "host-side interpolation weights for numpy",
     ("domain/layers/resample.py", ".cpu()"): "host-side interpolation weights for numpy",
-    ("data/dataset.py", ".cpu()"): "latitudes handed to numpy on the host",
+    ("data/selection.py", ".cpu()"): "latitudes handed to numpy on the host",
     (
         "domain/layers/interp_rows.py",
         ".cpu()",
