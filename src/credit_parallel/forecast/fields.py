@@ -7,18 +7,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..train.progress import RankZeroReport
+
 __all__ = ["Fields", "Progress", "store_variables"]
 
 
-class Progress:
-    """Rank 0's report: a tqdm bar on a terminal, plain lines otherwise."""
+class Progress(RankZeroReport):
+    """Rank 0's report of a forecast: the bar, or ``forecast init T step k/N ...`` lines."""
 
     def __init__(self, stream, total: int, enabled: bool):
-        self.stream, self.enabled, self.bar = stream, enabled, None
-        if enabled and getattr(stream, "isatty", lambda: False)():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, desc="forecast", unit="step", file=stream)
+        super().__init__(stream, total, enabled, desc="forecast", unit="step")
 
     def step(self, init: str, k: int, n: int, rate: float, lag: int) -> None:
         if not self.enabled:
@@ -27,20 +25,7 @@ class Progress:
             self.bar.set_postfix(init=init, steps_s=f"{rate:.2f}", writer_lag=lag)
             self.bar.update(1)
         else:
-            line = f"forecast init {init} step {k}/{n} steps/s {rate:.3g} writer_lag {lag}"
-            print(line, file=self.stream, flush=True)
-
-    def write(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(text, file=self.stream)
-        else:
-            print(text, file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+            self.line(f"forecast init {init} step {k}/{n} steps/s {rate:.3g} writer_lag {lag}")
 
 
 class Fields:

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .progress import RankZeroReport
+
 __all__ = ["main", "run_training"]
 
 
@@ -84,26 +86,14 @@ def _log_line(record: dict) -> str:
     )
 
 
-class _Progress:
-    """Rank 0's view of the run: a tqdm bar on a terminal, one plain line per logged step
-    otherwise (a carriage-return bar in a log file is one unreadable line per run)."""
+class _Progress(RankZeroReport):
+    """Rank 0's view of the run: the bar, or one plain line per logged step."""
 
     def __init__(self, stream, total: int, initial: int, log_every: int, enabled: bool):
-        self.stream = stream
+        super().__init__(
+            stream, total, enabled, initial=initial, desc="train", unit="step", dynamic_ncols=True
+        )
         self.log_every = log_every
-        self.enabled = enabled
-        self.bar = None
-        if enabled and getattr(stream, "isatty", lambda: False)():
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total,
-                initial=initial,
-                desc="train",
-                unit="step",
-                dynamic_ncols=True,
-                file=stream,
-            )
 
     def step(self, record: dict, last: bool) -> None:
         if not self.enabled:
@@ -116,19 +106,7 @@ class _Progress:
                 )
             self.bar.update(1)
         elif due:
-            print(_log_line(record), file=self.stream, flush=True)
-
-    def write(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(text, file=self.stream)
-        else:
-            print(text, file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+            self.line(_log_line(record))
 
 
 def _resume(trainer, save_dir: Path, resume: str | None) -> str | None:

@@ -105,10 +105,12 @@ def _tile_interp_plans(mode: str, align_corners, key) -> tuple[InterpRowPlan, In
     return rows, cols
 
 
-def _plan_tensors(plan: InterpRowPlan, r: int, shape, device, dtype) -> tuple:
-    """Rank ``r``'s positions (into its gathered window) and weights (shaped ``shape``)."""
+def _plan_tensors(plan: InterpRowPlan, r: int, shape, device, dtype, *, base=None) -> tuple:
+    """Rank ``r``'s positions (into its gathered window; with ``base``, the window's global
+    indices, into the whole axis) and weights (shaped ``shape``)."""
 
     def index(pos):
+        pos = pos if base is None else base[pos]
         return torch.as_tensor(pos, dtype=torch.long, device=device)
 
     if plan.pos1 is None:
@@ -247,24 +249,12 @@ class DomainParallelInterpolate(OptionsMixin, nn.Module):
         if hit is None:
             rows, cols = self._plans(key)
 
-            def as_tensors(plan, r, shape, within_window):
-                # rows index the gathered window; columns index the whole (unsharded) width
-                base = None if within_window else np.asarray(plan.windows[r], dtype=np.int64)
-
-                def index(pos):
-                    pos = pos if base is None else base[pos]
-                    return torch.as_tensor(pos, dtype=torch.long, device=device)
-
-                if plan.pos1 is None:
-                    return index(plan.pos0[r]), None, None, None
-                return (
-                    index(plan.pos0[r]),
-                    index(plan.pos1[r]),
-                    torch.as_tensor(plan.w0[r], dtype=dtype, device=device).view(shape),
-                    torch.as_tensor(plan.w1[r], dtype=dtype, device=device).view(shape),
-                )
-
-            hit = (as_tensors(rows, rank, (-1, 1), True), as_tensors(cols, 0, (-1,), False))
+            # rows index the gathered window; columns index the whole (unsharded) width
+            whole = np.asarray(cols.windows[0], dtype=np.int64)
+            hit = (
+                _plan_tensors(rows, rank, (-1, 1), device, dtype),
+                _plan_tensors(cols, 0, (-1,), device, dtype, base=whole),
+            )
             if len(cache) > 64:
                 cache.clear()
             cache[tkey] = hit
