@@ -1,9 +1,14 @@
 import os
 
+# torch.compile imports networkx lazily: a forked rank importing it while a thread of the parent
+# (a forecast writer, a loader) held an import lock died once with importlib's KeyError in
+# _lock_unlock_module; imported here, no rank imports it after the fork.
+import networkx  # noqa: F401
 import torch
-import torch._dynamo  # noqa: F401 - DTensor imports it lazily; importing it once here lets every
 
-# forked rank inherit it instead of paying several seconds per worker
+# DTensor imports torch._dynamo lazily; importing it once here lets every forked rank inherit it
+# instead of paying several seconds per worker.
+import torch._dynamo  # noqa: F401
 
 # Tests compare against single-process references computed in this process; keep the parent on
 # one thread so references and forked workers see the same kernels.
