@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .fsdp import is_activation_checkpointed
+from .inductor_options import BLOCK_INDUCTOR_OPTIONS
 
 __all__ = ["compile_blocks", "compile_targets", "is_compiled"]
 
@@ -83,6 +84,18 @@ def is_compiled(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), _CompiledForward)
 
 
+def _compile_kwargs(backend: str, mode: str | None, options: dict | None) -> dict:
+    """``torch.compile``'s ``mode``/``options`` for one block: for inductor, the mode's options
+    (``torch.compile`` takes one of the two) with :data:`BLOCK_INDUCTOR_OPTIONS` and the caller's
+    ``options`` on top."""
+    if backend != "inductor":
+        return {"mode": mode, **({"options": options} if options else {})}
+    from torch._inductor import list_mode_options
+
+    merged = {**(list_mode_options(mode) if mode else {}), **BLOCK_INDUCTOR_OPTIONS}
+    return {"options": {**merged, **(options or {})}}
+
+
 def compile_blocks(
     model: nn.Module,
     *,
@@ -90,11 +103,14 @@ def compile_blocks(
     fullgraph: bool = True,
     mode: str | None = None,
     dynamic: bool | None = False,
+    options: dict | None = None,
 ) -> list[str]:
     """Compile every block of ``model`` (see :func:`compile_targets`) with ``torch.compile``, in
     place; call it after domain conversion / tensor parallelism and before FSDP2.  Returns the
-    names of the compiled blocks ("" for the root).  ``backend``/``mode``/``dynamic`` are
-    ``torch.compile``'s; ``fullgraph=True`` makes a graph break inside a block an error."""
+    names of the compiled blocks ("" for the root).  ``backend``/``mode``/``dynamic``/``options``
+    are ``torch.compile``'s (inductor: :data:`BLOCK_INDUCTOR_OPTIONS` below ``options``);
+    ``fullgraph=True`` makes a graph break inside a block an error."""
+    kwargs = _compile_kwargs(backend, mode, options)
     names = []
     for name, block in compile_targets(model):
         if is_compiled(block):
@@ -104,7 +120,7 @@ def compile_blocks(
             )
         eager = block.forward
         compiled = torch.compile(
-            eager, backend=backend, fullgraph=fullgraph, mode=mode, dynamic=dynamic
+            eager, backend=backend, fullgraph=fullgraph, dynamic=dynamic, **kwargs
         )
         block.forward = _CompiledForward(block, eager, compiled, _manager_of(block))
         names.append(name)

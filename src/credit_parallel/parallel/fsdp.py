@@ -38,6 +38,7 @@ from ..layout.config import require_process_group
 from ..layout.device import device_for_process_group
 from ..layout.run_config import trainer_option
 from .grad_overlap import OVERLAP_ATTR
+from .inductor_options import guard_inductor_layout
 
 __all__ = [
     "apply_ddp",
@@ -249,6 +250,7 @@ def fully_shard_model(
         dp_mesh = _world_dp_mesh(model)
     _require_1d(dp_mesh, "apply_fsdp2")
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    guard_inductor_layout(dp_mesh.device_type, param_dtype)
 
     blocks = fsdp2_blocks(model)
     if activation_checkpoint:

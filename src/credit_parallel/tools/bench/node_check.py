@@ -171,8 +171,12 @@ def _domain_figure(model: str, size: str, domain: int, device: str) -> float | N
         return json.load(fh)["ms"]
 
 
-def step_rows(device: str, size: str, *, steps: int, warmup: int, rounds: int, domains) -> list:
+def step_rows(
+    device: str, size: str, *, steps: int, warmup: int, rounds: int, domains, emit=None
+) -> list:
+    """The table's rows; ``emit(row)`` is called as each row is measured (progress)."""
     rows = []
+    emit = emit or (lambda row: None)
     amp = device == "cuda"
     where = _torch_device(device)
     for kind in ("crossformer", "unet"):
@@ -180,27 +184,48 @@ def step_rows(device: str, size: str, *, steps: int, warmup: int, rounds: int, d
         eager = measure_variants(
             block, TABLE_VARIANTS, device=where, amp=amp, steps=steps, warmup=warmup, rounds=rounds
         )
-        compiled = {}
-        if compile_available():  # COMPILE HOOK
-            compiled = {
-                f.variant: f
-                for f in measure_variants(
-                    block, ("plain", "library"), device=where, amp=amp, steps=steps,
-                    warmup=warmup, rounds=rounds, compiled=True,
-                )
-            }  # fmt: skip
         for f in eager:
-            c = compiled.get(f.variant)
+            emit((kind, _describe(block), f.variant, *_fmt(f.ms, f.peak_bytes), "(next)"))
+        compiled = {}
+        for variant in ("plain", "library") if compile_available() else ():  # COMPILE HOOK
+            compiled[variant] = _compiled_figure(block, variant, where, amp, steps, warmup, rounds)
+            emit((kind, _describe(block), variant, "-", "-", compiled[variant]))
+        for f in eager:
             rows.append(
                 (kind, _describe(block), f.variant, *_fmt(f.ms, f.peak_bytes),
-                 _fmt(c.ms if c else None, None)[0])
+                 compiled.get(f.variant, "-"))
             )  # fmt: skip
         for d in domains:
             ms = _domain_figure(kind, size, d, device)
             rows.append(
                 (kind, _describe(block), f"library domain {d} ({d} ranks)", *_fmt(ms, None), "-")
             )
+            emit(rows[-1])
     return rows
+
+
+def _compiled_figure(block, variant, where, amp, steps, warmup, rounds) -> str:
+    """The compiled step's median ms, or "failed" (the error printed): one variant that the
+    compiler rejects does not end the check."""
+    try:
+        (fig,) = measure_variants(
+            block, (variant,), device=where, amp=amp, steps=steps, warmup=warmup,
+            rounds=rounds, compiled=True,
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - reported, the table goes on
+        first = str(exc).strip().splitlines()
+        print(f"  compiled {variant} failed: {type(exc).__name__}: {first[0] if first else ''}",
+              flush=True)  # fmt: skip
+        return "failed"
+    finally:
+        torch._dynamo.reset()
+    return f"{fig.ms:.1f}"
+
+
+def _progress_row(row) -> None:
+    kind, _, variant, ms, peak, compiled = row
+    print(f"  measured {kind} {variant}: eager {ms} ms, peak {peak} GiB, compiled {compiled} ms",
+          flush=True)  # fmt: skip
 
 
 def format_rows(rows) -> str:
@@ -234,7 +259,10 @@ def run_node_check(device: str = "auto", quick: bool = False) -> int:
             ok &= passed
             print(line, flush=True)
     steps, warmup, rounds = (2, 1, 1) if quick else (6, 2, 2)
-    rows = step_rows(device, size, steps=steps, warmup=warmup, rounds=rounds, domains=domains)
+    rows = step_rows(
+        device, size, steps=steps, warmup=warmup, rounds=rounds, domains=domains,
+        emit=_progress_row,
+    )  # fmt: skip
     print(f"step = forward + backward + AdamW{' (bf16 autocast)' if device == 'cuda' else ''}, "
           f"batch 1, median of {steps * rounds} after {warmup} warm-up "
           f"({'wall clock' if device == 'cuda' else 'CPU time of the rank, 1 thread'}); library = parallelize + "

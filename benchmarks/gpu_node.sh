@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The GPU-node session in one script: every check that needs a GPU or a 16-core machine, each
+# under its own time limit, its output in $OUT/<name>.log (and on stdout).  Two tracks run side by
+# side on disjoint cores (taskset): A = the GPU (node check, CUDA train + forecast, whole-model
+# compile); B = the CPU benchmarks on gloo ranks with CUDA_VISIBLE_DEVICES= (domain efficiency at 4
+# and 8 ranks, lat x lon tiles against the floor, the loader at 4 workers).
+#
+#   PYTHONPATH=src bash benchmarks/gpu_node.sh            (repository root; OUT defaults to /tmp)
+#
+# On the lent machines: carry `.whl` (py3.12 wheels of zarr, numcodecs, donfig, google-crc32c,
+# msgspec, tensorstore); they are installed into /tmp/site first.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_node_out}
+mkdir -p "$OUT"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+PY=${PY:-python3}
+ncpu=$(nproc)
+half=$((ncpu / 2))
+A="0-$((half - 1))"
+B="$half-$((ncpu - 1))"
+
+command -v taskset >/dev/null || taskset() { shift 2; "$@"; }
+
+step() {  # step NAME SECONDS CPUS CMD...: one check, timed, logged
+    local name=$1 limit=$2 cpus=$3
+    shift 3
+    local t0=$SECONDS
+    echo "=== $name (limit ${limit}s, cores $cpus): $*"
+    taskset -c "$cpus" timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: rc $rc in $((SECONDS - t0)) s"
+    tail -n 40 "$OUT/$name.log"
+}
+
+track_a() {
+    step env 30 "$A" bash -c "nvidia-smi -L; $PY -c 'import torch, zarr, tensorstore; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0), zarr.__version__, tensorstore.__version__)'"
+    step node_check "${NODE_LIMIT:-280}" "$A" $PY -m credit_parallel.cli bench --gpu
+    sed -e 's/parallelism: {data: fsdp2, tensor: 2, domain: 2}/parallelism: {data: fsdp2, tensor: 1, domain: 1}/' \
+        -e 's/^  steps: 200/  steps: 20/' src/credit_parallel/configs/demo_unet.yaml >/tmp/demo_cuda.yaml
+    step cuda_train_forecast 90 "$A" bash -c "
+        $PY -m credit_parallel.cli sample-data --output data/sample.zarr &&
+        $PY -m credit_parallel.cli train --config /tmp/demo_cuda.yaml --device cuda --output /tmp/demo_cuda &&
+        $PY -m credit_parallel.cli forecast --config /tmp/demo_cuda.yaml --device cuda \
+            --checkpoint /tmp/demo_cuda/checkpoints --init-range 2020-02-20T00 2020-02-21T12 12h \
+            --steps 8 --members 2 --output /tmp/demo_cuda/forecast --overwrite &&
+        cat /tmp/demo_cuda/forecast/scores.csv | head -20"
+    step compile_gpu "${COMPILE_LIMIT:-185}" "$A" $PY benchmarks/compile_gpu.py --device cuda --models "${COMPILE_MODELS:-crossformer,unet}"
+}
+
+track_b() {
+    export CUDA_VISIBLE_DEVICES=
+    step efficiency "${EFF_LIMIT:-240}" "$B" $PY benchmarks/efficiency.py \
+        --workloads conv_stack/large,conv_stack/small,plain_unet,unet/large --domains 4,8 --rounds 2 --steps 3 --warmup 1
+    step tile_floor "${TILE_LIMIT:-200}" "$B" $PY benchmarks/tile_floor.py \
+        --splits 1x4,2x2,4x1,1x8,2x4,8x1 --rounds 2 --steps 3 --warmup 1
+    step loader "${LOADER_LIMIT:-120}" "$B" $PY benchmarks/loader.py --rows-per-chunk 16 \
+        --domain 1 8 --workers 0 4 --batches 8
+}
+
+uptime
+track_a &
+track_b &
+wait
+uptime
