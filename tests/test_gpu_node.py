@@ -316,3 +316,31 @@ def test_node_check_reports_the_environment_and_one_table_shape():
     table = node_check.format_rows(rows).splitlines()
     assert table[0].split()[:3] == ["model", "size", "variant"] and len(table) == 3
     assert node_check.main(["--bad"]) == 2
+
+
+def test_node_check_rows_come_as_measured_and_a_compiler_failure_is_a_row(monkeypatch, capsys):
+    """A variant the compiler rejects (as inductor did on the H200 before the layout fix)
+    becomes "failed" in the table; the eager rows were printed before any compile started."""
+    from credit_parallel.tools.bench import node_check
+    from credit_parallel.tools.bench.overhead import Figure
+
+    def fake_measure(block, variants, *, compiled=False, **kw):
+        if compiled and variants == ("library",):
+            raise AssertionError("expected size 64==64, stride 16==1 at dim=1\nmore")
+        return [Figure(v, 2.0 if compiled else 1.0, None, []) for v in variants]
+
+    monkeypatch.setattr(node_check, "measure_variants", fake_measure)
+    monkeypatch.setattr(node_check, "compile_available", lambda: True)
+    emitted = []
+    rows = node_check.step_rows(
+        "cpu", "cpu", steps=1, warmup=0, rounds=1, domains=[], emit=emitted.append
+    )
+    n = len(node_check.TABLE_VARIANTS)
+    # per model: the eager rows first, then one row per compiled variant, as measured
+    assert [r[2] for r in emitted[: n + 2]] == [*node_check.TABLE_VARIANTS, "plain", "library"]
+    assert [r[5] for r in emitted[:n]] == ["(next)"] * n
+    by_variant = {r[2]: r for r in rows if r[0] == "crossformer"}
+    assert by_variant["plain"][3:] == ("1.0", "-", "2.0")
+    assert by_variant["library"][3:] == ("1.0", "-", "failed")
+    assert by_variant["torch fsdp2 root"][5] == "-"
+    assert "compiled library failed: AssertionError: expected size 64==64" in capsys.readouterr().out
