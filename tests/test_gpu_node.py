@@ -343,4 +343,6 @@ def test_node_check_rows_come_as_measured_and_a_compiler_failure_is_a_row(monkey
     assert by_variant["plain"][3:] == ("1.0", "-", "2.0")
     assert by_variant["library"][3:] == ("1.0", "-", "failed")
     assert by_variant["torch fsdp2 root"][5] == "-"
-    assert "compiled library failed: AssertionError: expected size 64==64" in capsys.readouterr().out
+    assert (
+        "compiled library failed: AssertionError: expected size 64==64" in capsys.readouterr().out
+    )
