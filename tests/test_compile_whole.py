@@ -239,6 +239,18 @@ def test_whole_model_compile_under_tensor_parallel_matches_single_process(order,
     _check(results)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # inductor's C++ builds on 2 ranks
+def test_whole_model_compile_inductor_under_tensor_parallel_matches_single_process():
+    # CREDIT's order (compile, then parallelize), inductor at tp 2: the partial-gradient
+    # all-reduce and the sharded 1x1 convs through inductor's C++ kernels
+    results = run_on_ranks(
+        _parity_worker, 2, "tp", "compile_then_parallelize", "inductor", 13, "none", 2,
+        timeout=900,
+    )  # fmt: skip
+    _check(results)
+
+
 def _wxformer_worker(rank, world):
     from test_tp_partial_gradients import _batch, _transformer
 
