@@ -35,7 +35,7 @@ from .overhead import compile_available, measure_variants, model_conf
 
 __all__ = ["environment_line", "main", "run_node_check"]
 
-TABLE_VARIANTS = ("plain", "torch fsdp2 root", "library", "library merged")
+TABLE_VARIANTS = ("plain", "torch fsdp2 root", "torch fsdp2 blocks", "library", "library merged")
 
 
 def environment_line(device: str) -> str:
