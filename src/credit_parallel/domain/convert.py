@@ -46,7 +46,7 @@ from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixe
 from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
-from .tiles_convert import check_tiles
+from .tiles_convert import check_tiles, relayout_on_tiles
 from .traced_heights import install_height_probe
 from .wrap import converted_tree, visit_outermost
 
@@ -508,7 +508,11 @@ def convert_to_domain_parallel(
     tiled = getattr(manager, "is_tiled", False)  # lat x lon tiles: no fusion (tiles_convert.py)
     fuse = fuse_exchanges and not tiled
     plan = plan_conversion(model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse)
-    if tiled:
+    if tiled:  # what is not exact on tiles runs on latitude strips (tiles_relayout.py)
+        strips = plan_conversion(
+            model, manager.strips, shard_dim, custom, nonlocal_policy, fuse_exchanges=False
+        )
+        plan = relayout_on_tiles(model, plan, strips, manager)
         check_tiles(model, plan, allow_unsafe)
     for where, why in plan.gathered:
         warnings.warn(

@@ -1,0 +1,203 @@
+"""Modules not exact on lat x lon tiles run on latitude strips (``domain/tiles_relayout.py``):
+two all-to-alls around the module's 1-D replacement.  Every model here matches one process
+(float64, forward, input gradient and every parameter gradient, <= 1e-10) on uneven tiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from credit_parallel.domain.convert import convert_to_domain_parallel
+from credit_parallel.domain.exchange.traffic import record_exchange_stats
+from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.rows import shard_range
+from credit_parallel.domain.tiles_relayout import (
+    TileStripRelayout,
+    move_blocks,
+    moved_elements,
+    strip_rects,
+    tile_rects,
+)
+from credit_parallel.models import CrossFormer, SwinNet
+from credit_parallel.planner.make import tile_refusals_of_model
+from credit_parallel.testing import domain_parity_errors, run_on_ranks
+from miles_credit import import_credit
+
+TOL = 1e-10
+
+
+def _assert_exact(errors, what):
+    for key, (err, ref) in errors.items():
+        assert err <= TOL and ref > 0, (what, key, err, ref)
+
+
+def _forms(model) -> list[str]:
+    """Class names in the converted tree, wrapped layers included (a wrapper shares its
+    module's children but does not register the module itself)."""
+    names = set()
+    for m in model.modules():
+        while m is not None:
+            names.add(type(m).__name__)
+            m = m.__dict__.get("wrapped")
+    return sorted(names)
+
+
+# --------------------------------------------------------------------------- the move
+def test_moved_elements_are_the_tile_elements_other_strips_hold():
+    # 7 x 10 on 2 x 2 tiles (rows 4 / 3, columns 5 / 5) -> strips of 2 / 2 / 2 / 1 rows
+    tiles, strips = tile_rects(7, 10, (2, 2)), strip_rects(7, 10, 4)
+    assert tiles[1] == ((0, 4), (5, 10)) and strips[3] == ((6, 7), (0, 10))
+    # tile 0 (rows 0-3, columns 0-4) keeps rows 0-1, sends rows 2-3 to strip 1; tile 2 (rows
+    # 4-6) keeps rows 4-5 and sends row 6 to strip 3
+    assert moved_elements(tiles, strips) == [10, 10, 5, 10]
+    # strip 3 (row 6) keeps columns 5-9 (tile 3's) and sends columns 0-4 to tile 2
+    assert moved_elements(strips, tiles) == [10, 10, 10, 5]
+    # every element sent once each way: the totals agree
+    assert sum(moved_elements(tiles, strips)) == sum(moved_elements(strips, tiles))
+
+
+def _move_worker(rank, world, shape, hw):
+    m = TiledDomainManager(world, shape)
+    h, w = hw
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, h, w, dtype=torch.float64)
+    (r0, r1), (c0, c1) = tile_rects(h, w, shape)[m.domain_rank]
+    tile = x[..., r0:r1, c0:c1].clone().requires_grad_()
+    tiles, strips = tile_rects(h, w, shape), strip_rects(h, w, world)
+    with record_exchange_stats() as stats:
+        strip = move_blocks(tile, tiles, strips, -2, -1, m.strips)
+        (strip * strip).sum().backward()
+    a, b = shard_range(h, world, m.domain_rank)
+    return (
+        (strip - x[..., a:b, :]).abs().max().item(),
+        (tile.grad - 2 * tile.detach()).abs().max().item(),
+        stats.by_direction["forward"],
+        stats.by_direction["backward"],
+        moved_elements(tiles, strips)[m.domain_rank] * 2 * 3 * 8,
+        moved_elements(strips, tiles)[m.domain_rank] * 2 * 3 * 8,
+    )
+
+
+@pytest.mark.parametrize("shape, hw", [((2, 2), (7, 10)), ((1, 3), (5, 8)), ((3, 2), (11, 7))])
+def test_tiles_to_strips_and_back_is_exact_and_counts_its_bytes(shape, hw):
+    for out, grad, fwd, bwd, sent, returned in run_on_ranks(
+        _move_worker, shape[0] * shape[1], shape, hw
+    ):
+        assert out == 0 and grad == 0
+        assert fwd == sent and bwd == returned  # the tile elements that move, each way
+
+
+# --------------------------------------------------------------------------- models
+def _bundled_worker(rank, world, shape, kind, hw):
+    m = TiledDomainManager(world, shape)
+    h, w = hw
+    torch.manual_seed(0)
+    if kind == "crossformer":
+
+        def build():
+            return CrossFormer(
+                3, 2, h, w, dims=(8, 8), depths=(2, 2), dim_head=4, window_sizes=(2, 2)
+            ).double()
+    else:
+
+        def build():
+            return SwinNet(
+                3, 2, h, w, dim=8, depth=2, dim_head=4, window_size=4, mlp_ratio=2, norm_groups=2
+            ).double()
+
+    x = torch.randn(2, 3, h, w, dtype=torch.float64)
+    errors = domain_parity_errors(build, x, m)
+    return errors, _forms(convert_to_domain_parallel(build(), m))
+
+
+@pytest.mark.parametrize(
+    "shape, kind, hw",
+    [
+        ((2, 2), "crossformer", (24, 16)),  # level 0: 12 x 8 over 2 x 2 tiles
+        ((1, 3), "crossformer", (16, 16)),  # 8 columns over 3: 3 / 3 / 2
+        ((3, 2), "crossformer", (40, 8)),  # 20 rows: 7 / 7 / 6
+        ((2, 2), "swin", (24, 8)),  # shifted windows across the tile corners
+        ((3, 2), "swin", (40, 8)),
+    ],
+)
+def test_bundled_attention_models_exact_on_tiles(shape, kind, hw):
+    for errors, forms in run_on_ranks(_bundled_worker, shape[0] * shape[1], shape, kind, hw):
+        _assert_exact(errors, (shape, kind))
+        assert "TileStripRelayout" in forms and "DomainRowGroupAttention" in forms
+
+
+def _credit_crossformer():
+    return import_credit("credit.models.crossformer").CrossFormer(
+        image_height=24,
+        image_width=16,
+        frames=1,
+        channels=1,
+        surface_channels=1,
+        input_only_channels=0,
+        levels=2,
+        dim=(2, 4, 8, 16),
+        depth=(1, 1, 1, 1),
+        dim_head=2,
+        global_window_size=(2, 2, 1, 1),
+        local_window_size=(2, 2, 1, 1),
+        cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)),
+        cross_embed_strides=(2, 2, 2, 2),
+        use_spectral_norm=False,
+        interp=False,
+    ).double()
+
+
+def _credit_worker(rank, world, shape):
+    m = TiledDomainManager(world, shape)
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 1, 24, 16, dtype=torch.float64)
+    return domain_parity_errors(_credit_crossformer, x, m)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 3)])
+def test_miles_credit_crossformer_exact_on_tiles(shape):
+    for errors in run_on_ranks(_credit_worker, shape[0] * shape[1], shape):
+        _assert_exact(errors, shape)
+    assert not tile_refusals_of_model(_credit_crossformer())  # plan: no longer refused
+
+
+class _Pool(nn.Module):
+    """Mixes rows and columns: refused on any domain, exact under the gather policy."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * self.scale + y.mean(dim=(-2, -1), keepdim=True).flip(-1)
+
+
+def _gather_worker(rank, world, shape):
+    m = TiledDomainManager(world, shape)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 7, 10, dtype=torch.float64)
+
+    def build():
+        return nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), _Pool(), nn.MaxPool2d(1)).double()
+
+    def convert(model, mgr):
+        return convert_to_domain_parallel(model, mgr, nonlocal_policy="gather")
+
+    with pytest.warns(UserWarning, match="gather"):
+        errors = domain_parity_errors(build, x, m, convert=convert)
+    return errors
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 2)])
+def test_gather_policy_exact_on_tiles(shape):
+    for errors in run_on_ranks(_gather_worker, shape[0] * shape[1], shape):
+        _assert_exact(errors, shape)
+
+
+def test_relayout_refuses_other_tile_arguments_and_non_tile_managers():
+    wrapper = TileStripRelayout(nn.Identity(), manager=object())
+    with pytest.raises(ValueError, match="needs a lat x lon tile manager"):
+        wrapper(torch.zeros(1, 1, 4, 4))
