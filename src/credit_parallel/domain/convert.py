@@ -46,7 +46,7 @@ from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixe
 from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
-from .tiles_convert import check_tiles, relayout_on_tiles
+from .tiles_convert import check_tiles, gathered_paths, relayout_on_tiles
 from .traced_heights import install_height_probe
 from .wrap import converted_tree, visit_outermost
 
@@ -520,7 +520,7 @@ def convert_to_domain_parallel(
             + gather_cost_note(manager.domain_world_size),
             stacklevel=2,
         )
-    gathered = [m.path for m in plan.modules if m.stage == "gather"]
+    gathered = gathered_paths(plan)
     if gathered:
         warnings.warn(
             "nonlocal_policy='gather': "

@@ -33,7 +33,13 @@ from .plan import ConversionPlan, PlannedModule
 from .tiles_relayout import TileStripRelayout
 from .wrap import converted_tree
 
-__all__ = ["check_tiles", "relayout_on_tiles", "tile_refusals", "tile_refusal_message"]
+__all__ = [
+    "check_tiles",
+    "gathered_paths",
+    "relayout_on_tiles",
+    "tile_refusals",
+    "tile_refusal_message",
+]
 
 _PADS = (
     nn.modules.padding._ConstantPadNd,
@@ -143,7 +149,10 @@ def _strip_inner(model, path: str, tiled: ConversionPlan, strips: ConversionPlan
         return None
     decided = {m.path: m.replacement for m in strips.replacements()}
     tree = dict(converted_tree(model, lambda p, mod: decided.get(p, mod)))
-    return tree.get("" if path == "<root>" else path)
+    module = tree.get("" if path == "<root>" else path)
+    if isinstance(module, _PADS):
+        return None  # the 1-D converter leaves non-2-D padding alone: not known exact on strips
+    return module
 
 
 def relayout_on_tiles(model: nn.Module, tiled: ConversionPlan, strips: ConversionPlan, manager):
@@ -174,3 +183,14 @@ def relayout_on_tiles(model: nn.Module, tiled: ConversionPlan, strips: Conversio
             m for m in strips.modules if _under(m.path, top) and m.path != top and m.error is None
         ]
     return out
+
+
+def gathered_paths(plan: ConversionPlan) -> list[str]:
+    """Paths of the modules ``plan`` runs on the whole globe (the gather policy), also when a
+    relayout to strips holds the gathering wrapper."""
+    return [
+        m.path
+        for m in plan.modules
+        if m.stage == "gather"
+        or (m.stage == "strips" and getattr(m.replacement.wrapped, "domain_form", "") == "gather")
+    ]

@@ -128,6 +128,8 @@ def _move_eager(x, src, dst, hdim, wdim, ranks, me, group, direction):
             pieces.append((block, buf))
     works, posted_s = post_messages(out_msgs, in_bufs, group, direction, overlapped=False)
     PendingExchange(works, direction, None, posted_s=posted_s, group=group).wait()
+    if not pieces:  # an empty rectangle (fewer rows than ranks)
+        return x.new_zeros(_shape(x, hdim, wdim, dst[me]))
     return _assemble(pieces, hdim, wdim).contiguous()
 
 
@@ -162,7 +164,10 @@ def _move_traced(x, src, dst, hdim, wdim, manager):
         where.append(block)
         shapes.append(_shape(x, hdim, wdim, block if block else ((0, 0), (0, 0))))
     recv = all_to_all_traced(parts, shapes, manager.domain_group)
-    return _assemble([(b, t) for b, t in zip(where, recv) if b], hdim, wdim)
+    pieces = [(b, t) for b, t in zip(where, recv) if b]
+    if not pieces:  # an empty rectangle (fewer rows than ranks)
+        return x.new_zeros(_shape(x, hdim, wdim, dst[me])) + x.sum() * 0
+    return _assemble(pieces, hdim, wdim)
 
 
 def move_blocks(x: torch.Tensor, src: list, dst: list, hdim: int, wdim: int, manager):
@@ -232,7 +237,14 @@ class TileStripRelayout(DomainWrapper):
                 f"{self._name()}: on lat x lon tiles the re-laid module must return one tensor "
                 f"of {x.dim()} dims"
             )
-        out_h = strips.global_length(self._out_key, y.shape[hdim])
+        try:
+            out_h = strips.global_length(self._out_key, y.shape[hdim])
+        except ValueError as err:
+            raise ValueError(
+                f"{self._name()}: its output on the strips is not the balanced 1-D layout (a "
+                "module returning its whole output on every rank, e.g. a gathered module that "
+                f"changes the height, cannot go back to tiles): {err}"
+            ) from err
         out_w = y.shape[wdim]
         return move_blocks(
             y, strip_rects(out_h, out_w, n), tile_rects(out_h, out_w, shape), hdim, wdim, strips
