@@ -34,6 +34,7 @@ __all__ = [
     "TileStripRelayout",
     "move_blocks",
     "moved_elements",
+    "moved_peers",
     "strip_rects",
     "tile_rects",
 ]
@@ -77,6 +78,15 @@ def moved_elements(src: list, dst: list) -> list[int]:
                 total += (block[0][1] - block[0][0]) * (block[1][1] - block[1][0])
         out.append(total)
     return out
+
+
+def moved_peers(src: list, dst: list) -> list[int]:
+    """Per rank, the messages it sends moving from ``src`` to ``dst`` (one per other rank
+    whose rectangle overlaps its own)."""
+    return [
+        sum(1 for q, theirs in enumerate(dst) if q != me and _overlap(mine, theirs) is not None)
+        for me, mine in enumerate(src)
+    ]
 
 
 # --------------------------------------------------------------------------- the move
