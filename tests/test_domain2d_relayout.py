@@ -10,6 +10,7 @@ from torch import nn
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.exchange.traffic import record_exchange_stats
+from credit_parallel.domain.layers.gather import DomainGatherModule
 from credit_parallel.domain.manager2d import TiledDomainManager
 from credit_parallel.domain.rows import shard_range
 from credit_parallel.domain.tiles_relayout import (
@@ -209,3 +210,73 @@ def test_relayout_refuses_other_tile_arguments_and_non_tile_managers():
     wrapper = TileStripRelayout(nn.Identity(), manager=object())
     with pytest.raises(ValueError, match="needs a lat x lon tile manager"):
         wrapper(torch.zeros(1, 1, 4, 4))
+
+
+def _fuxi_worker(rank, world, shape, padding):
+    from test_fuxi import WIDTH, fuxi
+
+    m = TiledDomainManager(world, shape)
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 2, 32, WIDTH, dtype=torch.float64)
+    errors = domain_parity_errors(lambda: fuxi(32, 2, padding_conf=padding), x, m)
+    return errors, _forms(convert_to_domain_parallel(fuxi(32, 2, padding_conf=padding), m))
+
+
+@pytest.mark.parametrize("shape, mode", [((2, 2), "earth"), ((1, 3), "mirror")])
+def test_miles_credit_fuxi_with_its_boundary_padding_exact_on_tiles(shape, mode):
+    """CREDIT's FuXi (Swin-V2 blocks, the u-transformer) with its ``TensorPadding`` ("earth":
+    the rows beyond a pole are the pole rows rolled by 180 degrees of longitude, which live on
+    other longitude tiles): the whole model runs on latitude strips."""
+    padding = {"activate": True, "mode": mode, "pad_lat": [4, 4], "pad_lon": [4, 4]}
+    for errors, forms in run_on_ranks(_fuxi_worker, shape[0] * shape[1], shape, padding):
+        _assert_exact(errors, (shape, mode), every_gradient_nonzero=False)
+        assert {"TileStripRelayout", "DomainFuxi", "DomainSwinBlock"} <= set(forms)
+
+
+class _LonPad(nn.Module):
+    """Pads longitude only (2 west, 1 east): reaches other columns on tiles."""
+
+    def forward(self, x):
+        return torch.nn.functional.pad(x, (2, 1, 0, 0)) * 3
+
+
+def _counted_worker(rank, world, shape):
+    from credit_parallel.planner.tiles import tile_layer_plan
+
+    m = TiledDomainManager(world, shape)
+    h, w = 9, 7
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, h, w, dtype=torch.float64)
+    # the planner sees the 1-D replacement the strips run (here the gather policy's, whose
+    # all-gather is a collective: record_exchange_stats counts the two all-to-alls only)
+    inner = DomainGatherModule(_LonPad(), manager=m.strips)
+    layer = TileStripRelayout(inner, manager=m)
+    (r0, r1), (c0, c1) = tile_rects(h, w, shape)[m.domain_rank]
+    tile = x[..., r0:r1, c0:c1].clone().requires_grad_()
+    with record_exchange_stats() as stats:
+        y = layer(tile)
+        y.sum().backward()
+    plan = tile_layer_plan("pad", inner, (1, 3, h, w), (1, 3, h, w + 3), shape)
+    lat, lon = m.domain_coords
+    ref = torch.nn.functional.pad(x, (2, 1, 0, 0)) * 3
+    (a0, a1), (b0, b1) = tile_rects(h, w + 3, shape)[m.domain_rank]
+    return (
+        (y - ref[..., a0:a1, b0:b1]).abs().max().item(),
+        (tile.grad - 3).abs().max().item(),
+        (stats.by_direction["forward"], stats.by_direction["backward"], stats.messages),
+        (
+            plan.strips_sent[m.domain_rank] * 2 * 8,
+            plan.strips_returned[m.domain_rank] * 2 * 8,
+            sum(plan.messages(lat, lon)),
+        ),
+        plan.sent_elements(lat, lon) * 2 * 8,
+    )
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (1, 3), (3, 2)])
+def test_planned_relayout_bytes_and_messages_equal_the_counted(shape):
+    for out, grad, counted, planned, step in run_on_ranks(
+        _counted_worker, shape[0] * shape[1], shape
+    ):
+        assert out == 0 and grad == 0
+        assert counted == planned and step == planned[0] + planned[1]
