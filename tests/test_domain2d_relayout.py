@@ -280,3 +280,47 @@ def test_planned_relayout_bytes_and_messages_equal_the_counted(shape):
     ):
         assert out == 0 and grad == 0
         assert counted == planned and step == planned[0] + planned[1]
+
+
+def _tokens_worker(rank, world, shape, kind):
+    from test_timm_swin import PermutedStage, _randomise
+    from test_token_attention import SdpaAttention
+
+    m = TiledDomainManager(world, shape)
+    torch.manual_seed(0)
+    if kind == "tokens":
+        # attention over all H*W tokens (sequence parallel on the strips), 3x3 qkv conv inside
+
+        def build():
+            torch.manual_seed(0)
+            return nn.Sequential(
+                nn.Conv2d(3, 6, 3, padding=1),
+                SdpaAttention(6, 2, kernel=3),
+                nn.Conv2d(6, 2, 3, padding=1),
+            ).double()
+
+        x = torch.randn(2, 3, 7, 6, dtype=torch.float64)
+    else:
+        # timm's Swin-V2 stage (plain and shifted windows of 2 x 4) between B,C,H,W convs
+
+        def build():
+            torch.manual_seed(0)
+            return _randomise(PermutedStage(14, 8, 2)).double()
+
+        x = torch.randn(1, 2, 14, 8, dtype=torch.float64)
+    errors = domain_parity_errors(build, x, m)
+    return errors, _forms(convert_to_domain_parallel(build(), m))
+
+
+@pytest.mark.parametrize(
+    "shape, kind, form",
+    [
+        ((2, 2), "tokens", "DomainTokenAttention"),
+        ((2, 2), "swin", "DomainSwinBlock"),
+        ((1, 3), "swin", "DomainSwinBlock"),
+    ],
+)
+def test_token_attention_and_swin_blocks_exact_on_tiles(shape, kind, form):
+    for errors, forms in run_on_ranks(_tokens_worker, shape[0] * shape[1], shape, kind):
+        _assert_exact(errors, (shape, kind))
+        assert {"TileStripRelayout", form} <= set(forms), forms

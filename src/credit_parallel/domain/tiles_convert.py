@@ -144,6 +144,9 @@ def _strip_inner(model, path: str, tiled: ConversionPlan, strips: ConversionPlan
             return None
         if tiled_at is not None and tiled_at.stage != strip_at.stage:
             return None
+        if isinstance(strip_at.original, nn.MultiheadAttention):
+            return None  # its input is tokens, not a tile: the module that flattens them must
+            # declare {"form": "tokens"} to run on strips
         return strip_at.replacement
     if tiled_at is not None:
         return None
