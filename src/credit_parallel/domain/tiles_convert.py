@@ -115,8 +115,10 @@ def tile_refusal_message(refusals: list[tuple[str, str]]) -> str:
         "convert_to_domain_parallel: modules not exact on lat x lon tiles (a two-dimensional "
         "trainer.parallelism.domain):\n  " + listing + "\nUse an int domain (latitude only), "
         "or replace them (exact on tiles today: Conv2d/Conv3d, ConvTranspose2d/3d, "
-        "PeriodicConv2d, the 2-D padding modules, GroupNorm, and point-wise / channel-wise "
-        "modules)."
+        "PeriodicConv2d, the 2-D padding modules, GroupNorm, interpolation, pixel shuffle, "
+        "point-wise / channel-wise modules, and on latitude strips what a 1-D domain makes "
+        "exact, except a bare nn.MultiheadAttention: declare {'form': 'tokens'} on the module "
+        "that flattens the tile to tokens)."
     )
 
 
