@@ -135,11 +135,13 @@ def test_bundled_attention_models_exact_on_tiles(shape, kind, hw):
         assert "TileStripRelayout" in forms and "DomainRowGroupAttention" in forms
 
 
-def _credit_crossformer(width=32):
+def _credit_crossformer(width=32, padding=None):
     """1 column per tile at the deepest level (W / 16 columns over Q tiles: no empty tile)."""
+    extra = {} if padding is None else {"padding_conf": padding}
     return (
         import_credit("credit.models.crossformer")
         .CrossFormer(
+            **extra,
             image_height=48,
             image_width=width,
             frames=1,
@@ -175,6 +177,31 @@ def test_miles_credit_crossformer_exact_on_tiles(shape, width):
     for errors in run_on_ranks(_credit_worker, shape[0] * shape[1], shape, width):
         _assert_exact(errors, shape, every_gradient_nonzero=False)
     assert not tile_refusals_of_model(_credit_crossformer())  # plan: no longer refused
+
+
+def _padded_worker(rank, world, shape, mode):
+    from credit_parallel.domain.manager import DomainParallelManager
+
+    m = TiledDomainManager(world, shape) if shape else DomainParallelManager(world, world)
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 1, 48, 32, dtype=torch.float64)
+    padding = {"activate": True, "mode": mode, "pad_lat": [5, 11], "pad_lon": [8, 8]}
+    errors = domain_parity_errors(lambda: _credit_crossformer(32, padding), x, m)
+    return errors, _forms(convert_to_domain_parallel(_credit_crossformer(32, padding), m))
+
+
+@pytest.mark.parametrize(
+    "shape, world, mode", [((2, 2), 4, "earth"), (None, 2, "earth"), ((1, 3), 3, "mirror")]
+)
+def test_miles_credit_crossformer_with_boundary_padding_exact(shape, world, mode):
+    """CREDIT's ``TensorPadding`` in the CrossFormer's forward (``padding_conf``): "earth" rows
+    beyond the poles are the pole rows rolled by 180 degrees (other longitude tiles), 5 rows
+    above and 11 below, 8 columns each side; on tiles the padding moves tiles to strips and
+    back; on latitude shards (``shape`` None) it is one row exchange (before
+    ``adapters/tensor_padding.py`` the padding ran on each shard: silently wrong)."""
+    for errors, forms in run_on_ranks(_padded_worker, world, shape, mode):
+        _assert_exact(errors, (shape, mode), every_gradient_nonzero=False)
+        assert "DomainPaddedModel" in forms
 
 
 def _gather_worker(rank, world, shape):
