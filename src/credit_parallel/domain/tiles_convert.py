@@ -167,7 +167,10 @@ def relayout_on_tiles(model: nn.Module, tiled: ConversionPlan, strips: Conversio
     without a process group) makes at and below its path.  Modules whose 1-D decision fails or
     differs stay refused."""
     tops = []
-    for path, _ in sorted(tile_refusals(model, tiled), key=lambda item: len(item[0])):
+    def depth(item) -> int:  # outermost first: the root, then by nesting
+        return -1 if item[0] == "<root>" else item[0].count(".")
+
+    for path, _ in sorted(tile_refusals(model, tiled), key=depth):
         if any(_under(path, top) for top in tops):
             continue
         inner = _strip_inner(model, path, tiled, strips)
