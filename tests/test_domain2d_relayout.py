@@ -77,6 +77,14 @@ def _move_worker(rank, world, shape, hw):
         strip = move_blocks(tile, tiles, strips, -2, -1, m.strips)
         (strip * strip).sum().backward()
     a, b = shard_range(h, world, m.domain_rank)
+    # the path torch.compile takes: one credit_parallel::all_to_all (run eagerly here)
+    import credit_parallel.domain.attention.sequence  # noqa: F401  (its eager implementation)
+    from credit_parallel.domain.tiles_relayout import _move_traced
+
+    tile2 = tile.detach().clone().requires_grad_()
+    traced = _move_traced(tile2, tiles, strips, 2, 3, m.strips)
+    (traced * traced).sum().backward()
+    assert torch.equal(traced, strip) and torch.equal(tile2.grad, tile.grad)
     return (
         (strip - x[..., a:b, :]).abs().max().item(),
         (tile.grad - 2 * tile.detach()).abs().max().item(),
