@@ -124,7 +124,9 @@ def _bundled_worker(rank, world, shape, kind, hw):
 
     x = torch.randn(2, 3, h, w, dtype=torch.float64)
     errors = domain_parity_errors(build, x, m)
-    return errors, _forms(convert_to_domain_parallel(build(), m))
+    converted = convert_to_domain_parallel(build(), m)
+    assert list(converted.state_dict()) == list(build().state_dict())  # names unchanged
+    return errors, _forms(converted)
 
 
 @pytest.mark.parametrize(
