@@ -167,6 +167,7 @@ def relayout_on_tiles(model: nn.Module, tiled: ConversionPlan, strips: Conversio
     without a process group) makes at and below its path.  Modules whose 1-D decision fails or
     differs stay refused."""
     tops = []
+
     def depth(item) -> int:  # outermost first: the root, then by nesting
         return -1 if item[0] == "<root>" else item[0].count(".")
 
