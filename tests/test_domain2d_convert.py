@@ -88,7 +88,7 @@ _Pool.__name__ = "MyPool"
     "module, path, words",
     [
         (nn.ConstantPad3d(1, 0.5), "1", "ConstantPad3d pads longitude"),
-        (_RowLocal(), "1", "_RowLocal declares _domain_local = True"),
+        # its input is tokens (B, L, C), not a tile: no relayout to strips
         (nn.MultiheadAttention(4, 2, batch_first=True), "1", "MultiheadAttention"),
     ],
 )
@@ -113,8 +113,12 @@ def test_gather_policy_and_1d_refusals_on_tiles():
         m = TiledDomainManager(4, (2, 2))
         with pytest.raises(ValueError, match="MaxPool2d mixes rows"):
             convert_to_domain_parallel(model, m)
-        with pytest.raises(ValueError, match="1: MaxPool2d \\(as DomainGatherModule\\)"):
-            convert_to_domain_parallel(model, m, nonlocal_policy="gather")
+        # the gather policy runs on latitude strips (tiles_relayout.py; exact:
+        # tests/test_domain2d_relayout.py), with the gather warning
+        with pytest.warns(UserWarning, match="nonlocal_policy='gather': 1"):
+            converted = convert_to_domain_parallel(model, m, nonlocal_policy="gather")
+        assert type(converted[1]).__name__ == "TileStripRelayout"
+        assert type(converted[1].wrapped).__name__ == "DomainGatherModule"
         # a layer not exact on tiles built by hand refuses at its first call, naming itself
         from credit_parallel.domain.exchange.halo import HaloExchange
 
@@ -279,22 +283,18 @@ def test_bundled_unet_exact_on_tiles(shape, hw):
             assert err <= 1e-10 and ref > 0, (shape, key, err, ref)
 
 
-def test_miles_credit_crossformer_is_refused_on_tiles_naming_its_attention():
-    """A real miles-credit CrossFormer: exact at 1-D (windowed attention re-laid out by rows),
-    not yet on tiles; the converter refuses it naming every attention module, never running it
-    silently wrong."""
-    from test_domain_attention import _crossformer
-
-    net = _crossformer("credit.models.crossformer", (4, 2, 2, 1), (2, 2, 2, 1)).double()
-    refused = dict(tile_refusals_of_model(net))
-    attention = [p for p in refused if "Attention" in refused[p]]
-    assert attention and all("do not support it yet" in refused[p] for p in attention)
+@pytest.mark.parametrize("module", [_RowLocal()])
+def test_modules_exact_on_strips_run_there_on_tiles(module):
+    """Row-local modules and attention are exact on 1-D latitude strips: on tiles the converter
+    puts them in a relayout to strips (``tiles_relayout.py``; exactness in
+    ``tests/test_domain2d_relayout.py``), and ``plan`` no longer reports them."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), module, _TileLocal())
+    assert not tile_refusals_of_model(model)
     with fake_process_group(0, 4):
         m = TiledDomainManager(4, (2, 2))
-        with pytest.raises(ValueError) as err:
-            convert_to_domain_parallel(net, m)
-    for path in attention:
-        assert f"{path}: " in str(err.value)
+        converted = convert_to_domain_parallel(model, m)
+    assert type(converted[1]).__name__ == "TileStripRelayout"
+    assert converted[1].wrapped is module or converted[1].wrapped.wrapped is module
 
 
 # --------------------------------------------------------------------------- verify

@@ -359,17 +359,24 @@ def test_plan_suggests_the_split_with_the_least_projected_step(hw, expect_2d):
         assert "(the configured split)" in note
 
 
-def test_split_note_says_when_only_latitude_runs():
+def test_attention_runs_on_strips_in_every_split():
+    """The CrossFormer's window attention runs on latitude strips on tiles
+    (``domain/tiles_relayout.py``): every split of 4 runs, and each attention call counts the
+    two all-to-alls (forward and backward) on every rank instead of being refused."""
     from credit_parallel.layout.config import load_config
     from credit_parallel.planner import make_plan
 
     cross = copy.deepcopy(load_config("src/credit_parallel/configs/demo_crossformer.yaml"))
     cross.pop("data", None)
-    cross["trainer"]["parallelism"] = {"data": "none", "domain": 4}
+    cross["trainer"]["parallelism"] = {"data": "none", "domain": {"lat": 2, "lon": 2}}
     plan = make_plan(cross, 4)
-    assert [s.refused is None for s in plan.splits] == [True, False, False]
-    (note,) = [n for n in plan.notes if n.startswith("lat x lon splits of the 4")]
-    assert "only latitude runs" in note and "WindowAttention" in note
+    assert [s.refused is None for s in plan.splits] == [True, True, True]
+    assert not [v for v in plan.violations if "tiles" in v], plan.violations
+    attention = [lay for lay in plan.tile_layers if lay.strips_sent]
+    assert attention and all(lay.error is None for lay in plan.tile_layers)
+    for lay in attention:
+        assert all(lay.sent_elements(*divmod(r, 2)) > 0 for r in range(4)), lay
+        assert lay.rank_calls(0) == 2
 
 
 def test_projection_benchmark_prints_1d_against_every_split(capsys):

@@ -4,7 +4,7 @@
 :class:`~credit_parallel.domain.plan.ConversionPlan`, replacing nothing and needing no process
 group), then APPLIES (:func:`apply_conversion_plan`).  The plan is decided in stages, each on
 the tree the earlier ones decided: whole CREDIT models whose forwards read the global grid
-(FuXi: ``fuxi.credit_model_decision``), attention of a known structure
+(FuXi: ``fuxi.credit_model_decision``; CREDIT's boundary padding: ``tensor_padding.py``), attention of a known structure
 (``attention.recognise.known_attention_decision``), the rule walk (:func:`walk_domain_modules`:
 the caller's ``custom_converters`` first, then the registered rule of each type), the refused
 modules wrapped to run on the whole globe under ``nonlocal_policy="gather"``, and the exchange
@@ -27,9 +27,9 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .adapters.fuxi import credit_model_decision
 from .adapters.recognise import known_attention_decision, recognised_attention_form
 from .adapters.swin import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
+from .adapters.tensor_padding import credit_adapter_decision
 from .fusion import apply_fusions, apply_norm_conv, find_fusions, find_norm_conv
 from .layers.conv import (
     DomainParallelConv2d,
@@ -46,7 +46,7 @@ from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixe
 from .layers.resample import DomainParallelInterpolate
 from .options import OptionsMixin
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
-from .tiles_convert import check_tiles
+from .tiles_convert import check_tiles, gathered_paths, relayout_on_tiles
 from .traced_heights import install_height_probe
 from .wrap import converted_tree, visit_outermost
 
@@ -388,7 +388,7 @@ def plan_conversion(
 
     stage(
         "adapter",
-        lambda m, path: credit_model_decision(
+        lambda m, path: credit_adapter_decision(
             m, path, manager, shard_dim, skip, nonlocal_policy, _append_to(plan.gathered)
         ),
     )
@@ -508,7 +508,11 @@ def convert_to_domain_parallel(
     tiled = getattr(manager, "is_tiled", False)  # lat x lon tiles: no fusion (tiles_convert.py)
     fuse = fuse_exchanges and not tiled
     plan = plan_conversion(model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse)
-    if tiled:
+    if tiled:  # what is not exact on tiles runs on latitude strips (tiles_relayout.py)
+        strips = plan_conversion(
+            model, manager.strips, shard_dim, custom, nonlocal_policy, fuse_exchanges=False
+        )
+        plan = relayout_on_tiles(model, plan, strips, manager)
         check_tiles(model, plan, allow_unsafe)
     for where, why in plan.gathered:
         warnings.warn(
@@ -516,7 +520,7 @@ def convert_to_domain_parallel(
             + gather_cost_note(manager.domain_world_size),
             stacklevel=2,
         )
-    gathered = [m.path for m in plan.modules if m.stage == "gather"]
+    gathered = gathered_paths(plan)
     if gathered:
         warnings.warn(
             "nonlocal_policy='gather': "

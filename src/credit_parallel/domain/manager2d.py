@@ -169,6 +169,16 @@ class TiledDomainManager(DomainParallelManager):
         return self._lon
 
     @property
+    def strips(self) -> DomainParallelManager:
+        """A 1-D manager over the FLATTENED domain group (P x Q ranks, domain rank order): the
+        latitude strips a module not exact on tiles runs on (``tiles_relayout.py``); its own
+        global-length cache, so its 1-D layers learn their heights as on a 1-D domain."""
+        view = self.__dict__.get("_strips")
+        if view is None:
+            view = self._strips = _axis_view(self, self.domain_group, list(self.domain_ranks))
+        return view
+
+    @property
     def lat_group(self):
         """The process group of :attr:`lat` (None when P = 1)."""
         return self._lat.domain_group
@@ -204,6 +214,8 @@ class TiledDomainManager(DomainParallelManager):
         super().begin_forward(token)
         self._lat.begin_forward(token)
         self._lon.begin_forward(token)
+        if "_strips" in self.__dict__:
+            self._strips.begin_forward(token)
 
     def global_height(self, owner, local_rows: int) -> int:
         """The global height of the tile ``owner`` (a layer) was handed: its latitude column's

@@ -10,7 +10,8 @@ in the order they were decided:
   a whole CREDIT model whose forward reads the global grid, FuXi; ``attention``: attention made
   exact whole, Swin blocks and patch mergings included; ``custom``: the caller's
   ``custom_converters``; ``rule``: the registered rule of its type; ``gather``: run on the whole
-  globe under ``nonlocal_policy="gather"``), the built replacement (already carrying its
+  globe under ``nonlocal_policy="gather"``; ``strips``: on lat x lon tiles, the 1-D decisions
+  at and below it run on latitude strips, ``tiles_convert.relayout_on_tiles``), the built replacement (already carrying its
   options: module path, shard dim) or the error that stops it;
 * the modules refused as unsafe (``unsafe``; empty under the gather policy);
 * the exchange fusions (``fusion.py``): :class:`PadConvFusion` (a padding layer and the conv
@@ -40,7 +41,7 @@ __all__ = [
     "sharing_step",
 ]
 
-STAGES = ("adapter", "attention", "custom", "rule", "gather")
+STAGES = ("adapter", "attention", "custom", "rule", "gather", "strips")
 
 
 @dataclass(frozen=True)

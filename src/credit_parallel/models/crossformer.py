@@ -300,7 +300,9 @@ class CrossFormer(nn.Module):
         self.head = PeriodicConv2d(dims[0] + in_channels, out_channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] != self.in_channels or x.shape[-1] != self.image_width:
+        # on a lat x lon tile (SPEC §3b) the input holds some of the columns only
+        tiled = getattr(vars(self).get("_domain_manager"), "is_tiled", False)
+        if x.shape[1] != self.in_channels or (x.shape[-1] != self.image_width and not tiled):
             raise ValueError(
                 f"CrossFormer expects (B, {self.in_channels}, H, {self.image_width}) "
                 f"(built for a {self.image_height} x {self.image_width} grid), got {tuple(x.shape)}"

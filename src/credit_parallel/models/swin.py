@@ -163,7 +163,9 @@ class SwinNet(nn.Module):
         self.head = PeriodicConv2d(dim + in_channels, out_channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] != self.in_channels or x.shape[-1] != self.image_width:
+        # on a lat x lon tile (SPEC §3b) the input holds some of the columns only
+        tiled = getattr(vars(self).get("_domain_manager"), "is_tiled", False)
+        if x.shape[1] != self.in_channels or (x.shape[-1] != self.image_width and not tiled):
             raise ValueError(
                 f"SwinNet expects (B, {self.in_channels}, H, {self.image_width}), got "
                 f"{tuple(x.shape)}"

@@ -203,10 +203,10 @@ def tile_refusals_of_model(model) -> list[tuple[str, str]]:
     two-dimensional (lat x lon) manager (``domain/tiles_convert.py``), planned without a process
     group; the modules refused under any domain are reported by the 1-D checks, not here."""
     from ..domain.convert import plan_conversion
-    from ..domain.tiles_convert import tile_refusals
+    from ..domain.tiles_convert import relayout_on_tiles, tile_refusals
 
     plan = plan_conversion(model, None, fuse_exchanges=False, errors="record")
-    return tile_refusals(model, plan)
+    return tile_refusals(model, relayout_on_tiles(model, plan, plan, None))
 
 
 def _tile_limits(model, lat: int, lon: int, violations: list, notes: list) -> list:

@@ -14,10 +14,18 @@ elements (times the other dims: channels, a Conv3d's depth), and the backward re
 gradients of what it received: the same formula with the received counts.  Messages are one per
 peer per pass.  :func:`tile_halo_bytes` and :meth:`TileLayerPlan.messages` are what
 ``record_exchange_stats`` counts on each rank (tests/test_plan_tiles.py).
+
+A layer with no tile exchange of its own (attention, the FuXi / Swin adapters, the gather
+policy: the converter runs them on latitude strips, ``domain/tiles_relayout.py``) counts the
+two all-to-alls around it instead: rank r sends the elements of its input tile that other strips
+hold and the elements of its output strip that other tiles hold (``strips_sent[r]``, forward;
+``strips_returned[r]``, backward, the same moves inverted).  What the layer then exchanges on the
+strips (its 1-D exchange over P x Q ranks) and the layers inside it are not counted here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +33,7 @@ from dataclasses import dataclass
 from ..domain.exchange.tiles import compact_windows
 from ..domain.geometry import domain_form_of, domain_kind_of
 from ..domain.rows import plan_exchange, shard_sizes
+from ..domain.tiles_relayout import moved_elements, moved_peers, strip_rects, tile_rects
 
 __all__ = [
     "TileLayerPlan",
@@ -73,9 +82,16 @@ class TileLayerPlan:
     col_peers_received: tuple[int, ...] = ()
     error: str | None = None
     stats_with_exchange: bool = False  # no norm + conv link on tiles (fusions are off)
+    # a layer run on latitude strips: per domain rank, elements (batch 1) and messages of the
+    # two all-to-alls, forward and backward
+    strips_sent: tuple[int, ...] = ()
+    strips_returned: tuple[int, ...] = ()
+    strips_messages: tuple[tuple[int, int], ...] = ()
 
     @property
     def exchanges(self) -> bool:
+        if self.strips_sent:
+            return any(self.strips_sent)
         return bool(self.rows_sent) and (any(self.rows_sent) or any(self.cols_sent))
 
     def pass_elements(self, lat: int, lon: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -92,11 +108,16 @@ class TileLayerPlan:
 
     def sent_elements(self, lat: int, lon: int) -> int:
         """Elements rank (lat, lon) sends per step (forward + backward) at batch 1."""
+        if self.strips_sent:
+            r = lat * self.shape[1] + lon
+            return self.strips_sent[r] + self.strips_returned[r]
         fwd, bwd = self.pass_elements(lat, lon)
         return sum(fwd) + sum(bwd)
 
     def messages(self, lat: int, lon: int) -> tuple[int, int]:
         """(forward, backward) messages rank (lat, lon) sends: one per peer per pass."""
+        if self.strips_sent:
+            return self.strips_messages[lat * self.shape[1] + lon]
         if not self.rows_sent:
             return 0, 0
         fwd = self.row_peers_sent[lat] + self.col_peers_sent[lon]
@@ -114,6 +135,8 @@ class TileLayerPlan:
 
     def rank_calls(self, domain_rank: int) -> int:
         """Batched P2P calls of one direction (``lat * Q + lon``): one per pass it takes part in."""
+        if self.strips_sent:  # two all-to-alls, each one batched call when it moves anything
+            return 2 if any(self.strips_messages[domain_rank]) else 0
         return sum(self.passes(*divmod(domain_rank, self.shape[1])))
 
     def received_elements(self, lat: int, lon: int) -> int:
@@ -157,7 +180,9 @@ def tile_layer_plan(
     if form in _NO_EXCHANGE or not form:
         return TileLayerPlan(**base)
     windows = getattr(layer, "tile_windows", None)
-    if windows is None or dim == len(in_shape) - 1:
+    if windows is None and dim != len(in_shape) - 1:
+        return TileLayerPlan(**base, **_strips(in_shape, out_shape, dim, shape))
+    if windows is None:
         return TileLayerPlan(**base, error=f"{form} layer not exact on lat x lon tiles")
     try:
         rows, cols = windows(height, width, (p, q), double=double)
@@ -173,6 +198,35 @@ def tile_layer_plan(
     )  # fmt: skip
 
 
+def _strips(in_shape, out_shape, dim: int, shape: tuple[int, int]) -> dict:
+    """The two all-to-alls of a layer run on latitude strips (``TileStripRelayout``): rows at
+    ``dim``, columns the next dim."""
+    n = shape[0] * shape[1]
+    moves = []
+    for full in (in_shape, out_shape):
+        h, w = full[dim], full[dim + 1]
+        cell = math.prod(full) // max(1, h * w)
+        tiles, strips = tile_rects(h, w, shape), strip_rects(h, w, n)
+        moves.append((tiles, strips, cell))
+    (t_in, s_in, c_in), (t_out, s_out, c_out) = moves
+    fwd = [
+        a * c_in + b * c_out
+        for a, b in zip(moved_elements(t_in, s_in), moved_elements(s_out, t_out))
+    ]
+    bwd = [
+        a * c_out + b * c_in
+        for a, b in zip(moved_elements(t_out, s_out), moved_elements(s_in, t_in))
+    ]
+    msgs = [
+        (a + b, c + d)
+        for a, b, c, d in zip(
+            moved_peers(t_in, s_in), moved_peers(s_out, t_out),
+            moved_peers(t_out, s_out), moved_peers(s_in, t_in),
+        )
+    ]  # fmt: skip
+    return dict(strips_sent=tuple(fwd), strips_returned=tuple(bwd), strips_messages=tuple(msgs))
+
+
 def tile_layer_plans(trace, shape: tuple[int, int], double: bool = False) -> list[TileLayerPlan]:
     """One :class:`TileLayerPlan` per domain-layer call of ``trace`` (``trace.trace_model``),
     labelled as the 1-D plan labels them (``path (call k)`` from the second call on).  No
@@ -182,7 +236,22 @@ def tile_layer_plans(trace, shape: tuple[int, int], double: bool = False) -> lis
         seen[path] = seen.get(path, 0) + 1
         label = path if seen[path] == 1 else f"{path} (call {seen[path]})"
         out.append(tile_layer_plan(label, replacement, in_shape, out_shape, shape, double))
-    return out
+    # a layer inside one run on strips exchanges over the strips (1-D), not as a tile
+    tops = [lay.path for lay in out if lay.strips_sent]
+    return [
+        _inside_strips(lay)
+        if any(lay.path.startswith(top + ".") for top in tops if top != lay.path)
+        else lay
+        for lay in out
+    ]
+
+
+def _inside_strips(layer: TileLayerPlan) -> TileLayerPlan:
+    """``layer`` with no tile exchange of its own (it runs on latitude strips)."""
+    empty = ("band_rows", "rows_sent", "rows_received", "row_peers_sent", "row_peers_received")
+    empty += ("cols_sent", "cols_received", "col_peers_sent", "col_peers_received")
+    empty += ("strips_sent", "strips_returned", "strips_messages")
+    return dataclasses.replace(layer, **{key: () for key in empty}, error=None)
 
 
 def tile_levels(
