@@ -189,12 +189,13 @@ _LAYOUTS = {
     "tensor2_x_1x2": dict(data="none", domain={"lat": 1, "lon": 2}, tensor=2),
     "fsdp2_tensor2_x_1x2": dict(data="fsdp2", domain={"lat": 1, "lon": 2}, tensor=2),
 }
+_DP2_X_2X2 = {"ddp_dp2_x_2x2": dict(data="ddp", domain=TILES, batch_size=1)}  # 8 ranks
 
 
 def _layouts_worker(rank, world, store, names):
     out = {}
     for name in names:
-        trainer = Trainer(_conf(store, **_LAYOUTS[name]))
+        trainer = Trainer(_conf(store, **{**_LAYOUTS, **_DP2_X_2X2}[name]))
         out[name] = (_run(trainer, STEPS), _params(trainer))
     return out
 
@@ -206,3 +207,11 @@ def test_ddp_tensor_and_dp_times_tiles_train_like_one_process(store, reference):
         for name in _LAYOUTS:
             _assert_records(out[name][0], records)
             _assert_params(out[name][1], params)
+
+
+@pytest.mark.slow  # 8 ranks on 2 cores
+def test_ddp_over_dp2_x_lat2_lon2_trains_like_one_process(store, reference):
+    records, params, _ = reference
+    for out in run_on_ranks(_layouts_worker, 8, store, ["ddp_dp2_x_2x2"], timeout=600):
+        _assert_records(out["ddp_dp2_x_2x2"][0], records)
+        _assert_params(out["ddp_dp2_x_2x2"][1], params)
