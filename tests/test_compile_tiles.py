@@ -8,7 +8,8 @@ as the ``credit_parallel::`` operators, the global heights AND widths derived at
   lon 2}``: 13 rows as 5/4/4, 11 columns as 6/5) compute the single-process eager function
   (float64 1e-10: output, input gradient, every parameter gradient after the domain gradient
   sum, and a second call), and ``torch._dynamo.explain`` finds one graph and no break;
-  ``aot_eager`` and (slow) ``inductor``;
+  ``aot_eager`` and (slow) ``inductor``; also a circular conv, reflection / replication pads,
+  a strided conv, a transposed conv and pixel (un)shuffle in one graph;
 * per block (``trainer.compile: true``: ``compile_blocks``) through ``parallelize``: the same;
 * the trainer with ``compile: true`` at ``{lat 2, lon 2}`` trains like the eager trainer.
 """
@@ -19,6 +20,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 from credit_parallel import (
     compile_blocks,
@@ -31,9 +33,36 @@ from credit_parallel import (
 )
 from credit_parallel.parallel.compile import compile_targets, is_compiled
 from credit_parallel.testing import run_on_ranks
-from test_compile_whole import _build, _full
+from test_compile_whole import _build as _build_1d
+from test_compile_whole import _full
 
 TOL = 1e-10
+
+
+class _LayerMix(nn.Module):
+    """The other tile layer families in one graph: a circular (longitude-wrapping) conv, a
+    reflection pad, a strided conv, a transposed conv, pixel (un)shuffle, a replication pad."""
+
+    def __init__(self):
+        super().__init__()
+        self.wrap = nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular")
+        self.pad = nn.ReflectionPad2d(1)
+        self.down = nn.Conv2d(8, 8, 3, stride=2)
+        self.up = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1)
+        self.unshuffle = nn.PixelUnshuffle(2)
+        self.shuffle = nn.PixelShuffle(2)
+        self.out = nn.Sequential(nn.ReplicationPad2d((1, 1, 2, 0)), nn.Conv2d(4, 4, 3))
+
+    def forward(self, x):
+        y = self.up(self.down(self.pad(torch.relu(self.wrap(x)))))
+        return self.out(self.shuffle(self.unshuffle(y)))
+
+
+def _build(name):
+    if name == "mix":
+        torch.manual_seed(0)
+        return _LayerMix()
+    return _build_1d(name)
 
 
 def _parallel(model, how, backend, shape):
@@ -107,6 +136,14 @@ def _check(results, whole=True):
 def test_whole_model_compile_on_2x2_tiles_matches_single_process(order):
     # 13 x 10: rows 7/6, columns 5/5 (the conv + GroupNorm + dilated conv net)
     _check(run_on_ranks(_tile_worker, 4, "net", order, "aot_eager", 13, 10, (2, 2), timeout=600))
+
+
+@pytest.mark.slow  # ~30 s on 2 loaded cores
+def test_whole_model_compile_of_the_other_tile_layers_matches_single_process():
+    # 12 x 10 at {lat 2, lon 2}: rows 6/6, columns 5/5 (after the pad 7/7 x 6/6, the strided
+    # conv 3/3 x 3/2: uneven); the circular conv wraps longitude across the two lon ranks
+    args = ("mix", "parallelize_then_compile", "aot_eager", 12, 10, (2, 2))
+    _check(run_on_ranks(_tile_worker, 4, *args, timeout=600))
 
 
 @pytest.mark.slow
