@@ -26,6 +26,7 @@ from credit_parallel import (
     compile_blocks,
     gather_tensor,
     get_domain_manager,
+    get_raw_model,
     parallelize,
     shard_batch,
     shard_tensor,
@@ -65,10 +66,10 @@ def _build(name):
     return _build_1d(name)
 
 
-def _parallel(model, how, backend, shape):
+def _parallel(model, how, backend, shape, tensor=1):
     import credit_parallel.parallel.composition as composition
 
-    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1}}}
+    conf = {"trainer": {"parallelism": {"data": "none", "tensor": tensor}}}
     conf["trainer"]["parallelism"]["domain"] = {"lat": shape[0], "lon": shape[1]}
     if how == "compile_then_parallelize":  # CREDIT's trainer order
         return parallelize(torch.compile(model, backend=backend), conf)
@@ -82,10 +83,10 @@ def _parallel(model, how, backend, shape):
     return model
 
 
-def _tile_worker(rank, world, name, how, backend, h, w, shape):
+def _tile_worker(rank, world, name, how, backend, h, w, shape, tensor=1):
     torch.set_default_dtype(torch.float64)
     ref = _build(name)
-    model = _parallel(copy.deepcopy(ref), how, backend, shape)
+    model = _parallel(copy.deepcopy(ref), how, backend, shape, tensor)
     mgr = get_domain_manager(model)
     assert mgr.domain_shape == shape
     x = torch.randn(2, 3, h, w, generator=torch.Generator().manual_seed(1))
@@ -110,6 +111,8 @@ def _tile_worker(rank, world, name, how, backend, h, w, shape):
     for pname, p in inner.named_parameters():
         errors[f"param:{pname}"] = float((_full(p.grad) - reference[pname].grad).abs().max())
     assert len(errors) == 2 + len(reference)
+    if name == "tp":  # found by the guard's trace on the meta twin at the global H x W
+        assert get_raw_model(model)._tp_partial_gradient_report.modules == ["block.pos"]
     again = model(shard_tensor(x, -2, mgr))  # the compiled graph (a new token: retraced)
     errors["second_call"] = float(
         (gather_tensor(again.detach(), -2, mgr) - yr.detach()).abs().max()
@@ -217,3 +220,11 @@ def test_trainer_compile_on_2x2_tiles_trains_like_eager(tmp_path):
     assert not eager_names and names  # trainer.compile compiled the blocks
     assert max(abs(a - b) for a, b in zip(losses, eager_losses)) <= TOL
     assert max(float((params[k] - eager_params[k]).abs().max()) for k in params) <= TOL
+
+
+@pytest.mark.slow  # 4 ranks, ~20-30 s
+def test_whole_model_compile_under_tensor2_x_tiles_matches_single_process():
+    # tensor 2 x {lat 1, lon 2}: the partial-gradient guard's meta twin runs at the global
+    # H x W of the tiles (traced_heights.global_inputs), its all-reduce inside the graph
+    args = ("tp", "compile_then_parallelize", "aot_eager", 13, 10, (1, 2), 2)
+    _check(run_on_ranks(_tile_worker, 4, *args, timeout=600))

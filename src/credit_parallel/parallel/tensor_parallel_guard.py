@@ -371,7 +371,7 @@ class PartialGradientGuard:
 class _NoHeights:
     """The twin's recorders note heights for the domain probe; the guard's twin notes none."""
 
-    def sink(self, owner, height: int) -> None:
+    def sink(self, owner, height: int, width: int) -> None:
         return None
 
 
