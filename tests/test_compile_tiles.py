@@ -228,3 +228,21 @@ def test_whole_model_compile_under_tensor2_x_tiles_matches_single_process():
     # H x W of the tiles (traced_heights.global_inputs), its all-reduce inside the graph
     args = ("tp", "compile_then_parallelize", "aot_eager", 13, 10, (1, 2), 2)
     _check(run_on_ranks(_tile_worker, 4, *args, timeout=600))
+
+
+def test_token_widths_and_the_global_inputs_of_a_tile():
+    from credit_parallel.domain.traced_heights import global_inputs, token_widths
+
+    assert token_widths(("shard_tensor", (2, 3, 13, 10), 2)) == {10}
+    batch = ("shard_batch", (("x", (1, 4, 2, 13, 10), 3), ("static", (1, 2, 13, 10), 2)))
+    assert token_widths(batch) == {10}
+    assert token_widths(("parity", ((2, 3, 11, 6),))) == {6}
+    assert token_widths(None) == set()
+
+    class Tile:  # tile (2, 1) of {lat 3, lon 2}: rows 4 of 13 (5/4/4), columns 5 of 11 (6/5)
+        is_tiled, shard_dim = True, -2
+        domain_shape, domain_coords = (3, 2), (2, 1)
+
+    token = ("shard_tensor", (2, 3, 13, 11), 2)
+    (meta,), _ = global_inputs(Tile(), token, (("tensor", (2, 3, 4, 5), torch.float64),), ())
+    assert meta.shape == (2, 3, 13, 11) and meta.device.type == "meta"

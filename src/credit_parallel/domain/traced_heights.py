@@ -19,6 +19,11 @@ trace time, on the host, without communication:
 * each traced layer then reads its height with :func:`traced_height` (again run at trace time
   only): the one noted height whose balanced shard on this rank has its local height.
 
+On lat x lon tiles (SPEC §3b) the same is done for the WIDTH (the last dim): the twin runs at
+the registered global H x W (the height from this rank's latitude shard, the width from its
+longitude shard, :func:`global_inputs`), and each layer's height is noted in the latitude axis
+view's table, its width in the longitude view's (``manager2d.py``), read back by each view.
+
 Every rank traces the same forward on the same registered global shapes, so every rank derives
 the same heights; a layer called at two global heights some rank could not tell apart by its
 local height is refused on every rank alike (:meth:`HeightTable.resolve`).  Dynamo guards the
