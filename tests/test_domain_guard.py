@@ -132,6 +132,82 @@ def test_guard_accepts_row_local_calls():
         assert _findings(_call(fn), x) == []
 
 
+def _tile_findings(module, x, **kw):
+    with FunctionalCallGuard(module, **kw) as guard:
+        guard.mark(x)
+        module(x)
+    return guard.findings
+
+
+class _Named(nn.Module):
+    """``fn`` inside a submodule ``body``: a finding names it."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 1)
+        self.body = _call(fn)
+
+    def forward(self, x):
+        return self.body(self.conv(x))
+
+
+def test_guard_on_tiles_checks_the_width_too_naming_the_module():
+    """On lat x lon tiles the width (the last dim) is split too: the calls that are column-local
+    on a latitude shard reach other tiles' columns and are findings, named by module; what
+    stays inside a tile's columns is not; without tiles nothing changes."""
+    x = torch.randn(1, 2, 6, 4)
+    cols = torch.tensor([0, 2])
+    reaching = {
+        "pad": lambda t: F.pad(t, (1, 1, 0, 0), mode="circular"),  # longitude only
+        "roll": lambda t: torch.roll(t, 1, dims=-1),
+        "flip": lambda t: t.flip(3),
+        "softmax": lambda t: t.softmax(dim=-1),
+        "mean": lambda t: t.mean(dim=-1),
+        "__getitem__": lambda t: t[..., 1:],
+        "narrow": lambda t: t.narrow(3, 0, 2),
+        "index_select": lambda t: t.index_select(-1, cols),
+        "cat": lambda t: torch.cat([t, t], dim=-1),
+        "chunk": lambda t: t.chunk(2, dim=-1)[0],
+        "linear": lambda t: F.linear(t, torch.randn(3, 4)),  # contracts the columns
+        "flatten": lambda t: t.flatten(2),  # W merged under H: a tile is no block of tokens
+    }
+    for op, fn in reaching.items():
+        found = _tile_findings(_Named(fn), x.clone(), tiles=True)
+        assert [(f.path, f.op) for f in found] == [("body", op)], (op, found)
+        assert "longitude" in found[0].reason or " W " in found[0].reason, found[0].reason
+        assert "lat x lon tiles" in found[0].reason
+        assert _tile_findings(_Named(fn), x.clone()) == [], op  # a latitude shard: column-local
+    # over H: still the latitude finding (once), not a width one
+    found = _tile_findings(_call(lambda t: F.pad(t, (0, 0, 1, 1))), x.clone(), tiles=True)
+    assert [f.op for f in found] == ["pad"] and "tiles" not in found[0].reason
+    # the marks follow a permute: B,H,W,C puts W at -2, a reduction there is found
+    found = _tile_findings(_call(lambda t: t.permute(0, 2, 3, 1).sum(-2)), x.clone(), tiles=True)
+    assert [f.op for f in found] == ["sum"] and "W" in found[0].reason
+    tile_local = [
+        lambda t: t * 2 + 1,
+        lambda t: t.mean(dim=1, keepdim=True),
+        lambda t: t[:, :1],
+        lambda t: t[..., :],
+        lambda t: torch.cat([t, t], dim=1),
+        lambda t: t.permute(0, 2, 3, 1).softmax(-1),  # over channels
+        lambda t: F.pad(t, (0, 0, 0, 0, 1, 1)),  # channels
+    ]
+    for fn in tile_local:
+        assert _tile_findings(_call(fn), x.clone(), tiles=True) == []
+
+
+def test_guard_watches_the_width_of_a_model_converted_for_tiles():
+    class Tiled:
+        is_tiled = True
+
+    model = _Named(lambda t: torch.roll(t, 1, dims=-1))
+    vars(model)["_domain_manager"] = Tiled()  # what convert_to_domain_parallel keeps
+    found = _tile_findings(model, torch.randn(1, 2, 6, 4))
+    assert [(f.path, f.op) for f in found] == [("body", "roll")]
+    with pytest.raises(RuntimeError, match="body: roll .*lat x lon tiles"):
+        _tile_findings(model, torch.randn(1, 2, 6, 4), raise_on_finding=True)
+
+
 def _guard_converted(rank, world_size):
     manager = DomainParallelManager(world_size, world_size)
     model = convert_to_domain_parallel(nn.Sequential(nn.Upsample(scale_factor=2)), manager)

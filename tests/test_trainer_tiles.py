@@ -44,11 +44,11 @@ def store(tmp_path_factory):
     return str(write_sample_dataset(path, n_times=16, nlat=height, nlon=width))
 
 
-def _conf(store, data="none", domain=TILES, batch_size=2):
+def _conf(store, data="none", domain=TILES, batch_size=2, tensor=1):
     conf = copy.deepcopy(load_config(DEMO))
     conf["data"].update(path=store, time_slice=[0, 12], valid_time_slice=[12, 16], num_workers=0)
     conf["trainer"].update(
-        parallelism={"data": data, "tensor": 1, "domain": domain},
+        parallelism={"data": data, "tensor": tensor, "domain": domain},
         dtype="float64",
         steps=STEPS,
         batch_size=batch_size,
@@ -65,6 +65,7 @@ def _params(trainer):
     out = {}
     for name, p in trainer.model.named_parameters():
         t = p.detach()
+        name = name.removeprefix("module.")  # DDP's wrapper
         out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
     return out
 
@@ -178,3 +179,39 @@ def test_checkpoints_move_between_domain2_and_lat2_lon2_with_the_optimizer(runs,
     for got, weights in [out[k] for out in runs for k in ("resumed_from_1d", "resumed_from_2d")]:
         _assert_records(got, records[SAVE_AT:])  # step 3 after the resume: AdamW moments kept
         _assert_params(weights, params)
+
+
+# ----------------------------------------------------------------------------- ddp, tensor, dp x tiles
+# 4 ranks each; one sample per dp rank at dp 2 (the same global batches as 2 samples at dp 1)
+_LAYOUTS = {
+    "ddp_dp2_x_1x2": dict(data="ddp", domain={"lat": 1, "lon": 2}, batch_size=1),
+    "fsdp2_dp2_x_1x2": dict(data="fsdp2", domain={"lat": 1, "lon": 2}, batch_size=1),
+    "tensor2_x_1x2": dict(data="none", domain={"lat": 1, "lon": 2}, tensor=2),
+    "fsdp2_tensor2_x_1x2": dict(data="fsdp2", domain={"lat": 1, "lon": 2}, tensor=2),
+}
+_DP2_X_2X2 = {"ddp_dp2_x_2x2": dict(data="ddp", domain=TILES, batch_size=1)}  # 8 ranks
+
+
+def _layouts_worker(rank, world, store, names):
+    out = {}
+    for name in names:
+        trainer = Trainer(_conf(store, **{**_LAYOUTS, **_DP2_X_2X2}[name]))
+        out[name] = (_run(trainer, STEPS), _params(trainer))
+    return out
+
+
+@pytest.mark.slow  # 4 ranks x 4 layouts x 3 steps of the demo: ~1 min on 2 loaded cores
+def test_ddp_tensor_and_dp_times_tiles_train_like_one_process(store, reference):
+    records, params, _ = reference
+    for out in run_on_ranks(_layouts_worker, 4, store, list(_LAYOUTS), timeout=600):
+        for name in _LAYOUTS:
+            _assert_records(out[name][0], records)
+            _assert_params(out[name][1], params)
+
+
+@pytest.mark.slow  # 8 ranks on 2 cores
+def test_ddp_over_dp2_x_lat2_lon2_trains_like_one_process(store, reference):
+    records, params, _ = reference
+    for out in run_on_ranks(_layouts_worker, 8, store, ["ddp_dp2_x_2x2"], timeout=600):
+        _assert_records(out["ddp_dp2_x_2x2"][0], records)
+        _assert_params(out["ddp_dp2_x_2x2"][1], params)

@@ -16,6 +16,10 @@ mark to every tensor computed from them, and each offending call on a marked ten
 with the path of the innermost module running it and the source line that made it.  Calls
 made inside the library's own domain-parallel layers (which exchange rows on purpose) are not
 checked.
+On lat x lon tiles (SPEC §3b; the model's manager is tiled, or ``tiles=True``) the width, the
+last dim, is split too: a second mark follows it by the same rules, so a call that reaches other
+columns (a pad, roll, flip, reduction or selection over W, a cat along W, a linear layer across
+W, W merged under H) is a finding too, named by module.
 
 Used by ``credit-parallel verify`` (each finding is a FAIL row) and, opt-in, during training:
 ``trainer.domain_guard: true`` in the config or ``CREDIT_PARALLEL_DOMAIN_GUARD=1`` in the
@@ -25,7 +29,9 @@ environment (:func:`debug_guard`; the first finding raises).
 from __future__ import annotations
 
 import os
+import re
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from math import prod
 
@@ -36,6 +42,10 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["FunctionalCallGuard", "GuardFinding", "debug_guard", "guard_requested"]
 
 _MARK = "_cp_domain_dim"  # attribute on a tensor: its sharded dim counted from the end (-2)
+# on lat x lon tiles the width (longitude, the last dim) is split too: a second mark, followed
+# and judged by the same rules (``_reading`` picks the mark the rules read)
+_WIDTH_MARK = "_cp_domain_wdim"
+_READING = [_MARK]
 _RESAMPLE = {"interpolate", "upsample", "upsample_bilinear", "upsample_nearest", "grid_sample"}
 _REDUCE = {
     "sum", "mean", "amax", "amin", "max", "min", "std", "var", "prod", "logsumexp", "softmax",
@@ -63,7 +73,23 @@ class GuardFinding:
 
 
 def _marked_dim(t) -> int | None:
-    return getattr(t, _MARK, None) if isinstance(t, torch.Tensor) else None
+    return getattr(t, _READING[0], None) if isinstance(t, torch.Tensor) else None
+
+
+@contextmanager
+def _reading(mark: str):
+    """Within: the rules read (and set) the mark ``mark`` (H's or, on tiles, W's)."""
+    _READING[0], before = mark, _READING[0]
+    try:
+        yield
+    finally:
+        _READING[0] = before
+
+
+def _as_width(reason: str) -> str:
+    """A finding's reason for the split width of a tile (the rules speak of H)."""
+    reason = re.sub(r"\bH\b", "W", reason.replace("latitude", "longitude"))
+    return reason.replace("rows", "columns") + " (the width is split on lat x lon tiles)"
 
 
 def _h_axis(t: torch.Tensor) -> int:
@@ -269,7 +295,8 @@ def _offence(name: str, t: torch.Tensor, args, kwargs) -> str | None:
         return "pools over a latitude-sharded tensor"
     if name == "pad":
         pad = kwargs.get("pad", args[1] if len(args) > 1 else ())
-        if len(pad) >= 4 and (pad[2] or pad[3]):
+        k = 2 * (-_marked_dim(t) - 1)  # F.pad's pairs run from the last dim backwards
+        if len(pad) >= k + 2 and (pad[k] or pad[k + 1]):
             return "pads over H on a shard (use a padding module the converter replaces)"
     if name in ("roll", "flip"):
         dims, given = _dims_arg(args, kwargs, 2 if name == "roll" else 1)
@@ -312,8 +339,14 @@ class FunctionalCallGuard(TorchFunctionMode):
     """Record functional calls that mix rows of domain-sharded tensors during a forward of
     ``model``.  ``raise_on_finding=True`` raises ``RuntimeError`` at the first one."""
 
-    def __init__(self, model: nn.Module, *, raise_on_finding: bool = False):
+    def __init__(
+        self, model: nn.Module, *, raise_on_finding: bool = False, tiles: bool | None = None
+    ):
         super().__init__()
+        if tiles is None:  # the model's manager (convert_to_domain_parallel) splits W too?
+            tiles = bool(getattr(vars(model).get("_domain_manager"), "is_tiled", False))
+        # the marks followed: H's, and on lat x lon tiles W's (the last dim) too
+        self.marks = (_MARK, _WIDTH_MARK) if tiles else (_MARK,)
         self.paths = {id(m): path or "<root>" for path, m in model.named_modules()}
         self.raise_on_finding = raise_on_finding
         self.findings: list[GuardFinding] = []
@@ -321,10 +354,13 @@ class FunctionalCallGuard(TorchFunctionMode):
         self._handles = []
 
     def mark(self, *tensors, shard_dim: int = -2) -> None:
-        """Mark 4-D / 5-D tensors as sharded along ``shard_dim`` (counted from the end)."""
+        """Mark 4-D / 5-D tensors as sharded along ``shard_dim`` (counted from the end), and
+        on tiles along the last dim too."""
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.dim() in (4, 5):
                 setattr(t, _MARK, shard_dim)
+                if _WIDTH_MARK in self.marks:
+                    setattr(t, _WIDTH_MARK, -1)
 
     def __enter__(self):
         from torch.nn.modules.module import (
@@ -340,9 +376,11 @@ class FunctionalCallGuard(TorchFunctionMode):
                 self._stack.pop()
             # custom autograd functions (the library's exchanges) are not seen by the mode:
             # carry the mark across every module boundary instead
-            marked = next((a for a in args if _marked_dim(a) is not None), None)
-            if marked is not None:
-                self._propagate(output, marked)
+            for mark in self.marks:
+                with _reading(mark):
+                    marked = next((a for a in args if _marked_dim(a) is not None), None)
+                    if marked is not None:
+                        self._propagate(output, marked)
 
         self._handles = [
             register_module_forward_pre_hook(enter),
@@ -375,33 +413,52 @@ class FunctionalCallGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        marked = _first_marked(args, kwargs)
-        if marked is not None and not self._in_domain_layer():
-            name = getattr(func, "__name__", str(func))
-            reason = _offence(name, marked, args, kwargs)
-            if reason is not None:
-                finding = GuardFinding(self._module_path(), name, reason, self._site())
-                self.findings.append(finding)
-                if self.raise_on_finding:
-                    raise RuntimeError(f"domain guard: {finding}")
+        name = getattr(func, "__name__", str(func))
+        marked = {}
+        for mark in self.marks:
+            with _reading(mark):
+                marked[mark] = _first_marked(args, kwargs)
+        if not self._in_domain_layer():
+            for mark, t in marked.items():
+                if t is not None and self._judge(mark, name, t, args, kwargs):
+                    break  # one finding per call
         out = func(*args, **kwargs)
-        if marked is not None:
-            name = getattr(func, "__name__", "")
-            moved = (
-                _moved_axis(name, marked, args, kwargs, out)
-                if isinstance(out, torch.Tensor) and name in _SHAPE_OPS
-                else None
-            )
-            if moved is not None:
-                self._set_mark(out, moved - out.dim())
-            elif name not in _SHAPE_OPS:
-                self._propagate(out, marked)
+        for mark, t in marked.items():
+            if t is not None:
+                with _reading(mark):
+                    self._follow(name, t, args, kwargs, out)
         return out
+
+    def _judge(self, mark: str, name: str, t, args, kwargs) -> bool:
+        """Record (or raise) the finding of ``name`` on ``t`` under ``mark``, if any."""
+        with _reading(mark):
+            reason = _offence(name, t, args, kwargs)
+        if reason is None:
+            return False
+        if mark == _WIDTH_MARK:
+            reason = _as_width(reason)
+        finding = GuardFinding(self._module_path(), name, reason, self._site())
+        self.findings.append(finding)
+        if self.raise_on_finding:
+            raise RuntimeError(f"domain guard: {finding}")
+        return True
+
+    def _follow(self, name: str, marked, args, kwargs, out) -> None:
+        """Carry the mark being read from ``marked`` to ``out``."""
+        moved = (
+            _moved_axis(name, marked, args, kwargs, out)
+            if isinstance(out, torch.Tensor) and name in _SHAPE_OPS
+            else None
+        )
+        if moved is not None:
+            self._set_mark(out, moved - out.dim())
+        elif name not in _SHAPE_OPS:
+            self._propagate(out, marked)
 
     @staticmethod
     def _set_mark(t: torch.Tensor, dim: int) -> None:
         try:
-            setattr(t, _MARK, dim)
+            setattr(t, _READING[0], dim)
         except (AttributeError, RuntimeError):
             pass
 

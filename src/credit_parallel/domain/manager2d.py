@@ -36,6 +36,7 @@ from .manager import (
     _mesh_device_type,
     set_domain_parallel_manager,
 )
+from .traced_heights import HeightTable
 
 __all__ = [
     "TiledDomainManager",
@@ -58,21 +59,20 @@ def domain_shape_of(manager) -> tuple[int, int]:
     return tuple(manager.domain_shape)
 
 
-class _WidthKey:
-    """The owner under which a layer's global WIDTH is cached (its height is cached under the
-    layer itself)."""
-
-
 def _axis_view(parent: DomainParallelManager, group, ranks: list[int]) -> DomainParallelManager:
     """A DomainParallelManager over ``ranks`` (one axis of ``parent``'s tiles), sharing the
     parent's data-parallel group and settings, with its own group and global-length caches.
 
     Built from the parent's state rather than through ``__init__`` (which builds meshes): every
-    attribute is the parent's, except the group, the ranks, and every container (the caches),
-    which start empty so that the two axes never share a learned length."""
+    attribute is the parent's, except the group, the ranks, and every container (the caches and
+    the :class:`HeightTable` a compiled forward reads), which start empty so that the two axes
+    never share a learned length: a layer's height lives in the latitude view's, its width in
+    the longitude view's."""
     view = object.__new__(DomainParallelManager)
     for key, value in vars(parent).items():
-        if isinstance(value, weakref.WeakKeyDictionary):
+        if isinstance(value, HeightTable):
+            value = HeightTable()
+        elif isinstance(value, weakref.WeakKeyDictionary):
             value = weakref.WeakKeyDictionary()
         elif isinstance(value, (dict, set)):
             value = type(value)()
@@ -224,11 +224,10 @@ class TiledDomainManager(DomainParallelManager):
 
     def global_width(self, owner, local_columns: int) -> int:
         """The global width of the tile ``owner`` was handed, over its latitude band (cached
-        under a key of its own: a layer's height and width never share a cache entry)."""
-        key = owner.__dict__.get("_tile_width_key")
-        if key is None:
-            key = owner.__dict__["_tile_width_key"] = _WidthKey()
-        return self._lon.global_length(key, local_columns)
+        and noted in the longitude view's own caches: a layer's height and width never share
+        an entry; under ``torch.compile`` read from the widths noted at trace time,
+        ``traced_heights.py``)."""
+        return self._lon.global_length(owner, local_columns)
 
     def global_length(self, owner, local_length: int, *args, **kwargs) -> int:
         """Refused: see the module docstring.  Tile-aware code asks :attr:`lat` / :attr:`lon`."""

@@ -19,6 +19,11 @@ trace time, on the host, without communication:
 * each traced layer then reads its height with :func:`traced_height` (again run at trace time
   only): the one noted height whose balanced shard on this rank has its local height.
 
+On lat x lon tiles (SPEC §3b) the same is done for the WIDTH (the last dim): the twin runs at
+the registered global H x W (the height from this rank's latitude shard, the width from its
+longitude shard, :func:`global_inputs`), and each layer's height is noted in the latitude axis
+view's table, its width in the longitude view's (``manager2d.py``), read back by each view.
+
 Every rank traces the same forward on the same registered global shapes, so every rank derives
 the same heights; a layer called at two global heights some rank could not tell apart by its
 local height is refused on every rank alike (:meth:`HeightTable.resolve`).  Dynamo guards the
@@ -42,10 +47,12 @@ __all__ = [
     "HeightProbe",
     "HeightTable",
     "describe_input",
+    "global_inputs",
     "global_meta",
     "install_height_probe",
     "shape_twin",
     "token_heights",
+    "token_widths",
     "traced_height",
 ]
 
@@ -164,8 +171,8 @@ class _Recorder(nn.Module):
             tensors = tensors[:1]
         dim = getattr(layer, "shard_dim", getattr(layer, "dim", -2))
         for t in tensors:
-            if t.dim() >= 2:
-                self.probe.sink(self.owner, t.shape[dim % t.dim()])
+            if t.dim() >= 2:  # the width: the last dim (split on lat x lon tiles only)
+                self.probe.sink(self.owner, t.shape[dim % t.dim()], t.shape[-1])
         return _global_call(layer, args, kwargs)
 
 
@@ -244,8 +251,13 @@ class HeightProbe:
         except Exception as e:  # an un-copyable model: compile_blocks still works
             self.why = f"{type(e).__name__}: {e}"
 
-    def sink(self, owner, height: int) -> None:
-        self.manager.height_table.note(owner, self._token, height)
+    def sink(self, owner, height: int, width: int) -> None:
+        mgr = self.manager
+        if getattr(mgr, "is_tiled", False):  # a lat x lon tile: each axis view's own table
+            mgr.lat.height_table.note(owner, self._token, height)
+            mgr.lon.height_table.note(owner, self._token, width)
+        else:
+            mgr.height_table.note(owner, self._token, height)
 
     def run(self, token, args, kwargs) -> None:
         """Note the global heights of every converted layer for a forward on inputs described by
@@ -259,16 +271,13 @@ class HeightProbe:
                 f"torch.compile of a domain-parallel model: no shape twin ({self.why}); compile "
                 "it with credit_parallel.compile_blocks"
             )
-        heights = token_heights(token, mgr.shard_dim)
-        if not heights:
+        if not token_heights(token, mgr.shard_dim):
             raise RuntimeError(
                 "torch.compile of a domain-parallel model needs the global input shape: shard the "
                 "inputs with credit_parallel.shard_tensor / shard_batch (they register it), or "
                 "compile the model with credit_parallel.compile_blocks"
             )
-        n, rank = mgr.domain_world_size, mgr.domain_rank
-        meta_args = [global_meta(d, heights, n, rank) for d in args]
-        meta_kwargs = {k: global_meta(d, heights, n, rank) for k, d in kwargs}
+        meta_args, meta_kwargs = global_inputs(mgr, token, args, kwargs)
         self._token = token
         try:
             with torch.no_grad():
@@ -278,9 +287,48 @@ class HeightProbe:
         self._done.add(key)
 
 
-def global_meta(desc, heights: dict, n: int, rank: int):
+def token_widths(token) -> set:
+    """The global widths (last dims) of the shapes a forward token registers: on lat x lon
+    tiles every registered tensor is split along its last dim too (``tiles.shard_tile``)."""
+    out: set = set()
+    if not isinstance(token, tuple) or len(token) < 2:
+        return out
+    if token[0] == "shard_tensor" and len(token) == 3:
+        out.add(int(token[1][-1]))
+    elif token[0] == "shard_batch":
+        out.update(int(shape[-1]) for _, shape, _ in token[1])
+    elif isinstance(token[1], tuple):
+        out.update(int(s[-1]) for s in token[1] if isinstance(s, tuple) and len(s) >= 2)
+    return out
+
+
+def global_inputs(manager, token, args, kwargs) -> tuple[list, dict]:
+    """Meta tensors of the GLOBAL shapes of the inputs described by ``args`` / ``kwargs``
+    (:func:`describe_input`) under ``manager`` (None: the local shapes) and ``token``: the
+    height from the rows of this rank's domain shard, and on lat x lon tiles the height from
+    its latitude shard and the width (the last dim) from its longitude shard."""
+    axes = [({}, 1, 0)]
+    if manager is not None:
+        heights = token_heights(token, manager.shard_dim)
+        if getattr(manager, "is_tiled", False):
+            (p, q), (lat, lon) = manager.domain_shape, manager.domain_coords
+            axes = [(heights, p, lat), ({-1: token_widths(token)}, q, lon)]
+        else:
+            axes = [(heights, manager.domain_world_size, manager.domain_rank)]
+    meta_args = [_global_meta_axes(d, axes) for d in args]
+    return meta_args, {k: _global_meta_axes(d, axes) for k, d in kwargs}
+
+
+def _global_meta_axes(desc, axes):
+    for heights, n, rank in axes:
+        desc = global_meta(desc, heights, n, rank, meta=False)
+    return global_meta(desc, {}, 1, 0)
+
+
+def global_meta(desc, heights: dict, n: int, rank: int, *, meta: bool = True):
     """A meta tensor of the GLOBAL shape of an input described as ``("tensor", shape, dtype)``;
-    any other description is the value itself."""
+    any other description is the value itself.  ``meta=False``: the description with the
+    global shape (for a second axis)."""
     if not (isinstance(desc, tuple) and len(desc) == 3 and desc[0] == "tensor"):
         return desc
     shape = list(desc[1])
@@ -296,6 +344,8 @@ def global_meta(desc, heights: dict, n: int, rank: int):
             )
         if found:
             shape[d] = found[0]
+    if not meta:
+        return ("tensor", tuple(shape), desc[2])
     return torch.empty(shape, dtype=desc[2], device="meta")
 
 

@@ -43,7 +43,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..domain.traced_heights import describe_input, global_meta, shape_twin, token_heights
+from ..domain.traced_heights import describe_input, global_inputs, shape_twin
 
 __all__ = [
     "CopyToTensorParallel",
@@ -348,12 +348,7 @@ class PartialGradientGuard:
                 "compile_blocks) instead"
             )
         manager = getattr(model, "_domain_manager", None)
-        heights, n, rank = {}, 1, 0
-        if manager is not None:
-            heights = token_heights(token, manager.shard_dim)
-            n, rank = manager.domain_world_size, manager.domain_rank
-        meta_args = [global_meta(d, heights, n, rank) for d in args]
-        meta_kwargs = {k: global_meta(d, heights, n, rank) for k, d in kwargs}
+        meta_args, meta_kwargs = global_inputs(manager, token, args, kwargs)
         with torch.no_grad():
             report = find_partial_gradient_modules(
                 self.twin, self.column, self.row, *meta_args, **meta_kwargs
@@ -376,7 +371,7 @@ class PartialGradientGuard:
 class _NoHeights:
     """The twin's recorders note heights for the domain probe; the guard's twin notes none."""
 
-    def sink(self, owner, height: int) -> None:
+    def sink(self, owner, height: int, width: int) -> None:
         return None
 
 

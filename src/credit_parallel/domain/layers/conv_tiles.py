@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..exchange.tiles import TilePlan, exchange_tile, tile_plan
 from ..manager2d import tiles_unsupported
-from ..rows import shard_range
+from ..rows import pure_cached, shard_range
 from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
 
 __all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward", "tile_conv_windows"]
@@ -55,7 +55,11 @@ def tile_conv_windows(layer, height: int, width: int, shape) -> tuple[tuple, tup
     """(row windows of every latitude rank, column windows of every longitude rank) of
     ``layer`` for a global ``height`` x ``width`` input on a ``shape`` = (P, Q) domain: what
     :func:`tile_conv_call` exchanges (the planner asks this too)."""
-    geo, i_h, i_w = layer.geometry, layer.spatial_index, layer.nd - 1
+    return _windows(layer.geometry, layer.spatial_index, layer.nd, height, width, tuple(shape))
+
+
+def _windows(geo, i_h: int, nd: int, height: int, width: int, shape) -> tuple[tuple, tuple]:
+    i_w = nd - 1
     windows_of = conv_transpose_windows if geo.transposed else conv_windows
     # along W the rule is that of the conv's other dims (circular: longitude wraps)
     geo_w = replace(geo, edge_mode=geo.other_mode)
@@ -65,15 +69,27 @@ def tile_conv_windows(layer, height: int, width: int, shape) -> tuple[tuple, tup
 def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCall:
     """The :class:`TileConvCall` of ``layer`` (a ``_DomainParallelConvNd``) for a global
     ``height`` x ``width`` input on the tile ``coords`` of a ``shape`` domain: planned once per
-    argument set, then a dict lookup."""
+    argument set, then a dict lookup (under ``torch.compile``: a constant of the graph, made
+    while Dynamo traces, nothing written on the layer)."""
+    args = (layer.geometry, layer.spatial_index, layer.nd, height, width, tuple(shape))
+    if torch.compiler.is_compiling():
+        return _plan_call.__wrapped__(*args, tuple(coords))  # no lru_cache wrapper traced
     key = (height, width, tuple(shape), tuple(coords))
     calls = layer.__dict__.setdefault("_tile_calls", {})
     call = calls.get(key)
-    if call is not None:
-        return call
-    geo, i_h, i_w = layer.geometry, layer.spatial_index, layer.nd - 1
+    if call is None:
+        call = _plan_call(*args, tuple(coords))
+        if len(calls) > 64:
+            calls.clear()
+        calls[key] = call
+    return call
+
+
+@pure_cached(maxsize=1024)
+def _plan_call(geo, i_h: int, nd: int, height: int, width: int, shape, coords) -> TileConvCall:
+    i_w = nd - 1
     (lat, lon), (p, q) = coords, shape
-    rows, cols = tile_conv_windows(layer, height, width, shape)
+    rows, cols = _windows(geo, i_h, nd, height, width, shape)
     out_h = shard_range(geo.output_length(height, i_h), p, lat)
     out_w = shard_range(geo.output_length(width, i_w), q, lon)
     first_h = rows[lat][0] if rows[lat] else None  # the first input row / column of the window
@@ -85,11 +101,7 @@ def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCal
         op = ConvOp.of(replace(geo, pads=pads), i_h)
         if op.pad_flat is not None and not any(op.pad_flat):  # nothing left to pad
             op = replace(op, pad_flat=None, pad_mode="constant")
-    call = TileConvCall(plan, op, out_h, out_w, first_h, first_w)
-    if len(calls) > 64:
-        calls.clear()
-    calls[key] = call
-    return call
+    return TileConvCall(plan, op, out_h, out_w, first_h, first_w)
 
 
 def _check_supported(layer) -> None:
@@ -123,7 +135,16 @@ def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Te
         return _transposed(layer, window, weight, bias, call)
     if rows == 0 or cols == 0:  # a tile that owns no output (its windows are empty)
         return _bias_only(layer, x, window, weight, bias, rows, cols)
-    return call.op(window, weight, bias)
+    return _run_op(call.op, window, weight, bias)
+
+
+def _run_op(op: ConvOp, window, weight, bias) -> torch.Tensor:
+    """``op(window, weight, bias)``, written out: under ``torch.compile`` ``op`` is a constant
+    of the graph (a plan made at trace time), read field by field, not called."""
+    if op.pad_flat is not None:
+        window = F.pad(window, list(op.pad_flat), mode=op.pad_mode)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[op.nd - 1]
+    return conv(window, weight, bias, op.stride, op.padding, op.dilation, op.groups)
 
 
 def _bias_only(layer, x, window, weight, bias, rows: int, cols: int) -> torch.Tensor:

@@ -298,30 +298,43 @@ class DomainParallelInterpolate(OptionsMixin, nn.Module):
         (the same plan, ``interp_row_plan``, along W), resampled width first, then rows, with
         the kernel's indices and weights: the arithmetic of :meth:`forward`."""
         in_hw = (mgr.global_height(self, x.shape[2]), mgr.global_width(self, x.shape[3]))
+        compute_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+        tile = (tuple(mgr.domain_shape), tuple(mgr.domain_coords))
+        if torch.compiler.is_compiling():  # the same geometry, computed at trace time
+            spec = (self.size, self.mode, self.align_corners, self.scale_factor)
+            spec += (self.recompute_scale_factor,)
+            geometry = _tile_geometry_at_trace(spec, in_hw, tile, x.device, x.dtype, compute_dtype)
+        else:
+            geometry = self._tile_geometry(in_hw, tile, x, compute_dtype)
+        row_windows, col_windows, rows, cols = geometry
+        window = exchange_rows(x, row_windows, in_hw[0], 2, mgr.lat)
+        window = exchange_rows(window, col_windows, in_hw[1], 3, mgr.lon).to(compute_dtype)
+        y = _resample_dim(window, 3, *cols)
+        y = _resample_dim(y, 2, *rows)
+        return y.to(x.dtype)
+
+    def _tile_geometry(self, in_hw, tile, x, compute_dtype):
+        """(row windows, column windows, this tile's row and column positions / weights) on
+        the tile ``tile`` = ((P, Q), (lat, lon))."""
+        shape, coords = tile
         out_hw, scales = interp_output_size(
             in_hw, self.size, self.scale_factor, self.recompute_scale_factor
         )
-        compute_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
         traits = kernel_traits(x.device, compute_dtype)
-        key = (in_hw, out_hw, scales, mgr.domain_shape, x.dtype == torch.float64, traits)
+        key = (in_hw, out_hw, scales, shape, x.dtype == torch.float64, traits)
         plans = _tile_interp_plans(self.mode, self.align_corners, key)
-        tkey = ("tile", key, mgr.domain_coords, str(x.device), compute_dtype)
+        tkey = ("tile", key, coords, str(x.device), compute_dtype)
         hit = self._index_tensors.get(tkey)
         if hit is None:
             shapes = ((-1, 1), (-1,))
             hit = tuple(
                 _plan_tensors(plan, coord, shape, x.device, compute_dtype)
-                for plan, coord, shape in zip(plans, mgr.domain_coords, shapes)
+                for plan, coord, shape in zip(plans, coords, shapes)
             )
             if len(self._index_tensors) > 64:
                 self._index_tensors.clear()
             self._index_tensors[tkey] = hit
-        rows, cols = hit
-        window = exchange_rows(x, plans[0].windows, in_hw[0], 2, mgr.lat)
-        window = exchange_rows(window, plans[1].windows, in_hw[1], 3, mgr.lon).to(compute_dtype)
-        y = _resample_dim(window, 3, *cols)
-        y = _resample_dim(y, 2, *rows)
-        return y.to(x.dtype)
+        return plans[0].windows, plans[1].windows, hit[0], hit[1]
 
     def _geometry(self, in_hw, n: int, rank: int, x, compute_dtype):
         """(row windows, this rank's row positions/weights, the column positions/weights)."""
@@ -355,3 +368,19 @@ def _geometry_at_trace(spec, in_hw, n: int, rank: int, device, dtype, compute_dt
     )
     probe = torch.empty(0, dtype=dtype, device=device)
     return layer._geometry(in_hw, n, rank, probe, compute_dtype)
+
+
+@torch._dynamo.assume_constant_result
+def _tile_geometry_at_trace(spec, in_hw, tile, device, dtype, compute_dtype):
+    """:meth:`DomainParallelInterpolate._tile_geometry` for a layer of ``spec``, run for real
+    while Dynamo traces (as :func:`_geometry_at_trace`): constants of the compiled graph."""
+    size, mode, align_corners, scale_factor, recompute = spec
+    layer = DomainParallelInterpolate(
+        size=size,
+        mode=mode,
+        align_corners=align_corners,
+        scale_factor=scale_factor,
+        recompute_scale_factor=recompute,
+    )
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return layer._tile_geometry(in_hw, tile, probe, compute_dtype)
