@@ -63,6 +63,13 @@ def _build(name):
     if name == "mix":
         torch.manual_seed(0)
         return _LayerMix()
+    if name == "crossformer":  # its attention runs on latitude strips (tiles_relayout.py)
+        from credit_parallel.models.crossformer import CrossFormer
+
+        torch.manual_seed(0)
+        return CrossFormer(
+            3, 2, 24, 16, dims=(8, 8), depths=(2, 2), dim_head=4, window_sizes=(2, 2)
+        )
     return _build_1d(name)
 
 
@@ -139,6 +146,19 @@ def _check(results, whole=True):
 def test_whole_model_compile_on_2x2_tiles_matches_single_process(order):
     # 13 x 10: rows 7/6, columns 5/5 (the conv + GroupNorm + dilated conv net)
     _check(run_on_ranks(_tile_worker, 4, "net", order, "aot_eager", 13, 10, (2, 2), timeout=600))
+
+
+@pytest.mark.parametrize(
+    "order",
+    ["parallelize_then_compile", "compile_then_parallelize"],
+)
+@pytest.mark.slow  # 40-50 s each on 2 loaded cores
+def test_crossformer_compiled_whole_on_tiles_with_its_attention_on_strips(order):
+    # 24 x 16 at {lat 2, lon 2}: the convolutions on tiles, each attention module moved to
+    # latitude strips and back (the all-to-all traced as credit_parallel::all_to_all); the
+    # heights over the strips noted by the shape twin at trace time: one graph, no break
+    _check(run_on_ranks(_tile_worker, 4, "crossformer", order, "aot_eager", 24, 16, (2, 2),
+                        timeout=900))  # fmt: skip
 
 
 @pytest.mark.slow  # ~30 s on 2 loaded cores

@@ -170,10 +170,21 @@ class _Recorder(nn.Module):
         if type(layer).__name__ != "DomainGatherModule":
             tensors = tensors[:1]
         dim = getattr(layer, "shard_dim", getattr(layer, "dim", -2))
+        wdim = (dim + 1) % tensors[0].dim() if tensors and dim != -2 else -1
         for t in tensors:
-            if t.dim() >= 2:  # the width: the last dim (split on lat x lon tiles only)
-                self.probe.sink(self.owner, t.shape[dim % t.dim()], t.shape[-1])
-        return _global_call(layer, args, kwargs)
+            if t.dim() >= 2:  # the width: the dim after the rows (split on tiles only)
+                self.probe.sink(self.owner, t.shape[dim % t.dim()], t.shape[wdim])
+        if getattr(self.owner, "domain_form", None) != "strips":
+            return _global_call(layer, args, kwargs)
+        # a tile -> strips relayout (tiles_relayout.py): its module (a 1-D domain layer is
+        # recorded too: it is held unregistered, so the twin's slots do not reach it), then the
+        # height of the module's output, learned over the strips under the wrapper's own key
+        inner = layer.__dict__["wrapped"]
+        if _is_domain_layer(inner):
+            inner = _Recorder(inner, self.owner.__dict__["wrapped"], self.probe)
+        out = inner(*args, **kwargs)
+        self.probe.sink_strips(self.owner._out_key, out.shape[dim % out.dim()])
+        return out
 
 
 def _global_call(layer: nn.Module, args, kwargs):
@@ -253,11 +264,19 @@ class HeightProbe:
 
     def sink(self, owner, height: int, width: int) -> None:
         mgr = self.manager
-        if getattr(mgr, "is_tiled", False):  # a lat x lon tile: each axis view's own table
+        strips = mgr.__dict__.get("_strips") if getattr(mgr, "is_tiled", False) else None
+        if strips is not None and getattr(owner, "manager", None) is strips:
+            # a 1-D layer run on the latitude strips of a relayout (full width)
+            strips.height_table.note(owner, self._token, height)
+        elif getattr(mgr, "is_tiled", False):  # a lat x lon tile: each axis view's own table
             mgr.lat.height_table.note(owner, self._token, height)
             mgr.lon.height_table.note(owner, self._token, width)
         else:
             mgr.height_table.note(owner, self._token, height)
+
+    def sink_strips(self, key, height: int) -> None:
+        """Note ``height`` over the tiled manager's latitude strips under ``key``."""
+        self.manager.strips.height_table.note(key, self._token, height)
 
     def run(self, token, args, kwargs) -> None:
         """Note the global heights of every converted layer for a forward on inputs described by
