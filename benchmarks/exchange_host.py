@@ -61,10 +61,12 @@ def _build(variant: str, conv: nn.Conv2d, mgr):
     return exchange, lambda y, x: torch.autograd.grad(y, [x], torch.ones_like(y))
 
 
-def _per_call_us(forward, backward, x, calls: int) -> tuple[float, float]:
-    """Thread CPU microseconds per forward and per backward call, over ``calls`` calls."""
+def _per_call_us(forward, backward, x, calls: int, mgr, token) -> tuple[float, float]:
+    """Thread CPU microseconds per forward and per backward call, over ``calls`` calls (each
+    the one call of its layer in a forward: ``begin_forward`` before it, untimed)."""
     fwd = bwd = 0.0
     for _ in range(calls):
+        mgr.begin_forward(token)
         t0 = time.thread_time()
         y = forward(x)
         t1 = time.thread_time()
@@ -83,19 +85,19 @@ def _worker(rank, world, shape, rounds: int, calls: int, warmup: int):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     mgr = DomainParallelManager(world, world)
-    mgr.begin_forward(("exchange_host", shape))
+    token = ("exchange_host", shape)
     a, b = shard_range(shape[2], world, rank)
     x = torch.randn(shape)[:, :, a:b].clone().requires_grad_()
     runs = {}
     for v in VARIANTS:
         conv = nn.Conv2d(shape[1], shape[1], 3, padding=1)
         runs[v] = _build(v, conv, mgr)
-        _per_call_us(*runs[v], x, warmup)
+        _per_call_us(*runs[v], x, warmup, mgr, token)
     times: dict = {v: ([], []) for v in VARIANTS}
     for _ in range(rounds):
         for v in VARIANTS:
             dist.barrier()
-            f, bw = _per_call_us(*runs[v], x, calls)
+            f, bw = _per_call_us(*runs[v], x, calls, mgr, token)
             times[v][0].append(f)
             times[v][1].append(bw)
     return {v: (statistics.median(f), statistics.median(bw)) for v, (f, bw) in times.items()}

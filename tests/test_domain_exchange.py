@@ -4,7 +4,7 @@ Each worker builds the global tensor, shards it, exchanges, and compares the win
 global tensor's rows ``[start - before, stop + after)`` padded by the boundary rule (zeros beyond
 the poles, or reflect / replicate / circular computed by ``F.pad`` on the global tensor).  The
 backward is compared with autograd of the same slicing on the global tensor (the adjoint), and
-every exchange must be ONE ``batch_isend_irecv`` in forward and one in backward.  Many cases run
+every exchange must be ONE batched post in forward and one in backward.  Many cases run
 inside one ``run_on_ranks`` call to keep the runtime low.
 """
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from credit_parallel.domain.exchange.halo import HaloExchange, exchange_rows
+from credit_parallel.domain.exchange.replay import _Posts
 from credit_parallel.domain.exchange.traffic import exchange_stats, record_exchange_stats
 from credit_parallel.domain.manager import DomainParallelManager, get_domain_parallel_manager
 from credit_parallel.domain.rows import FILL, shard_range
@@ -42,22 +43,37 @@ def _reference_window(x: torch.Tensor, start: int, stop: int, before: int, after
 
 
 class _CountP2P:
-    """Counts batch_isend_irecv calls made through torch.distributed while installed."""
+    """Counts the batched posts of the exchange while installed: the calls of the replayed
+    exchange's post (``exchange/replay.py``) that posted messages, each ONE
+    ``batch_isend_irecv`` or, on gloo, every message posted once on the group), and any
+    ``batch_isend_irecv`` made elsewhere."""
 
     def __init__(self):
         self.calls = 0
-        self._orig = dist.batch_isend_irecv
+        self._orig = dist.batch_isend_irecv, _Posts.post
 
     def __enter__(self):
-        def counted(ops):
-            self.calls += 1
-            return self._orig(ops)
+        batch, post = self._orig
+        inside = []
 
-        dist.batch_isend_irecv = counted
+        def counted_batch(ops):
+            self.calls += not inside
+            return batch(ops)
+
+        def counted_post(posts, *args):
+            inside.append(True)
+            try:
+                out = post(posts, *args)
+            finally:
+                inside.pop()
+            self.calls += bool(out[0])
+            return out
+
+        dist.batch_isend_irecv, _Posts.post = counted_batch, counted_post
         return self
 
     def __exit__(self, *exc):
-        dist.batch_isend_irecv = self._orig
+        dist.batch_isend_irecv, _Posts.post = self._orig
 
 
 def _halo_cases(world):

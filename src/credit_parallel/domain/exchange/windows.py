@@ -56,9 +56,24 @@ def _range_segments(plan, start: int, stop: int, skip: tuple[int, int] = (0, 0))
         pos += count
 
 
+_SEGMENTS: dict = {}
+
+
+def _segments(plan, start: int, stop: int, skip) -> tuple:
+    """:func:`_range_segments` as a tuple, computed once per (plan, range, skip): the same
+    plan is cut the same way at every call of a layer."""
+    key = (id(plan), start, stop, skip[0], skip[1])
+    hit = _SEGMENTS.get(key)
+    if hit is None or hit[0] is not plan:
+        if len(_SEGMENTS) >= 1024:
+            _SEGMENTS.clear()
+        hit = _SEGMENTS[key] = (plan, tuple(_range_segments(plan, start, stop, skip)))
+    return hit[1]
+
+
 def _window_pieces(x, recv_bufs, plan, dim, fill_value, start, stop, skip=(0, 0)) -> list:
     pieces, pos = [], start
-    for kind, where, a, c in _range_segments(plan, start, stop, skip):
+    for kind, where, a, c in _segments(plan, start, stop, skip):
         if a > pos:  # skipped positions: zeros
             pieces.append(x.new_zeros(shape_with(x, dim, a - pos)))
         if kind == "own":
@@ -79,7 +94,7 @@ def scatter_window_grad(grad, start: int, plan, dim: int, grad_x, grad_recv, ski
     ``grad_recv`` (received rows, one per ``plan.recvs`` entry; either may be None: not
     accumulated now); fill rows are dropped."""
     stop = start + grad.shape[dim]
-    for kind, where, a, c in _range_segments(plan, start, stop, skip):
+    for kind, where, a, c in _segments(plan, start, stop, skip):
         g = grad.narrow(dim, a - start, c)
         if kind == "own" and grad_x is not None:
             grad_x.narrow(dim, where, c).add_(g)
