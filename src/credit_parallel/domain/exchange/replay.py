@@ -130,8 +130,10 @@ def _link(group) -> Link:
 
 
 def _flat(parts: list) -> torch.Tensor:
+    """One contiguous flat message of ``parts`` (a reshape can be a strided view: an expanded
+    gradient)."""
     flat = [p.reshape(-1) for p in parts]
-    return flat[0] if len(flat) == 1 else torch.cat(flat)
+    return flat[0].contiguous() if len(flat) == 1 else torch.cat(flat)
 
 
 class ForwardMessages:
