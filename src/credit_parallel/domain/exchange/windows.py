@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "assemble_window",
     "halo_gradient_buffers",
+    "reads_only_fill",
     "scatter_window_grad",
     "shape_numel",
     "shape_with",
@@ -100,6 +101,12 @@ def scatter_window_grad(grad, start: int, plan, dim: int, grad_x, grad_recv, ski
             grad_x.narrow(dim, where, c).add_(g)
         elif kind == "recv" and grad_recv is not None:
             grad_recv[where[0]].narrow(dim, where[1], c).add_(g)
+
+
+def reads_only_fill(plan, start: int, stop: int, skip: tuple[int, int] = (0, 0)) -> bool:
+    """Whether window positions ``[start, stop)`` minus ``skip`` hold only fill rows (rows
+    beyond the globe that no rank owns)."""
+    return all(kind == "fill" for kind, _, _, _ in _segments(plan, start, stop, skip))
 
 
 def halo_gradient_buffers(like: torch.Tensor, plan, dim: int) -> list[torch.Tensor]:
