@@ -12,7 +12,10 @@ per call, forward and backward separately, of:
 * ``exchange`` — the exchange alone (``exchange.halo.exchange_planned`` of the layer's plan,
   the window returned, no conv);
 * ``plain``    — the plain ``nn.Conv2d`` on the shard alone (no exchange): the floor the two
-  layer rows are compared with.
+  layer rows are compared with;
+* ``gloo``     — the transport alone: per direction, one send and one receive of the halo's
+  size posted on the process group and waited for, no library code (what no exchange path
+  can go below; on this shared machine it moves with the load).
 
 The host cost of the exchange in a layer is ``layer - plain`` (the convolution itself
 subtracted).  Backward is ``torch.autograd.grad`` of the output with respect to the input,
@@ -37,7 +40,7 @@ from credit_parallel.domain.rows import shard_range
 
 __all__ = ["VARIANTS", "main"]
 
-VARIANTS = ("split", "window", "exchange", "plain")
+VARIANTS = ("split", "window", "exchange", "plain", "gloo")
 
 
 def _build(variant: str, conv: nn.Conv2d, mgr):
@@ -46,6 +49,8 @@ def _build(variant: str, conv: nn.Conv2d, mgr):
     from credit_parallel.domain.layers.conv import DomainParallelConv2d
 
     params = list(conv.parameters())
+    if variant == "gloo":
+        return _transport(mgr)
     if variant == "plain":
         return conv, lambda y, x: torch.autograd.grad(y, [x, *params], torch.ones_like(y))
     layer = DomainParallelConv2d(conv, manager=mgr)
@@ -59,6 +64,21 @@ def _build(variant: str, conv: nn.Conv2d, mgr):
         return exchange_planned([x], [(call.plan, 2, 0.0)], mgr)[0]
 
     return exchange, lambda y, x: torch.autograd.grad(y, [x], torch.ones_like(y))
+
+
+def _transport(mgr):
+    """One raw send + receive of one halo row's size per direction, on the domain group."""
+    group, rank = mgr.domain_group, mgr.domain_rank
+    peer = 1 - rank if rank < 2 else rank  # ranks 0 and 1 swap; others send to themselves
+
+    def swap(x):
+        row = x.detach().narrow(2, 0, 1).contiguous()
+        buf = torch.empty_like(row)
+        for work in (group.send([row], peer, 0), group.recv([buf], peer, 0)):
+            work.wait()
+        return buf
+
+    return swap, lambda y, x: swap(x)
 
 
 def _per_call_us(forward, backward, x, calls: int, mgr, token) -> tuple[float, float]:
@@ -125,7 +145,11 @@ def main(argv=None) -> dict:
     plain = results["plain"]
     print(f"{'variant':<9}| fwd us/call | bwd us/call | fwd - plain | bwd - plain")
     for v, (f, b) in results.items():
-        extra = "" if v in ("plain", "exchange") else f"{f - plain[0]:11.1f} | {b - plain[1]:11.1f}"
+        extra = (
+            ""
+            if v in ("plain", "exchange", "gloo")
+            else f"{f - plain[0]:11.1f} | {b - plain[1]:11.1f}"
+        )
         print(f"{v:<9}| {f:11.1f} | {b:11.1f} | {extra}")
     print(f"load average after: {os.getloadavg()}")
     return results

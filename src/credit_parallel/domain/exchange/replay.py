@@ -96,9 +96,13 @@ class _Posts:
         buffers like ``ref``; returns (works, sends, receives as (peer, flat), views per peer)."""
         recvs, views = [], []
         for peer, numel, layout in self.recv_layout:
-            flat = ref.new_empty(numel)
+            if len(layout) == 1:  # one tensor's rows from this peer: received in its shape
+                flat = ref.new_empty(layout[0][2])
+                views.append([flat])
+            else:
+                flat = ref.new_empty(numel)
+                views.append([flat.narrow(0, off, n).view(shape) for off, n, shape in layout])
             recvs.append((peer, flat))
-            views.append([flat.narrow(0, off, size).view(shape) for off, size, shape in layout])
         tensors = [*send_tensors, *(flat for _, flat in recvs)]
         if not tensors:
             return [], [], recvs, views
@@ -130,10 +134,11 @@ def _link(group) -> Link:
 
 
 def _flat(parts: list) -> torch.Tensor:
-    """One contiguous flat message of ``parts`` (a reshape can be a strided view: an expanded
-    gradient)."""
-    flat = [p.reshape(-1) for p in parts]
-    return flat[0].contiguous() if len(flat) == 1 else torch.cat(flat)
+    """One contiguous message of ``parts``, flattened and concatenated (one part is sent in its
+    own shape: a message is its bytes)."""
+    if len(parts) == 1:
+        return parts[0].contiguous()
+    return torch.cat([p.reshape(-1) for p in parts])
 
 
 class ForwardMessages:
