@@ -29,9 +29,14 @@ slowest rank reported.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import re
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -43,10 +48,12 @@ __all__ = ["VARIANTS", "main"]
 VARIANTS = ("split", "window", "exchange", "plain", "gloo")
 
 
-def _build(variant: str, conv: nn.Conv2d, mgr):
-    """``(forward(x), backward(y, x))`` of one variant on this rank."""
-    from credit_parallel.domain.exchange.halo import exchange_planned
-    from credit_parallel.domain.layers.conv import DomainParallelConv2d
+def _build(variant: str, conv: nn.Conv2d, mgr, package: str):
+    """``(forward(x), backward(y, x))`` of one variant on this rank, with the library
+    ``package`` (``credit_parallel`` or the baseline's copy)."""
+    exchange_planned = importlib.import_module(f"{package}.domain.exchange.halo").exchange_planned
+    conv_module = importlib.import_module(f"{package}.domain.layers.conv")
+    DomainParallelConv2d = conv_module.DomainParallelConv2d  # noqa: N806
 
     params = list(conv.parameters())
     if variant == "gloo":
@@ -97,30 +104,49 @@ def _per_call_us(forward, backward, x, calls: int, mgr, token) -> tuple[float, f
     return 1e6 * fwd / calls, 1e6 * bwd / calls
 
 
-def _worker(rank, world, shape, rounds: int, calls: int, warmup: int):
+def _worker(rank, world, shape, rounds: int, calls: int, warmup: int, packages: tuple):
     import torch.distributed as dist
-
-    from credit_parallel.domain.manager import DomainParallelManager
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    mgr = DomainParallelManager(world, world)
     token = ("exchange_host", shape)
     a, b = shard_range(shape[2], world, rank)
     x = torch.randn(shape)[:, :, a:b].clone().requires_grad_()
     runs = {}
-    for v in VARIANTS:
-        conv = nn.Conv2d(shape[1], shape[1], 3, padding=1)
-        runs[v] = _build(v, conv, mgr)
-        _per_call_us(*runs[v], x, warmup, mgr, token)
-    times: dict = {v: ([], []) for v in VARIANTS}
-    for _ in range(rounds):
+    for package in packages:
+        manager = importlib.import_module(f"{package}.domain.manager")
+        mgr = manager.DomainParallelManager(world, world)
         for v in VARIANTS:
+            if v in ("plain", "gloo") and package != packages[0]:
+                continue  # no library code: measured once
+            conv = nn.Conv2d(shape[1], shape[1], 3, padding=1)
+            runs[package, v] = (*_build(v, conv, mgr, package), mgr)
+    for fwd, bwd, mgr in runs.values():
+        _per_call_us(fwd, bwd, x, warmup, mgr, token)
+    times: dict = {key: ([], []) for key in runs}
+    for _ in range(rounds):
+        for key, (fwd, bwd, mgr) in runs.items():
             dist.barrier()
-            f, bw = _per_call_us(*runs[v], x, calls, mgr, token)
-            times[v][0].append(f)
-            times[v][1].append(bw)
-    return {v: (statistics.median(f), statistics.median(bw)) for v, (f, bw) in times.items()}
+            f, bw = _per_call_us(fwd, bwd, x, calls, mgr, token)
+            times[key][0].append(f)
+            times[key][1].append(bw)
+    return {key: (statistics.median(f), statistics.median(bw)) for key, (f, bw) in times.items()}
+
+
+def _baseline_package(src: str) -> str:
+    """A copy of ``src``/credit_parallel importable as ``credit_parallel_baseline`` (every
+    occurrence of the name replaced: imports, custom-op namespaces), on ``sys.path``."""
+    root = Path(tempfile.mkdtemp(prefix="exchange_host_"))
+    for path in (Path(src) / "credit_parallel").rglob("*"):
+        target = root / "credit_parallel_baseline" / path.relative_to(Path(src) / "credit_parallel")
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path.suffix == ".py":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            text = path.read_text()
+            target.write_text(re.sub(r"\bcredit_parallel\b", "credit_parallel_baseline", text))
+    sys.path.insert(0, str(root))
+    return "credit_parallel_baseline"
 
 
 def main(argv=None) -> dict:
@@ -132,25 +158,43 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="a src/ directory holding another version of credit_parallel (e.g. `git archive "
+        "<commit> src | tar -x -C DIR`, then DIR/src): measured in the same ranks, rounds "
+        "interleaved with this version's",
+    )
     args = parser.parse_args(argv)
     shape = tuple(int(v) for v in args.shape.split(","))
+    packages = ("credit_parallel",)
+    if args.baseline:
+        packages = (_baseline_package(args.baseline), "credit_parallel")
     print(
         f"domain {args.domain}, input {shape}, 1 thread per rank, {args.calls} calls x "
         f"{args.rounds} rounds; load average before: {os.getloadavg()}"
     )
     per_rank = run_on_ranks(
-        _worker, args.domain, shape, args.rounds, args.calls, args.warmup, timeout=1800
+        _worker, args.domain, shape, args.rounds, args.calls, args.warmup, packages, timeout=1800
     )
-    results = {v: tuple(max(r[v][i] for r in per_rank) for i in (0, 1)) for v in VARIANTS}
-    plain = results["plain"]
-    print(f"{'variant':<9}| fwd us/call | bwd us/call | fwd - plain | bwd - plain")
-    for v, (f, b) in results.items():
-        extra = (
-            ""
-            if v in ("plain", "exchange", "gloo")
-            else f"{f - plain[0]:11.1f} | {b - plain[1]:11.1f}"
-        )
-        print(f"{v:<9}| {f:11.1f} | {b:11.1f} | {extra}")
+    results = {k: tuple(max(r[k][i] for r in per_rank) for i in (0, 1)) for k in per_rank[0]}
+    plain = results[packages[0], "plain"]
+    print("thread CPU us per call, slowest rank (median over rounds)")
+    print(f"{'version':<24}| {'variant':<9}| fwd     | bwd     | fwd-plain | bwd-plain")
+    for (package, v), (f, b) in results.items():
+        extra = ""
+        if v not in ("plain", "exchange", "gloo"):
+            extra = f"{f - plain[0]:9.1f} | {b - plain[1]:9.1f}"
+        print(f"{package:<24}| {v:<9}| {f:7.1f} | {b:7.1f} | {extra}")
+    if args.baseline:
+        print("after / before (this version over the baseline), same ranks, interleaved rounds")
+        for v in ("split", "window", "exchange"):
+            (f0, b0), (f1, b1) = results[packages[0], v], results[packages[1], v]
+            line = f"{v:<9}: fwd {f1 / f0:.2f}, bwd {b1 / b0:.2f}"
+            if v != "exchange":
+                line += f"; minus plain: fwd {(f1 - plain[0]) / (f0 - plain[0]):.2f}, "
+                line += f"bwd {(b1 - plain[1]) / (b0 - plain[1]):.2f}"
+            print(line)
     print(f"load average after: {os.getloadavg()}")
     return results
 
