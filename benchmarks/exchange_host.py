@@ -130,7 +130,10 @@ def _worker(rank, world, shape, rounds: int, calls: int, warmup: int, packages: 
             f, bw = _per_call_us(fwd, bwd, x, calls, mgr, token)
             times[key][0].append(f)
             times[key][1].append(bw)
-    return {key: (statistics.median(f), statistics.median(bw)) for key, (f, bw) in times.items()}
+    return {
+        key: (statistics.median(f), statistics.median(bw), min(f), min(bw))
+        for key, (f, bw) in times.items()
+    }
 
 
 def _baseline_package(src: str) -> str:
@@ -177,24 +180,29 @@ def main(argv=None) -> dict:
     per_rank = run_on_ranks(
         _worker, args.domain, shape, args.rounds, args.calls, args.warmup, packages, timeout=1800
     )
-    results = {k: tuple(max(r[k][i] for r in per_rank) for i in (0, 1)) for k in per_rank[0]}
+    results = {k: tuple(max(r[k][i] for r in per_rank) for i in range(4)) for k in per_rank[0]}
     plain = results[packages[0], "plain"]
-    print("thread CPU us per call, slowest rank (median over rounds)")
-    print(f"{'version':<24}| {'variant':<9}| fwd     | bwd     | fwd-plain | bwd-plain")
-    for (package, v), (f, b) in results.items():
+    print("thread CPU us per call, slowest rank: median over rounds (min over rounds)")
+    print(
+        f"{'version':<24}| {'variant':<9}| fwd             | bwd             | fwd-plain | bwd-plain"
+    )
+    for (package, v), (f, b, fmin, bmin) in results.items():
         extra = ""
         if v not in ("plain", "exchange", "gloo"):
             extra = f"{f - plain[0]:9.1f} | {b - plain[1]:9.1f}"
-        print(f"{package:<24}| {v:<9}| {f:7.1f} | {b:7.1f} | {extra}")
+        print(f"{package:<24}| {v:<9}| {f:6.1f} ({fmin:6.1f}) | {b:6.1f} ({bmin:6.1f}) | {extra}")
     if args.baseline:
-        print("after / before (this version over the baseline), same ranks, interleaved rounds")
+        print("after / before (this version over the baseline), same ranks, interleaved rounds:")
+        print("median (min over rounds); 'over gloo': minus the raw transport's time")
+        floor = results[packages[0], "gloo"]
         for v in ("split", "window", "exchange"):
-            (f0, b0), (f1, b1) = results[packages[0], v], results[packages[1], v]
-            line = f"{v:<9}: fwd {f1 / f0:.2f}, bwd {b1 / b0:.2f}"
-            if v != "exchange":
-                line += f"; minus plain: fwd {(f1 - plain[0]) / (f0 - plain[0]):.2f}, "
-                line += f"bwd {(b1 - plain[1]) / (b0 - plain[1]):.2f}"
-            print(line)
+            old, new = results[packages[0], v], results[packages[1], v]
+            ratio = [new[i] / old[i] for i in range(4)]
+            over = [(new[i] - floor[i]) / (old[i] - floor[i]) for i in range(4)]
+            print(
+                f"{v:<9}: fwd {ratio[0]:.2f} ({ratio[2]:.2f}), bwd {ratio[1]:.2f} ({ratio[3]:.2f});"
+                f" over gloo: fwd {over[0]:.2f} ({over[2]:.2f}), bwd {over[1]:.2f} ({over[3]:.2f})"
+            )
     print(f"load average after: {os.getloadavg()}")
     return results
 
