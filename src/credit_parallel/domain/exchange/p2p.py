@@ -4,9 +4,11 @@ Every rank derives the same :class:`~credit_parallel.domain.rows.RankExchangePla
 from the global height, so both ends of every message agree on its size without talking.
 :func:`post_rows` posts the forward messages of one tensor and returns a :class:`PendingExchange`
 at once; :func:`post_gradient_return` / :func:`post_halo_gradients` post the gradient rows back to
-their owners.  Every wait goes through ``launch.wait_all`` (bounded by the group's timeout on
-gloo); statistics are opt-in (``traffic.py``); ``stream`` packs and posts on the device's
-exchange stream (``streams.py``).
+their owners.  Every wait is bounded by the group's timeout on gloo (``launch.wait_all``, or
+the replay's ``Link``, which reads that timeout once); statistics are opt-in (``traffic.py``); ``stream`` packs and posts on the device's
+exchange stream (``streams.py``).  The messages of one (plans, shapes, peers, group) are
+planned once and replayed (``replay.py``): a call slices, allocates its receive buffers, posts
+and waits, nothing else.
 """
 
 from __future__ import annotations
