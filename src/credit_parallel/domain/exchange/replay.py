@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ...layout.launch import _point_to_point_timeout
-from .windows import shape_numel
+from .windows import _rows, shape_numel
 
 __all__ = ["BackwardMessages", "ForwardMessages", "Link", "backward_messages", "forward_messages"]
 
@@ -288,7 +288,7 @@ class BackwardMessages:
         """Add, in place, what the peers returned for the rows this rank sent them."""
         for (dim, adds), grad_x in zip(self.returns, grad_xs):
             for i, j, s, off, c in adds:
-                grad_x.narrow(dim, s, c).add_(views[i][j].narrow(dim, off, c))
+                _rows(grad_x, dim, s, c).add_(_rows(views[i][j], dim, off, c))
 
 
 def forward_messages(specs, shapes, peers, group, device) -> ForwardMessages:
