@@ -32,6 +32,7 @@ import argparse
 import importlib
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -136,9 +137,10 @@ def _worker(rank, world, shape, rounds: int, calls: int, warmup: int, packages: 
     }
 
 
-def _baseline_package(src: str) -> str:
+def _baseline_package(src: str) -> tuple[str, Path]:
     """A copy of ``src``/credit_parallel importable as ``credit_parallel_baseline`` (every
-    occurrence of the name replaced: imports, custom-op namespaces), on ``sys.path``."""
+    occurrence of the name replaced: imports, custom-op namespaces), on ``sys.path``; returns
+    the name and the temporary directory holding it."""
     root = Path(tempfile.mkdtemp(prefix="exchange_host_"))
     for path in (Path(src) / "credit_parallel").rglob("*"):
         target = root / "credit_parallel_baseline" / path.relative_to(Path(src) / "credit_parallel")
@@ -149,11 +151,10 @@ def _baseline_package(src: str) -> str:
             text = path.read_text()
             target.write_text(re.sub(r"\bcredit_parallel\b", "credit_parallel_baseline", text))
     sys.path.insert(0, str(root))
-    return "credit_parallel_baseline"
+    return "credit_parallel_baseline", root
 
 
 def main(argv=None) -> dict:
-    from credit_parallel.testing import run_on_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--domain", type=int, default=2)
@@ -170,9 +171,22 @@ def main(argv=None) -> dict:
     )
     args = parser.parse_args(argv)
     shape = tuple(int(v) for v in args.shape.split(","))
-    packages = ("credit_parallel",)
+    packages, copy = ("credit_parallel",), None
     if args.baseline:
-        packages = (_baseline_package(args.baseline), "credit_parallel")
+        name, copy = _baseline_package(args.baseline)
+        packages = (name, "credit_parallel")
+    try:
+        return _report(args, shape, packages)
+    finally:
+        if copy is not None:
+            sys.path.remove(str(copy))
+            shutil.rmtree(copy, ignore_errors=True)
+
+
+def _report(args, shape: tuple, packages: tuple) -> dict:
+    """Run the ranks and print the table (and the ratios against the baseline)."""
+    from credit_parallel.testing import run_on_ranks
+
     print(
         f"domain {args.domain}, input {shape}, 1 thread per rank, {args.calls} calls x "
         f"{args.rounds} rounds; load average before: {os.getloadavg()}"

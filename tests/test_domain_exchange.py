@@ -357,3 +357,25 @@ def test_an_exchange_is_planned_once_per_shape_and_replayed_exactly():
     for programs, same in run_on_ranks(_replay_worker, 2):
         assert programs == [["backward", "forward"], [], ["backward", "forward"]]
         assert same
+
+
+def test_exchange_host_benchmark_measures_both_versions_in_the_same_ranks():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / "benchmarks" / "exchange_host.py"
+    spec = importlib.util.spec_from_file_location("exchange_host_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    import credit_parallel
+
+    src = Path(credit_parallel.__file__).resolve().parents[1]
+    args = ["--rounds", "1", "--calls", "2", "--warmup", "1", "--baseline", str(src)]
+    results = module.main(args)
+    baseline = [key for key in results if key[0] == "credit_parallel_baseline"]
+    ours = [key for key in results if key[0] == "credit_parallel"]
+    assert len(baseline) == len(module.VARIANTS) and len(ours) == 3  # split, window, exchange
+    assert all(value > 0 for times in results.values() for value in times)
