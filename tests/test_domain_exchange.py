@@ -4,7 +4,7 @@ Each worker builds the global tensor, shards it, exchanges, and compares the win
 global tensor's rows ``[start - before, stop + after)`` padded by the boundary rule (zeros beyond
 the poles, or reflect / replicate / circular computed by ``F.pad`` on the global tensor).  The
 backward is compared with autograd of the same slicing on the global tensor (the adjoint), and
-every exchange must be ONE ``batch_isend_irecv`` in forward and one in backward.  Many cases run
+every exchange must be ONE batched post in forward and one in backward.  Many cases run
 inside one ``run_on_ranks`` call to keep the runtime low.
 """
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from credit_parallel.domain.exchange.halo import HaloExchange, exchange_rows
+from credit_parallel.domain.exchange.replay import _Posts
 from credit_parallel.domain.exchange.traffic import exchange_stats, record_exchange_stats
 from credit_parallel.domain.manager import DomainParallelManager, get_domain_parallel_manager
 from credit_parallel.domain.rows import FILL, shard_range
@@ -42,22 +43,37 @@ def _reference_window(x: torch.Tensor, start: int, stop: int, before: int, after
 
 
 class _CountP2P:
-    """Counts batch_isend_irecv calls made through torch.distributed while installed."""
+    """Counts the batched posts of the exchange while installed: the calls of the replayed
+    exchange's post (``exchange/replay.py``) that posted messages, each ONE
+    ``batch_isend_irecv`` or, on gloo, every message posted once on the group), and any
+    ``batch_isend_irecv`` made elsewhere."""
 
     def __init__(self):
         self.calls = 0
-        self._orig = dist.batch_isend_irecv
+        self._orig = dist.batch_isend_irecv, _Posts.post
 
     def __enter__(self):
-        def counted(ops):
-            self.calls += 1
-            return self._orig(ops)
+        batch, post = self._orig
+        inside = []
 
-        dist.batch_isend_irecv = counted
+        def counted_batch(ops):
+            self.calls += not inside
+            return batch(ops)
+
+        def counted_post(posts, *args):
+            inside.append(True)
+            try:
+                out = post(posts, *args)
+            finally:
+                inside.pop()
+            self.calls += bool(out[0])
+            return out
+
+        dist.batch_isend_irecv, _Posts.post = counted_batch, counted_post
         return self
 
     def __exit__(self, *exc):
-        dist.batch_isend_irecv = self._orig
+        dist.batch_isend_irecv, _Posts.post = self._orig
 
 
 def _halo_cases(world):
@@ -311,3 +327,55 @@ def test_side_stream_exchange_degrades_to_the_same_path_on_cpu():
     stream.handoff([t])
     stream.join()
     assert run_on_ranks(_side_stream_worker, 3) == [True] * 3
+
+
+def _replay_worker(rank, world):
+    """Two forwards and backwards of one layer's exchange at one shape: the messages are planned
+    once (the same replay objects) and the second call's windows and gradients equal the first's
+    bit for bit; another shape plans anew."""
+    from credit_parallel.domain.exchange import replay
+
+    torch.set_default_dtype(torch.float64)
+    mgr = DomainParallelManager(world, world)
+    halo = HaloExchange(2, manager=mgr, mode="circular")
+    outs, programs = [], []
+    for h in (9, 9, 11):
+        start, stop = shard_range(h, world, rank)
+        x = torch.arange(float(2 * h)).view(1, 2, h, 1)[:, :, start:stop].clone()
+        x.requires_grad_(True)
+        before = dict(replay._CACHE)
+        win = halo(x)
+        (win * torch.arange(float(win.numel())).view_as(win)).sum().backward()
+        new = [key[0] for key in replay._CACHE if key not in before]
+        programs.append(sorted(new))
+        outs.append((win.detach().clone(), x.grad.clone()))
+    same = all(torch.equal(a, b) for a, b in zip(outs[0], outs[1]))
+    return programs, same
+
+
+def test_an_exchange_is_planned_once_per_shape_and_replayed_exactly():
+    for programs, same in run_on_ranks(_replay_worker, 2):
+        assert programs == [["backward", "forward"], [], ["backward", "forward"]]
+        assert same
+
+
+def test_exchange_host_benchmark_measures_both_versions_in_the_same_ranks():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / "benchmarks" / "exchange_host.py"
+    spec = importlib.util.spec_from_file_location("exchange_host_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    import credit_parallel
+
+    src = Path(credit_parallel.__file__).resolve().parents[1]
+    args = ["--rounds", "1", "--calls", "2", "--warmup", "1", "--baseline", str(src)]
+    results = module.main(args)
+    baseline = [key for key in results if key[0] == "credit_parallel_baseline"]
+    ours = [key for key in results if key[0] == "credit_parallel"]
+    assert len(baseline) == len(module.VARIANTS) and len(ours) == 3  # split, window, exchange
+    assert all(value > 0 for times in results.values() for value in times)

@@ -4,9 +4,11 @@ Every rank derives the same :class:`~credit_parallel.domain.rows.RankExchangePla
 from the global height, so both ends of every message agree on its size without talking.
 :func:`post_rows` posts the forward messages of one tensor and returns a :class:`PendingExchange`
 at once; :func:`post_gradient_return` / :func:`post_halo_gradients` post the gradient rows back to
-their owners.  Every wait goes through ``launch.wait_all`` (bounded by the group's timeout on
-gloo); statistics are opt-in (``traffic.py``); ``stream`` packs and posts on the device's
-exchange stream (``streams.py``).
+their owners.  Every wait is bounded by the group's timeout on gloo (``launch.wait_all``, or
+the replay's ``Link``, which reads that timeout once); statistics are opt-in (``traffic.py``); ``stream`` packs and posts on the device's
+exchange stream (``streams.py``).  The messages of one (plans, shapes, peers, group) are
+planned once and replayed (``replay.py``): a call slices, allocates its receive buffers, posts
+and waits, nothing else.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ...layout.launch import wait_all
+from .replay import backward_messages, forward_messages
 from .traffic import active_recorder
-from .windows import shape_numel, shape_with
+from .windows import shape_with
 
 __all__ = [
     "PendingExchange",
@@ -51,9 +54,11 @@ class PendingExchange:
         posted_s=0.0,
         stream=None,
         group=None,
+        link=None,
     ):
         self._works = works
         self._group = group  # the waits are bounded by its timeout (launch.wait_all)
+        self._link = link  # or by the replay's Link of the group (its timeout read once)
         self._stream = stream  # a CommStream the exchange was posted on, or None
         self._keep = keep  # send buffers stay alive until the exchange completes
         self._direction = direction
@@ -65,7 +70,8 @@ class PendingExchange:
             stats.seconds[direction] += posted_s
 
     def _keep_tensors(self) -> list:
-        return [t for _, t in self._keep]
+        # tensors, or (peer, tensor) pairs (post_messages' callers)
+        return [t if isinstance(t, torch.Tensor) else t[1] for t in self._keep]
 
     def posted_on(self, stream) -> PendingExchange:
         """Mark this exchange as posted on ``stream`` (a
@@ -87,7 +93,10 @@ class PendingExchange:
         if not self._done:
             stats = active_recorder()
             t0 = time.perf_counter() if stats is not None else 0.0
-            wait_all(self._works, self._group)
+            if self._link is not None:
+                self._link.wait(self._works)
+            else:
+                wait_all(self._works, self._group)
             if self._stream is not None:
                 self._stream.join()
                 self._stream.handoff(_flat_tensors(self._result))
@@ -99,17 +108,6 @@ class PendingExchange:
                 self._result = self._finish(self._result)
                 self._finish = None
         return self._result
-
-
-def _add_returned_rows(grad_x: torch.Tensor, plan, dim: int, views: dict, peers) -> torch.Tensor:
-    """Add to ``grad_x`` (in place) the gradients other ranks computed for the rows this rank
-    sent them (``plan.sends``), read in order from the received ``views`` per peer."""
-    for q, runs in plan.sends:
-        back, off = views[peers[q]].pop(0), 0
-        for s, c in runs:
-            grad_x.narrow(dim, s, c).add_(back.narrow(dim, off, c))
-            off += c
-    return grad_x
 
 
 def post_messages(sends: list, recvs: list, group, direction: str, overlapped: bool):
@@ -124,13 +122,33 @@ def post_messages(sends: list, recvs: list, group, direction: str, overlapped: b
     works = dist.batch_isend_irecv(ops)
     if stats is None:
         return works, 0.0
+    _count(stats, [t for _, t in sends], direction, overlapped)
+    return works, time.perf_counter() - t0
+
+
+def _count(stats, sends: list, direction: str, overlapped: bool) -> None:
+    """Note one batched call sending the tensors ``sends`` in the traffic statistics."""
     stats.p2p_calls += 1
     stats.overlapped_calls += int(overlapped)
     stats.messages += len(sends)
-    nbytes = sum(t.numel() * t.element_size() for _, t in sends)
+    nbytes = sum(t.numel() * t.element_size() for t in sends)
     stats.bytes_sent += nbytes
     stats.by_direction[direction] += nbytes
-    return works, time.perf_counter() - t0
+
+
+def _replayed(post, args, direction: str, overlapped: bool, n_sends):
+    """``post(*args)`` (a replayed exchange's post: works first, then its kept tensors, the
+    first ``n_sends`` of them sent), counted and timed when statistics are on; returns its
+    result and the seconds spent posting."""
+    stats = active_recorder()
+    if stats is None:
+        return post(*args), 0.0
+    t0 = time.perf_counter()
+    out = post(*args)
+    seconds = time.perf_counter() - t0
+    if out[0]:
+        _count(stats, list(out[1][:n_sends]), direction, overlapped)
+    return out, seconds
 
 
 def send_buffers(x: torch.Tensor, plan, dim: int) -> list[torch.Tensor]:
@@ -143,32 +161,6 @@ def send_buffers(x: torch.Tensor, plan, dim: int) -> list[torch.Tensor]:
     return out
 
 
-def _flat_messages(buffers_by_peer: dict) -> list:
-    """(peer, one flat buffer) per peer, the peer's buffers concatenated in request order."""
-    out = []
-    for peer in sorted(buffers_by_peer):
-        parts = [b.reshape(-1) for b in buffers_by_peer[peer]]
-        out.append((peer, parts[0] if len(parts) == 1 else torch.cat(parts)))
-    return out
-
-
-def _receive_buffers(ref: torch.Tensor, shapes_by_peer: dict):
-    """One flat receive buffer per peer and, per peer, its views in request order."""
-    flat = {
-        p: ref.new_empty(sum(shape_numel(s) for s in shapes))
-        for p, shapes in shapes_by_peer.items()
-    }
-    views = {}
-    for peer, shapes in shapes_by_peer.items():
-        off, parts = 0, []
-        for shape in shapes:
-            size = shape_numel(shape)
-            parts.append(flat[peer].narrow(0, off, size).view(shape))
-            off += size
-        views[peer] = parts
-    return sorted(flat.items()), views
-
-
 def post_forward(xs, specs, peers, group, overlapped: bool, stream=None) -> PendingExchange:
     """Post the forward messages of every ``(plan, dim, fill)`` spec for its shard in ``xs``;
     ``wait()`` gives, per spec, the received buffers (one per ``plan.recvs`` entry).
@@ -178,19 +170,13 @@ def post_forward(xs, specs, peers, group, overlapped: bool, stream=None) -> Pend
             pending = post_forward(xs, specs, peers, group, overlapped)
         stream.keep([*xs, *pending._keep_tensors()])
         return pending.posted_on(stream)
-    send_parts: dict = {}
-    recv_shapes: dict = {}
-    for (plan, dim, _), x in zip(specs, xs):
-        for (q, _), buf in zip(plan.sends, send_buffers(x, plan, dim)):
-            send_parts.setdefault(peers[q], []).append(buf)
-        for q, c in plan.recvs:
-            recv_shapes.setdefault(peers[q], []).append(shape_with(x, dim, c))
-    recvs, views = _receive_buffers(xs[0], recv_shapes)
-    sends = _flat_messages(send_parts)
-    works, posted = post_messages(sends, recvs, group, "forward", overlapped)
-    per_spec = [[views[peers[q]].pop(0) for q, _ in plan.recvs] for plan, _, _ in specs]
-    keep = (*sends, *recvs)
-    return PendingExchange(works, "forward", per_spec, keep=keep, posted_s=posted, group=group)
+    program = forward_messages(specs, [x.shape for x in xs], peers, group, xs[0].device)
+    (works, keep, per_spec), posted = _replayed(
+        program.post, (xs,), "forward", overlapped, len(program.sends)
+    )
+    return PendingExchange(
+        works, "forward", per_spec, keep=keep, posted_s=posted, link=program.posts.link
+    )
 
 
 def _split_window_grad(grad: torch.Tensor, plan, dim: int, x_shape):
@@ -221,28 +207,25 @@ def post_backward(
             pending = post_backward(grads, specs, peers, group, x_shapes, overlapped)
         stream.keep([*grads, *pending._keep_tensors(), *pending._result])
         return pending.posted_on(stream)
-    grad_xs, send_parts, back_shapes = [], {}, {}
-    for (plan, dim, _), grad, shape in zip(specs, grads, x_shapes):
-        grad_x, grad_recv = _split_window_grad(grad, plan, dim, shape)
-        # the gradient of every row we received goes back to its owner
-        for (q, _), g in zip(plan.recvs, grad_recv):
-            send_parts.setdefault(peers[q], []).append(g)
-        for q, runs in plan.sends:
-            rows = sum(c for _, c in runs)
-            back_shapes.setdefault(peers[q], []).append(shape_with(grad, dim, rows))
+    program = backward_messages(specs, x_shapes, peers, group, grads[0].device)
+    grad_xs, grad_recvs = [], []
+    for k, ((plan, dim, _), grad, shape) in enumerate(zip(specs, grads, x_shapes)):
+        split = program.split(k, grad, plan, dim, shape)
+        grad_x, grad_recv = (
+            split if split is not None else _split_window_grad(grad, plan, dim, shape)
+        )
         grad_xs.append(grad_x)
-    recvs, views = _receive_buffers(grads[0], back_shapes)
-    sends = _flat_messages(send_parts)
-    works, posted = post_messages(sends, recvs, group, "backward", overlapped)
+        grad_recvs.append(grad_recv)
+    (works, keep, views), posted = _replayed(
+        program.post, (grad_recvs, grads[0]), "backward", overlapped, len(program.sends)
+    )
 
     def finish(grad_xs):
-        for (plan, dim, _), grad_x in zip(specs, grad_xs):
-            _add_returned_rows(grad_x, plan, dim, views, peers)
+        program.add_returned(grad_xs, views)
         return grad_xs
 
-    keep = (*sends, *recvs)
     return PendingExchange(
-        works, "backward", grad_xs, finish, keep=keep, posted_s=posted, group=group
+        works, "backward", grad_xs, finish, keep=keep, posted_s=posted, link=program.posts.link
     )
 
 
@@ -267,19 +250,15 @@ def post_halo_gradients(grad_recv, plan, dim: int, peers, group, like, *, overla
     """Send the gradients ``grad_recv`` of the received rows back to their owners; ``wait()``
     gives a function adding, into a shard gradient, what other ranks return for the rows this
     rank sent them.  For layers that split their window gradient (``layers/split_conv.py``)."""
-    back_shapes = {}
-    for q, runs in plan.sends:
-        back_shapes.setdefault(peers[q], []).append(shape_with(like, dim, sum(c for _, c in runs)))
-    send_parts = {}
-    for (q, _), g in zip(plan.recvs, grad_recv):
-        send_parts.setdefault(peers[q], []).append(g)
-    recvs, views = _receive_buffers(like, back_shapes)
-    sends = _flat_messages(send_parts)
-    works, posted = post_messages(sends, recvs, group, "backward", overlapped)
+    program = backward_messages([(plan, dim, 0.0)], [like.shape], peers, group, like.device)
+    (works, keep, views), posted = _replayed(
+        program.post, ([grad_recv], like), "backward", overlapped, len(program.sends)
+    )
 
     def add_returned(grad_x):
-        return _add_returned_rows(grad_x, plan, dim, views, peers)
+        program.add_returned([grad_x], views)
+        return grad_x
 
     return PendingExchange(
-        works, "backward", add_returned, keep=(*sends, *recvs), posted_s=posted, group=group
+        works, "backward", add_returned, keep=keep, posted_s=posted, link=program.posts.link
     )

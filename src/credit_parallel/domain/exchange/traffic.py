@@ -22,7 +22,8 @@ def _directions(value):
 class ExchangeStats:
     """Counters of domain P2P traffic on this rank (read by the benchmarks).
 
-    ``p2p_calls``: ``batch_isend_irecv`` calls; ``messages``: sends; ``bytes_sent`` (also split
+    ``p2p_calls``: batched posts (one ``batch_isend_irecv``, or on gloo each message posted
+    once on the group: ``replay.py``); ``messages``: sends; ``bytes_sent`` (also split
     ``by_direction``); ``seconds``: time blocked in exchanges by direction (posting + waiting);
     ``overlapped_calls``: calls whose wait was deferred behind computation;
     ``statistics_bytes``: GroupNorm statistics sent inside halo exchanges (``norm_halo.py``),

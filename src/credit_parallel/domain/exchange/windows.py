@@ -14,6 +14,7 @@ import torch
 __all__ = [
     "assemble_window",
     "halo_gradient_buffers",
+    "reads_only_fill",
     "scatter_window_grad",
     "shape_numel",
     "shape_with",
@@ -56,15 +57,38 @@ def _range_segments(plan, start: int, stop: int, skip: tuple[int, int] = (0, 0))
         pos += count
 
 
+_SEGMENTS: dict = {}
+
+
+def _rows(t: torch.Tensor, dim: int, start: int, count: int) -> torch.Tensor:
+    """Rows ``[start, start + count)`` of ``t`` along ``dim``: ``t`` itself when that is all of
+    it (one operation fewer per piece), else a view."""
+    if start == 0 and count == t.shape[dim]:
+        return t
+    return t.narrow(dim, start, count)
+
+
+def _segments(plan, start: int, stop: int, skip) -> tuple:
+    """:func:`_range_segments` as a tuple, computed once per (plan, range, skip): the same
+    plan is cut the same way at every call of a layer."""
+    key = (id(plan), start, stop, skip[0], skip[1])
+    hit = _SEGMENTS.get(key)
+    if hit is None or hit[0] is not plan:
+        if len(_SEGMENTS) >= 1024:
+            _SEGMENTS.clear()
+        hit = _SEGMENTS[key] = (plan, tuple(_range_segments(plan, start, stop, skip)))
+    return hit[1]
+
+
 def _window_pieces(x, recv_bufs, plan, dim, fill_value, start, stop, skip=(0, 0)) -> list:
     pieces, pos = [], start
-    for kind, where, a, c in _range_segments(plan, start, stop, skip):
+    for kind, where, a, c in _segments(plan, start, stop, skip):
         if a > pos:  # skipped positions: zeros
             pieces.append(x.new_zeros(shape_with(x, dim, a - pos)))
         if kind == "own":
             pieces.append(x.narrow(dim, where, c))
         elif kind == "recv":
-            pieces.append(recv_bufs[where[0]].narrow(dim, where[1], c))
+            pieces.append(_rows(recv_bufs[where[0]], dim, where[1], c))
         else:
             pieces.append(x.new_full(shape_with(x, dim, c), fill_value))
         pos = a + c
@@ -79,12 +103,17 @@ def scatter_window_grad(grad, start: int, plan, dim: int, grad_x, grad_recv, ski
     ``grad_recv`` (received rows, one per ``plan.recvs`` entry; either may be None: not
     accumulated now); fill rows are dropped."""
     stop = start + grad.shape[dim]
-    for kind, where, a, c in _range_segments(plan, start, stop, skip):
-        g = grad.narrow(dim, a - start, c)
+    for kind, where, a, c in _segments(plan, start, stop, skip):
         if kind == "own" and grad_x is not None:
-            grad_x.narrow(dim, where, c).add_(g)
+            _rows(grad_x, dim, where, c).add_(_rows(grad, dim, a - start, c))
         elif kind == "recv" and grad_recv is not None:
-            grad_recv[where[0]].narrow(dim, where[1], c).add_(g)
+            _rows(grad_recv[where[0]], dim, where[1], c).add_(_rows(grad, dim, a - start, c))
+
+
+def reads_only_fill(plan, start: int, stop: int, skip: tuple[int, int] = (0, 0)) -> bool:
+    """Whether window positions ``[start, stop)`` minus ``skip`` hold only fill rows (rows
+    beyond the globe that no rank owns)."""
+    return all(kind == "fill" for kind, _, _, _ in _segments(plan, start, stop, skip))
 
 
 def halo_gradient_buffers(like: torch.Tensor, plan, dim: int) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..exchange.halo import exchange_planned
 from ..exchange.shared_input import SharedInputExchange
-from ..exchange.windows import assemble_window
+from ..exchange.windows import assemble_window, reads_only_fill
 from ..manager import resolve_manager
 from ..options import LayerOptions, check_overlap
 from ..rows import FILL, RankExchangePlan, compose_windows, plan_exchange, shard_range
@@ -71,6 +71,18 @@ class _ConvCall:
     first_input_row: int | None  # the first global row of its window (None: an empty window)
     # (op, window positions of the shard) when one zero-padded call covers every owned row
     full: tuple | None = None
+
+
+def _without_fill_strips(split: OverlapSplit, plan, skip: tuple) -> OverlapSplit:
+    """``split`` without the boundary strips that read, outside the shard's positions
+    ``skip``, only fill rows beyond the globe (zeros): with the full call (the conv with its own
+    zero padding over the shard) those output rows are already what the strip would give."""
+    top, bottom = split.top_rows, split.bottom_rows
+    if top and reads_only_fill(plan, 0, split.top_stop, skip):
+        top = 0
+    if bottom and reads_only_fill(plan, split.bottom_start, plan.window_rows, skip):
+        bottom = 0
+    return replace(split, top_rows=top, bottom_rows=bottom)
 
 
 def fused_pad_windows(pad, conv, length: int, n: int) -> tuple:
@@ -296,6 +308,8 @@ class _DomainParallelConvNd(DomainWrapper):
             first = windows[rank][0] if windows[rank] else None
             plan = plan_exchange(length, n, windows)[rank]
             full = None if split is None else self._full_call(length, n, rank, plan)
+            if full is not None:
+                split = _without_fill_strips(split, plan, full[1])
             call = _ConvCall(plan, split, o0 == o1, (o0, o1), first, full)
             if len(self._calls) > 64:
                 self._calls.clear()

@@ -9,7 +9,9 @@ shard, then convolves the boundary rows from small strips of the window (a few r
 * ``full`` (stride 1, symmetric padding, output rows = shard rows, e.g. every 3x3 "same" conv,
   periodic ones included: their other dims are padded as on one process): ONE call of the conv with its own zero padding over the whole
   shard gives every owned row, the boundary rows with the halo read as zeros; those few rows
-  are then overwritten by the strip convs (strip-sized copies).  Backward: one
+  are then overwritten by the strip convs (strip-sized copies); a strip that would read only
+  fill rows beyond the globe is left out (``conv._without_fill_strips``: the zero padding gave
+  those rows already).  Backward: one
   ``convolution_backward`` of the whole output gradient against the shard gives the shard's
   input gradient and the weight and bias gradients, the halo positions of the strips add the
   missing terms (input gradient of the halo rows, weight gradient from the halo values).
