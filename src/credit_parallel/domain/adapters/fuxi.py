@@ -392,6 +392,20 @@ def _swapped(obj, name: str, value):
         obj.__dict__[name] = old
 
 
+# whole CREDIT models whose own forward reads the global grid in ways no layer rule can see
+_WHOLE_MODEL_REASONS = {
+    "credit.models.wxformer.wxformer_next.NextGenWXFormer": (
+        "miles-credit's nextgen_wxformer cannot be domain parallel: its forward calls "
+        "F.interpolate itself (bilinear from stage to stage on each shard's own sizes, which "
+        "needs rows of the neighbours, and last to the stored global image_height x "
+        "image_width), and its spectral_bottleneck (SpectralGNNBottleneck) mixes all H x W "
+        "grid points through the matrices agg_w / scatter_w sized for the whole grid; use "
+        "domain: 1 (tensor parallelism is exact for it), or "
+        "trainer.domain_nonlocal_policy: gather to run it whole on every domain rank"
+    ),
+}
+
+
 def credit_model_decision(
     module: nn.Module,
     path: str,
@@ -409,9 +423,18 @@ def credit_model_decision(
     ``on_gather(path, why)`` is told).  Raises ``ValueError`` naming the path otherwise."""
     if isinstance(module, (DomainFuxi, *skip_types)) or getattr(module, "_domain_parallel", False):
         return module
+    where = path or "<root>"
+    whole = _WHOLE_MODEL_REASONS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    if whole is not None:  # before its attention is converted: gathered whole, or refused
+        if nonlocal_policy != "gather":
+            raise ValueError(
+                f"convert_to_domain_parallel: {where} ({type(module).__name__}): {whole}"
+            )
+        if on_gather is not None:
+            on_gather(where, f"{type(module).__name__}: {whole}")
+        return DomainGatherModule(module, shard_dim, manager=manager).configure(module_path=where)
     if not is_fuxi(module):
         return None
-    where = path or "<root>"
     if shard_dim != SHARD_DIM:
         raise ValueError(
             f"convert_to_domain_parallel: {where} ({type(module).__name__}): FuXi's "
