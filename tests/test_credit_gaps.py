@@ -774,3 +774,12 @@ def test_undeclared_fused_message_states_when_a_tp_fused_entry_is_exact():
     assert "exact only when" in message and "heads = width // head_dim" in message
     assert "stored heads attribute" in message and "legacy wxformer" in message
     assert "declare _tp_fused" not in message
+
+
+def test_spectral_gnn_bottleneck_in_any_model_is_refused_by_name():
+    from credit_parallel.domain.convert import find_unsafe_modules
+
+    m = import_credit("credit.models.wxformer.wxformer_next")
+    net = nn.Sequential(nn.Conv2d(2, 8, 1), m.SpectralGNNBottleneck(8, 4, 4, 2))
+    ((path, reason),) = find_unsafe_modules(net)
+    assert path == "1" and reason.startswith("SpectralGNNBottleneck") and "agg_w" in reason

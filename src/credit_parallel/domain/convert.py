@@ -27,12 +27,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .adapters.fuxi import credit_model_decision
-from .adapters.recognise import (
-    known_attention_decision,
-    qualified_name,
-    recognised_attention_form,
-)
+from .adapters.fuxi import NONLOCAL_CLASSES, credit_model_decision
+from .adapters.recognise import known_attention_decision, qualified_name, recognised_attention_form
 from .adapters.swin import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
 from .fusion import apply_fusions, apply_norm_conv, find_fusions, find_norm_conv
 from .layers.conv import (
@@ -82,17 +78,6 @@ _UNSAFE_TYPES = (
     nn.SyncBatchNorm,
     nn.LocalResponseNorm,
 )
-
-# client classes whose forward mixes every grid point through a parameter over the flattened
-# H x W nodes (a shard's rows would meet the wrong columns of the matrix): refused by name, or run
-# on the gathered globe under nonlocal_policy="gather" (exact)
-_NONLOCAL_CLASSES = {
-    "credit.models.wxformer.wxformer_next.SpectralGNNBottleneck": (
-        "aggregates all H x W grid points to its virtual spectral nodes with the learned "
-        "(K, H*W) matrix agg_w and scatters back with scatter_w (H*W, K): every output row "
-        "depends on every input row, and the matrices are sized for the whole grid"
-    ),
-}
 
 # --------------------------------------------------------------------------- the rule registry
 DomainRule = Callable[[nn.Module, object, int], "nn.Module | None"]
@@ -217,7 +202,7 @@ def _unsafe_reason(module: nn.Module, shard_dim: int = -2) -> str | None:
     if declared is False:
         return "declares _domain_local = False"
     name = type(module).__name__
-    nonlocal_reason = _NONLOCAL_CLASSES.get(qualified_name(module))
+    nonlocal_reason = NONLOCAL_CLASSES.get(qualified_name(module))
     if nonlocal_reason is not None:
         return f"{name} {nonlocal_reason}"
     swin_reason = swin_unshardable_reason(module)

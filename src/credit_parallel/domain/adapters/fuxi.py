@@ -56,6 +56,7 @@ from ..wrap import DomainWrapper, replace_outermost
 
 __all__ = [
     "FUXI_MODELS",
+    "NONLOCAL_CLASSES",
     "DomainFuxi",
     "FuxiGeometry",
     "convert_credit_models",
@@ -391,6 +392,17 @@ def _swapped(obj, name: str, value):
     finally:
         obj.__dict__[name] = old
 
+
+# client classes whose forward mixes every grid point through a parameter over the flattened
+# H x W nodes (a shard's rows would meet the wrong columns of the matrix): refused by name, or run
+# on the gathered globe under nonlocal_policy="gather" (exact)
+NONLOCAL_CLASSES = {
+    "credit.models.wxformer.wxformer_next.SpectralGNNBottleneck": (
+        "aggregates all H x W grid points to its virtual spectral nodes with the learned "
+        "(K, H*W) matrix agg_w and scatters back with scatter_w (H*W, K): every output row "
+        "depends on every input row, and the matrices are sized for the whole grid"
+    ),
+}
 
 # whole CREDIT models whose own forward reads the global grid in ways no layer rule can see
 _WHOLE_MODEL_REASONS = {
