@@ -408,7 +408,7 @@ def _era5_025deg_conf():
     }
 
 
-def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks():
+def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks_padding_refused():
     from credit_parallel.planner import format_plan, make_plan
 
     crossformer = import_credit("credit.models.crossformer")
@@ -417,6 +417,17 @@ def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks():
     load_model = import_credit("credit.models").load_model
     with pytest.raises(KeyError, match="tracer_inds"):
         load_model({"model": conf["model"]})
+    with pytest.warns(UserWarning, match=r"model\.post_conf \(active\).*train_gen2"):
+        plan = make_plan(conf, 32)
+    assert plan.model_class == "CrossFormer"
+    # its earth padding (a plain TensorPadding object) and its interpolation to the global size
+    # run in the model's own forward: refused by name at domain 8, not run wrong
+    (violation,) = plan.violations
+    for words in ("<root> (CrossFormer)", "model.padding_conf", "'earth'", "model.interp: true"):
+        assert words in violation, (words, violation)
+    # with both off (windows that tile the unpadded stages 360 / 180 / 90 / 45), it plans
+    conf["model"].update(interp=False, padding_conf={"activate": False})
+    conf["model"].update(global_window_size=[5, 5, 5, 1], local_window_size=5)
     with pytest.warns(UserWarning, match=r"model\.post_conf \(active\).*train_gen2"):
         plan = make_plan(conf, 32)
     assert plan.model_class == "CrossFormer" and not plan.violations, plan.violations
@@ -428,9 +439,7 @@ def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks():
     assert isinstance(theirs, crossformer.CrossFormer)
     assert plan.parameter_count == sum(p.numel() for p in theirs.parameters())
     assert plan.input_shapes == ((60, 721, 1440),)  # 4 x 13 + 4 + 4 input channels
-    # 721 rows over 8 domain ranks, the padded 801 and the stages 400 / 200 / 100 / 50
-    heights = [h for h, _ in plan.levels]
-    assert heights[:3] == [801, 800, 721] and heights[-4:] == [400, 200, 100, 50], heights
+    # 721 rows over 8 domain ranks, then the stages' heights
     assert dict(plan.levels)[721] == (91, 90, 90, 90, 90, 90, 90, 90)
     text = format_plan(plan)
     assert "world size 32" in text and "[0:91) of 721" in text and "0 violated" in text

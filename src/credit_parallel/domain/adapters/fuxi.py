@@ -418,6 +418,35 @@ _WHOLE_MODEL_REASONS = {
 }
 
 
+def _global_grid_reason(module: nn.Module) -> str | None:
+    """Why a miles-credit model's own forward needs the whole grid: its TensorPadding (a plain
+    object, not a module the converter can see) pads the globe, or it interpolates to its stored
+    global image size; None otherwise."""
+    if not type(module).__module__.startswith("credit.models") or is_fuxi(module):
+        return None  # FuXi: made exact whole (DomainFuxi), its interpolation included
+    reasons = []
+    padding = getattr(module, "padding_opt", None)
+    if getattr(module, "use_padding", False) and hasattr(padding, "pad_NS"):
+        reasons.append(
+            f"its forward pads with CREDIT's TensorPadding (model.padding_conf, mode "
+            f"{getattr(padding, 'mode', '?')!r}, pad_lat {list(padding.pad_NS)}), a plain object "
+            "that would pad every latitude shard as if it were the globe"
+        )
+    if getattr(module, "use_interp", False):
+        reasons.append(
+            "its forward interpolates to the stored global image_height x image_width "
+            "(model.interp: true)"
+        )
+    if not reasons:
+        return None
+    return (
+        f"miles-credit's {type(module).__name__} cannot be domain parallel: "
+        + "; ".join(reasons)
+        + "; set model.padding_conf.activate: false and model.interp: false, use domain: 1, or "
+        "trainer.domain_nonlocal_policy: gather to run it whole on every domain rank"
+    )
+
+
 def credit_model_decision(
     module: nn.Module,
     path: str,
@@ -437,6 +466,7 @@ def credit_model_decision(
         return module
     where = path or "<root>"
     whole = _WHOLE_MODEL_REASONS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    whole = whole or _global_grid_reason(module)
     if whole is not None:  # before its attention is converted: gathered whole, or refused
         if nonlocal_policy != "gather":
             raise ValueError(
