@@ -282,3 +282,17 @@ def test_the_rewritten_example_trains_at_domain_2_as_on_one_process(store):
     worst = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
     assert worst <= TOL, worst
     assert ref_records[1]["loss"] != ref_records[0]["loss"]  # the first step changed the weights
+
+
+def test_timestep_and_level_coord_are_honoured_by_the_dataset(store):
+    from credit_parallel.data import ERA5Dataset
+
+    kwargs = {"upper_air_variables": ["T"], "surface_variables": ["SP"], "normalize": False}
+    every = ERA5Dataset(store, **kwargs, timestep="6h", level_coord="level")
+    twelve = ERA5Dataset(store, **kwargs, timestep="12h")
+    assert list(twelve.times) == list(every.times[::2]) and len(every.times) == 16
+    assert torch.equal(twelve[1]["x"], every[2]["x"]) and torch.equal(twelve[1]["y"], every[3]["y"])
+    with pytest.raises(ValueError, match=r"timestep '5h' is not a multiple of .* 0 days 06:00"):
+        ERA5Dataset(store, **kwargs, timestep="5h")
+    with pytest.raises(ValueError, match=r"level_coord 'plev' is not a dimension"):
+        ERA5Dataset(store, **kwargs, level_coord="plev")
