@@ -296,3 +296,26 @@ def test_timestep_and_level_coord_are_honoured_by_the_dataset(store):
         ERA5Dataset(store, **kwargs, timestep="5h")
     with pytest.raises(ValueError, match=r"level_coord 'plev' is not a dimension"):
         ERA5Dataset(store, **kwargs, level_coord="plev")
+
+
+def test_the_examples_padding_and_interpolation_are_refused_at_domain_2_before_any_rank(store):
+    """The example's earth padding (CREDIT's TensorPadding, applied in the model's forward) and
+    its interpolation to the global size would run per latitude shard: refused by name."""
+    from credit_parallel.train.preflight import check_run
+
+    conf = _on_sample(store, {"data": "none", "tensor": 1, "domain": 2})
+    conf["model"].update(
+        interp=True,
+        padding_conf={"activate": True, "mode": "earth", "pad_lat": [8, 8], "pad_lon": [16, 16]},
+        global_window_size=[3, 3, 3, 1],  # windows that tile the padded stages 24 / 12 / 6 / 3
+        local_window_size=3,
+    )
+    with pytest.warns(UserWarning):
+        with pytest.raises(ValueError) as refused:
+            check_run(conf, 2)
+    message = str(refused.value)
+    for words in ("(CrossFormer)", "model.padding_conf", "model.interp: true", "domain: 1"):
+        assert words in message, (words, message)
+    conf["trainer"]["parallelism"]["domain"] = 1  # one process: the same model runs as written
+    with pytest.warns(UserWarning):
+        check_run(conf, 1)
