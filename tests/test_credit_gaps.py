@@ -408,7 +408,7 @@ def _era5_025deg_conf():
     }
 
 
-def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks():
+def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks_padding_refused():
     from credit_parallel.planner import format_plan, make_plan
 
     crossformer = import_credit("credit.models.crossformer")
@@ -417,6 +417,23 @@ def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks():
     load_model = import_credit("credit.models").load_model
     with pytest.raises(KeyError, match="tracer_inds"):
         load_model({"model": conf["model"]})
+    with pytest.warns(UserWarning, match=r"model\.post_conf \(active\).*train_gen2"):
+        plan = make_plan(conf, 32)
+    assert plan.model_class == "CrossFormer"
+    # its interpolation to the global size runs in the model's own forward: refused by name at
+    # domain 8, not run wrong (its earth padding is exact: tensor_padding.DomainPaddedModel)
+    (violation,) = plan.violations
+    for words in ("<root> (CrossFormer)", "model.interp: true"):
+        assert words in violation, (words, violation)
+    assert "padding_conf" not in violation
+    # interpolation off, the earth padding as written: it plans
+    conf["model"].update(interp=False)
+    with pytest.warns(UserWarning, match=r"model\.post_conf \(active\).*train_gen2"):
+        plan = make_plan(conf, 32)
+    assert plan.model_class == "CrossFormer" and not plan.violations, plan.violations
+    # with both off (windows that tile the unpadded stages 360 / 180 / 90 / 45), it plans
+    conf["model"].update(interp=False, padding_conf={"activate": False})
+    conf["model"].update(global_window_size=[5, 5, 5, 1], local_window_size=5)
     with pytest.warns(UserWarning, match=r"model\.post_conf \(active\).*train_gen2"):
         plan = make_plan(conf, 32)
     assert plan.model_class == "CrossFormer" and not plan.violations, plan.violations
@@ -428,9 +445,7 @@ def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks():
     assert isinstance(theirs, crossformer.CrossFormer)
     assert plan.parameter_count == sum(p.numel() for p in theirs.parameters())
     assert plan.input_shapes == ((60, 721, 1440),)  # 4 x 13 + 4 + 4 input channels
-    # 721 rows over 8 domain ranks, the padded 801 and the stages 400 / 200 / 100 / 50
-    heights = [h for h, _ in plan.levels]
-    assert heights[:3] == [801, 800, 721] and heights[-4:] == [400, 200, 100, 50], heights
+    # 721 rows over 8 domain ranks, then the stages' heights
     assert dict(plan.levels)[721] == (91, 90, 90, 90, 90, 90, 90, 90)
     text = format_plan(plan)
     assert "world size 32" in text and "[0:91) of 721" in text and "0 violated" in text
@@ -669,3 +684,117 @@ def test_credit_example_config_verifies_with_its_own_data_and_trainer_blocks():
     assert len(rows) > 10 and all(r[-1] == "PASS" for r in rows), [
         r for r in rows if r[-1] != "PASS"
     ]
+
+
+# --------------------------------------------------------------------------- nextgen_wxformer x domain
+def _nextgen_wxformer():
+    m = import_credit("credit.models.wxformer.wxformer_next")
+    return m.NextGenWXFormer(
+        image_height=32,
+        image_width=32,
+        frames=1,
+        channels=1,
+        surface_channels=1,
+        input_only_channels=0,
+        output_only_channels=0,
+        levels=2,
+        dim=(8, 16, 32, 64),
+        depth=(1, 1, 1, 1),
+        dim_head=4,
+        global_window_size=(2, 1, 1, 1),
+        local_window_size=2,
+        cross_embed_kernel_sizes=((2, 4),) * 4,
+        cross_embed_strides=(2, 2, 2, 2),
+        col_attn_heads=1,
+        num_spectral_nodes=4,
+    ).double()
+
+
+def _nextgen_domain_worker(rank, world):
+    from credit_parallel import convert_to_domain_parallel, parallelize
+
+    torch.set_default_dtype(torch.float64)
+    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": world}}}
+    with pytest.raises(ValueError) as refused:
+        parallelize(_nextgen_wxformer(), conf)
+    mgr = DomainParallelManager(world, world)
+    x = torch.randn(1, 3, 1, 32, 32, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="nonlocal_policy='gather'"):
+        errors = domain_parity_errors(
+            _nextgen_wxformer,
+            x,
+            mgr,
+            convert=lambda m, g: convert_to_domain_parallel(m, g, nonlocal_policy="gather"),
+        )
+    return str(refused.value), errors
+
+
+def test_nextgen_wxformer_under_domain_parallel_is_refused_by_name_or_gathered_exactly():
+    """miles-credit's NextGenWXFormer at domain 2 used to crash inside its spectral bottleneck's
+    einsum (the (K, H*W) aggregation matrix against a shard's H/2*W nodes).  Its forward also
+    interpolates on its own, so no layer rule can make it exact: the converter refuses it by
+    name with the reasons, and under ``nonlocal_policy="gather"`` runs it whole (exact)."""
+    message, errors = run_on_ranks(_nextgen_domain_worker, 2)[0]
+    assert "<root> (NextGenWXFormer)" in message
+    for reason in ("F.interpolate", "SpectralGNNBottleneck", "agg_w", "domain: 1", "gather"):
+        assert reason in message, (reason, message)
+    assert "einsum" not in message
+    assert_parity(errors)
+
+
+# --------------------------------------------------------------------------- legacy wxformer x tp
+def _legacy_wxformer_attention():
+    crossformer = import_credit("credit.models.wxformer.crossformer")
+    torch.manual_seed(0)
+    return crossformer.Attention(16, "short", 2, dim_head=4)
+
+
+def test_legacy_wxformer_fused_qkv_is_refused_and_the_message_suggests_only_exact_ways():
+    """CREDIT's legacy wxformer Attention splits q|k|v into heads by its stored ``self.heads``:
+    no ``_tp_fused`` declaration would make a split ``to_qkv`` exact, so the refusal must not
+    suggest one, with or without a declaration."""
+    from credit_parallel.parallel.tensor_parallel import build_tensor_parallel_plan
+
+    attn = _legacy_wxformer_attention()
+    assert attn.heads == 4 and attn._tp_col == "to_qkv"
+    for declared in (None, {"to_qkv": 3}):
+        if declared is not None:
+            attn._tp_fused = declared
+        with pytest.raises(ValueError) as refused:
+            build_tensor_parallel_plan(attn, 2)
+        message = str(refused.value)
+        assert "'to_qkv'" in message and "legacy wxformer Attention" in message
+        assert "self.heads" in message and "nextgen_wxformer" in message
+        assert "tensor: 1" in message and "declare _tp_fused" not in message
+
+
+class _UndeclaredFused(nn.Module):
+    """Not CREDIT's: a module whose ``to_qkv`` is declared without ``_tp_fused``."""
+
+    _tp_col = "to_qkv"
+
+    def __init__(self):
+        super().__init__()
+        self.to_qkv = nn.Linear(8, 24)
+
+
+def test_undeclared_fused_message_states_when_a_tp_fused_entry_is_exact():
+    from credit_parallel.parallel.tensor_parallel import build_tensor_parallel_plan
+
+    with pytest.raises(ValueError) as refused:
+        build_tensor_parallel_plan(_UndeclaredFused(), 2)
+    message = str(refused.value)
+    assert "{'to_qkv': 3}" in message
+    # the condition under which the declaration is exact, and the legacy wxformer excluded
+    assert "exact only when" in message and "heads = width // head_dim" in message
+    assert "stored heads attribute" in message and "legacy wxformer" in message
+    assert "declare _tp_fused" not in message
+
+
+def test_spectral_gnn_bottleneck_in_any_model_is_refused_by_name():
+    from credit_parallel.domain.convert import find_unsafe_modules
+
+    m = import_credit("credit.models.wxformer.wxformer_next")
+    net = nn.Sequential(nn.Conv2d(2, 8, 1), m.SpectralGNNBottleneck(8, 4, 4, 2))
+    ((path, reason),) = find_unsafe_modules(net)
+    assert path == "1" and reason.startswith("SpectralGNNBottleneck") and "agg_w" in reason

@@ -34,8 +34,10 @@ from torch.utils.data import Dataset
 
 from .chunk_reader import ChunkReader, choose_reader
 from .selection import (
+    every_timestep,
     format_level,
     latitude_weights,
+    level_coord_dim,
     level_index,
     name_list,
     positive_int,
@@ -44,7 +46,6 @@ from .selection import (
 )
 from .store import (
     LAT_NAMES,
-    LEVEL_NAMES,
     LON_NAMES,
     TIME_NAMES,
     default_stats_path,
@@ -125,6 +126,8 @@ class ERA5Dataset(Dataset):
         reader: str = "auto",
         dynamic_forcing_variables: Sequence[str] = (),
         static_variables: Sequence[str] = (),
+        level_coord: str | None = None,
+        timestep: str | None = None,
     ):
         super().__init__()
         self.path = Path(path)
@@ -144,12 +147,14 @@ class ERA5Dataset(Dataset):
         self.normalize = bool(normalize)
 
         ds, self._store = open_store(self.path, "ERA5Dataset")
-        self._find_dims(ds)
+        self._find_dims(ds, level_coord)
         self._check_variables(ds)
         names = self._read_variables + self.static_variables
         self.variable_units = {n: str(ds[n].attrs.get("units", "")) for n in names}
         self._level_positions, self.levels = self._select_levels(ds, levels)
         self._time_positions, self.times = self._select_times(ds, time_slice)
+        if timestep is not None:  # every k-th time of the store ("6h" of an hourly store)
+            self._time_positions, self.times = every_timestep(self, timestep)
 
         n_times = len(self._time_positions)
         self._window = self.history_len + self.forecast_len
@@ -265,7 +270,7 @@ class ERA5Dataset(Dataset):
                 direct[name] = array
         return direct
 
-    def _find_dims(self, ds: xr.Dataset) -> None:
+    def _find_dims(self, ds: xr.Dataset, level_coord: str | None = None) -> None:
         self._time_dim = find_dim(ds.dims, TIME_NAMES)
         self._lat_dim = find_dim(ds.dims, LAT_NAMES)
         self._lon_dim = find_dim(ds.dims, LON_NAMES)
@@ -279,7 +284,7 @@ class ERA5Dataset(Dataset):
                     f"ERA5Dataset: {str(self.path)!r} has no {key} dimension (looked for "
                     f"{list(names)}; dims are {list(ds.dims)})"
                 )
-        self._level_dim = find_dim(ds.dims, LEVEL_NAMES)
+        self._level_dim = level_coord_dim(ds.dims, level_coord, self.path)
 
     def _check_variables(self, ds: xr.Dataset) -> None:
         available = sorted(ds.data_vars)
@@ -556,6 +561,8 @@ class ERA5Dataset(Dataset):
 
 
 _CONF_KEYS = (
+    "level_coord",
+    "timestep",
     "upper_air_variables",
     "surface_variables",
     "dynamic_forcing_variables",
@@ -581,9 +588,7 @@ def dataset_from_conf(conf: dict, split: str = "train", **overrides) -> ERA5Data
             "config is missing the 'data' section (data.path, data.upper_air_variables, ...)"
         )
     if "path" not in d:
-        raise ValueError(
-            "data.path is required (run `credit-parallel sample-data` for a demo store)"
-        )
+        raise ValueError("data.path is required (`credit-parallel sample-data`: a demo store)")
     kwargs = {k: d[k] for k in _CONF_KEYS if k in d}
     key = "valid_time_slice" if split == "valid" else "time_slice"
     if d.get(key) is not None:

@@ -10,7 +10,9 @@ from ..domain.rows import shard_range
 from ..domain.tiles import tile_range
 
 __all__ = [
+    "every_timestep",
     "format_level",
+    "level_coord_dim",
     "latitude_weights",
     "level_index",
     "name_list",
@@ -124,3 +126,41 @@ def time_label(offset: int) -> str:
 
 def format_level(level: float) -> str:
     return str(int(level)) if float(level).is_integer() else str(level)
+
+
+def level_coord_dim(dims, level_coord: str | None, path) -> str | None:
+    """The store's level dimension: ``level_coord`` when given (it must be a dim), else the
+    first of ``LEVEL_NAMES`` present."""
+    from .store import LEVEL_NAMES, find_dim
+
+    if level_coord is None:
+        return find_dim(dims, LEVEL_NAMES)
+    if level_coord not in dims:
+        raise ValueError(
+            f"ERA5Dataset: level_coord {level_coord!r} is not a dimension of {str(path)!r} "
+            f"(dims are {list(dims)})"
+        )
+    return level_coord
+
+
+def every_timestep(dataset, timestep):
+    """The dataset's selected ``(positions, times)`` ``timestep`` apart ("6h"): the store's
+    spacing or a multiple of it (every k-th time); ``ValueError`` naming both otherwise."""
+    import pandas as pd
+
+    positions, times, path = dataset._time_positions, dataset.times, dataset.path
+
+    try:
+        want = pd.Timedelta(timestep)
+    except ValueError as err:
+        raise ValueError(f"ERA5Dataset: timestep {timestep!r} is not a duration") from err
+    if times.size < 2:
+        return positions, times
+    have = pd.Timedelta(times[1] - times[0])
+    if want <= pd.Timedelta(0) or want % have != pd.Timedelta(0):
+        raise ValueError(
+            f"ERA5Dataset: timestep {timestep!r} is not a multiple of the store's time spacing "
+            f"{have} in {str(path)!r}"
+        )
+    k = int(want // have)
+    return positions[::k], times[::k]

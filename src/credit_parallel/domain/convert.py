@@ -27,7 +27,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .adapters.recognise import known_attention_decision, recognised_attention_form
+from .adapters.fuxi import NONLOCAL_CLASSES
+from .adapters.recognise import known_attention_decision, qualified_name, recognised_attention_form
 from .adapters.swin import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
 from .adapters.tensor_padding import credit_adapter_decision
 from .fusion import apply_fusions, apply_norm_conv, find_fusions, find_norm_conv
@@ -202,6 +203,9 @@ def _unsafe_reason(module: nn.Module, shard_dim: int = -2) -> str | None:
     if declared is False:
         return "declares _domain_local = False"
     name = type(module).__name__
+    nonlocal_reason = NONLOCAL_CLASSES.get(qualified_name(module))
+    if nonlocal_reason is not None:
+        return f"{name} {nonlocal_reason}"
     swin_reason = swin_unshardable_reason(module)
     if swin_reason is not None:
         return f"{name}: {swin_reason}"  # reported whole: its roll and mask span the block

@@ -1,5 +1,6 @@
 """The typed run configuration: every ``trainer.*``, ``data.*`` and ``model.*`` key, parsed and
-validated in one place.
+validated in one place.  A CREDIT gen-2 config (``data.source``) is first read as these keys by
+:func:`credit_parallel.layout.credit_gen2.credit_gen2_conf`.
 
 ``RunConfig.from_conf(conf)`` turns the YAML mapping into frozen dataclasses; every error is a
 ``ValueError`` naming the key and the bad value.  The parallelism block itself is parsed by
@@ -16,6 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from .credit_gen2 import credit_gen2_conf
 
 __all__ = [
     "DEFAULT_DIST_TIMEOUT_S",
@@ -112,6 +115,15 @@ def _strings(section: str, key: str) -> Callable[[Any], tuple]:
     return parse
 
 
+def _optional_name(key: str) -> Callable[[Any], str | None]:
+    def parse(value):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(f"data.{key} must be a name (a string), got {value!r}")
+        return value
+
+    return parse
+
+
 def _levels(value):
     if not isinstance(value, (list, tuple)) or not all(
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
@@ -184,6 +196,10 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     "dynamic_forcing_variables": ((), _strings("data", "dynamic_forcing_variables")),
     "static_variables": ((), _strings("data", "static_variables")),
     "levels": (None, _levels),
+    # the store's level dimension (default: the first of level / pressure_level / plev / ...)
+    "level_coord": (None, _optional_name("level_coord")),
+    # the time between samples ("6h"): the store's spacing or a multiple of it (subsampled)
+    "timestep": (None, _optional_name("timestep")),
     "history_len": (1, _number("data", "history_len", int, 1)),
     "forecast_len": (1, _number("data", "forecast_len", int, 1)),
     "normalize": (True, _flag("data", "normalize")),
@@ -263,6 +279,10 @@ def parse_sections(
     :class:`RunConfig` from these, so a run's config is parsed once."""
     problems: list[str] = []
     parsed = []
+    try:
+        conf = credit_gen2_conf(conf)
+    except ValueError as err:
+        return None, None, None, [str(err)]
     for parse in (TrainerConfig.from_conf, DataConfig.from_conf, ModelConfig.from_conf):
         try:
             parsed.append(parse(conf))
@@ -329,6 +349,8 @@ class DataConfig:
     dynamic_forcing_variables: tuple = ()
     static_variables: tuple = ()
     levels: tuple | None = None
+    level_coord: str | None = None
+    timestep: str | None = None
     history_len: int = 1
     forecast_len: int = 1
     normalize: bool = True
@@ -383,6 +405,7 @@ class RunConfig:
 
         if not isinstance(conf, Mapping):
             raise ValueError(f"config must be a mapping, got {type(conf).__name__}")
+        conf = credit_gen2_conf(conf)
         return cls(
             MappingProxyType(parse_parallelism_conf(conf)),
             TrainerConfig.from_conf(conf),

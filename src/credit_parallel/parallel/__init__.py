@@ -2,6 +2,7 @@
 
 * ``tensor_parallel`` — the ``_tp_col`` / ``_tp_row`` plan and the Linear / 1x1-conv styles;
   ``tensor_parallel_guard`` — replicated tensors meeting tp-sharded ones (gradients summed over tp);
+  ``tensor_parallel_heads`` — when a fused q|k|v split is exact (head count from the width);
   ``credit_api`` — CREDIT 2026.2's names (``Tp*`` modules, ``supports_native_tp``, ...);
 * ``fsdp`` — FSDP2 over dp (or dp x domain) and DDP; ``grad_overlap`` — the domain gradient sum
   overlapped with the backward; ``collectives`` — bucketed gradient all-reduce, the domain

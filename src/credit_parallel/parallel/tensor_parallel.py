@@ -62,6 +62,7 @@ from .tensor_parallel_guard import (
     ReduceFromTensorParallel,
     install_partial_gradient_guard,
 )
+from .tensor_parallel_heads import check_stored_heads, undeclared_fused_message
 from .tensor_parallel_spectral import attach_spectral_norm, spectral_norm_of, spectral_sigma
 
 __all__ = [
@@ -467,13 +468,7 @@ def _check_layer(layer: nn.Module, target: TensorParallelTarget, tp_size: int) -
         _check_divisible(target, in_name, in_width, tp_size)
         return
     if target.parts == 1 and _is_fused_name(target.path) and not target.fused_declared:
-        raise ValueError(
-            f"tensor-parallel target {target.describe()} looks like a fused projection (its "
-            "name contains 'qkv'/'kv') but the declaring module has no _tp_fused entry for it; "
-            f"declare _tp_fused = {{{target.declared_as!r}: 3}} (q|k|v) or "
-            f"{{{target.declared_as!r}: 2}} (k|v) so that it is split per part, or "
-            f"{{{target.declared_as!r}: 1}} if it is not fused"
-        )
+        raise ValueError(undeclared_fused_message(target))
     if out_width % target.parts:
         raise ValueError(
             f"tensor-parallel target {target.describe()}: {out_name} = {out_width} is not "
@@ -520,6 +515,7 @@ def build_tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, Para
     plan = {}
     for target in collect_tensor_parallel_targets(model):
         layer = _resolve(model, target)
+        check_stored_heads(model.get_submodule(target.declared_by), target, _is_fused_name)
         _check_layer(layer, target, tp_size)
         plan[target.path] = _style_for(layer, target)
     return plan

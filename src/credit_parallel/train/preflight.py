@@ -28,6 +28,7 @@ from types import MappingProxyType
 import torch
 
 from ..layout.config import ParallelDims, parse_parallelism_conf
+from ..layout.credit_gen2 import credit_gen2_conf
 from ..layout.run_config import DEFAULT_DIST_TIMEOUT_S, RunConfig, parse_sections, trainer_option
 
 __all__ = ["DEFAULT_DIST_TIMEOUT_S", "check_run", "dist_timeout_s", "validate_run"]
@@ -197,6 +198,10 @@ def _validate(conf: dict, world_size: int, dataset, model):
 
     if not isinstance(conf, dict):
         return [f"config must be a mapping, got {type(conf).__name__}"], None, None
+    try:  # a CREDIT gen-2 config, read as credit-parallel's keys (layout/credit_gen2.py)
+        conf = credit_gen2_conf(conf)
+    except ValueError as err:
+        return [str(err)], None, None
 
     # 1. the trainer, data and model sections and the layout block, every bad key at once
     tc, dc, mc, violations = parse_sections(conf)

@@ -37,6 +37,7 @@ from ..domain.guard import FunctionalCallGuard, guard_requested
 from ..forecast.metrics import spatial_acc, spatial_mse
 from ..forecast.scores import climatology, flatten_channels
 from ..layout.config import DataMode, has_process_group
+from ..layout.credit_gen2 import credit_gen2_conf
 from ..layout.device import autocast_for, batch_to_device, device_for_process_group
 from ..layout.run_config import TrainerConfig
 from ..models import build_model
@@ -94,7 +95,9 @@ class Trainer:
         self.world = dist.get_world_size() if has_process_group() else 1
         self.rank = dist.get_rank() if has_process_group() else 0
         # every problem of the run (trainer keys, layout, model, data) at once, before anything;
-        # the run config and the layout come back parsed, once, and are used from here on
+        # the run config and the layout come back parsed, once, and are used from here on; a
+        # CREDIT gen-2 config is read as credit-parallel's keys first (layout/credit_gen2.py)
+        conf = credit_gen2_conf(conf)
         self.run_config, self.dims = check_run(conf, self.world, dataset, model=model)
         self.conf = conf
         self.block = dict(self.run_config.parallelism)

@@ -56,6 +56,7 @@ from ..wrap import DomainWrapper, replace_outermost
 
 __all__ = [
     "FUXI_MODELS",
+    "NONLOCAL_CLASSES",
     "DomainFuxi",
     "FuxiGeometry",
     "convert_credit_models",
@@ -392,6 +393,47 @@ def _swapped(obj, name: str, value):
         obj.__dict__[name] = old
 
 
+# client classes whose forward mixes every grid point through a parameter over the flattened
+# H x W nodes (a shard's rows would meet the wrong columns of the matrix): refused by name, or run
+# on the gathered globe under nonlocal_policy="gather" (exact)
+NONLOCAL_CLASSES = {
+    "credit.models.wxformer.wxformer_next.SpectralGNNBottleneck": (
+        "aggregates all H x W grid points to its virtual spectral nodes with the learned "
+        "(K, H*W) matrix agg_w and scatters back with scatter_w (H*W, K): every output row "
+        "depends on every input row, and the matrices are sized for the whole grid"
+    ),
+}
+
+# whole CREDIT models whose own forward reads the global grid in ways no layer rule can see
+_WHOLE_MODEL_REASONS = {
+    "credit.models.wxformer.wxformer_next.NextGenWXFormer": (
+        "miles-credit's nextgen_wxformer cannot be domain parallel: its forward calls "
+        "F.interpolate itself (bilinear from stage to stage on each shard's own sizes, which "
+        "needs rows of the neighbours, and last to the stored global image_height x "
+        "image_width), and its spectral_bottleneck (SpectralGNNBottleneck) mixes all H x W "
+        "grid points through the matrices agg_w / scatter_w sized for the whole grid; use "
+        "domain: 1 (tensor parallelism is exact for it), or "
+        "trainer.domain_nonlocal_policy: gather to run it whole on every domain rank"
+    ),
+}
+
+
+def _global_grid_reason(module: nn.Module) -> str | None:
+    """Why a miles-credit model's own forward needs the whole grid: it interpolates to its
+    stored global image size; None otherwise.  (Its ``TensorPadding``, a plain object the
+    converter cannot see as a module, is made exact by ``tensor_padding.DomainPaddedModel``.)"""
+    if not type(module).__module__.startswith("credit.models") or is_fuxi(module):
+        return None  # FuXi: made exact whole (DomainFuxi), its interpolation included
+    if not getattr(module, "use_interp", False):
+        return None
+    return (
+        f"miles-credit's {type(module).__name__} cannot be domain parallel: its forward "
+        "interpolates to the stored global image_height x image_width (model.interp: true); "
+        "set model.interp: false, use domain: 1, or trainer.domain_nonlocal_policy: gather to "
+        "run it whole on every domain rank"
+    )
+
+
 def credit_model_decision(
     module: nn.Module,
     path: str,
@@ -409,9 +451,19 @@ def credit_model_decision(
     ``on_gather(path, why)`` is told).  Raises ``ValueError`` naming the path otherwise."""
     if isinstance(module, (DomainFuxi, *skip_types)) or getattr(module, "_domain_parallel", False):
         return module
+    where = path or "<root>"
+    whole = _WHOLE_MODEL_REASONS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    whole = whole or _global_grid_reason(module)
+    if whole is not None:  # before its attention is converted: gathered whole, or refused
+        if nonlocal_policy != "gather":
+            raise ValueError(
+                f"convert_to_domain_parallel: {where} ({type(module).__name__}): {whole}"
+            )
+        if on_gather is not None:
+            on_gather(where, f"{type(module).__name__}: {whole}")
+        return DomainGatherModule(module, shard_dim, manager=manager).configure(module_path=where)
     if not is_fuxi(module):
         return None
-    where = path or "<root>"
     if shard_dim != SHARD_DIM:
         raise ValueError(
             f"convert_to_domain_parallel: {where} ({type(module).__name__}): FuXi's "

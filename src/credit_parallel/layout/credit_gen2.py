@@ -1,0 +1,286 @@
+"""miles-credit's gen-2 config schema read as credit-parallel's keys, before the one parser.
+
+A CREDIT 2026.2 gen-2 config (``config/gen_2/examples/*.yml``) describes its data as
+``data.source.<NAME>.variables.{prognostic, diagnostic, dynamic_forcing, static}`` with
+``vars_3D`` / ``vars_2D`` lists and a ``path`` per group, and its trainer in CREDIT's names
+(``learning_rate``, ``grad_accum_every``, ``thread_workers``, ``use_scheduler``, ...).
+:func:`credit_gen2_conf` returns the same run in credit-parallel's keys, which
+:mod:`credit_parallel.layout.run_config` then parses like any other config.  The flat variable
+lists come from miles-credit's own ``inject_flat_var_keys`` (what CREDIT's ``train_gen2.py``
+calls before building the model).  Every key that cannot be honoured is reported by its full
+path in ONE ``ValueError``; keys that only steer CREDIT's bookkeeping (tensorboard, backup
+weights, validation batch sizes, ...) are dropped with one warning naming them.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Mapping
+
+__all__ = ["credit_gen2_conf", "is_credit_gen2"]
+
+# data-level keys CREDIT's gen-2 dataset (credit.datasets.gen_2) does not read either, or that
+# do not change what is computed here
+_DATA_IGNORED = ("static_first", "one_shot", "lead_time_periods", "skip_periods", "save_loc")
+_SOURCE_KEYS = ("level_coord", "levels", "variables", "history_len")
+_GROUPS = ("prognostic", "diagnostic", "dynamic_forcing", "static")
+
+# trainer keys: CREDIT's name -> ours; dropped bookkeeping; flags honoured only when off
+_TRAINER_RENAMED = {"learning_rate": "lr", "grad_accum_every": "grad_accum"}
+_TRAINER_TO_DATA = {"thread_workers": "num_workers", "prefetch_factor": "prefetch_factor"}
+_TRAINER_DROPPED = (
+    "type",
+    "mode",
+    "use_tensorboard",
+    "save_backup_weights",
+    "save_best_weights",
+    "skip_validation",
+    "update_learning_rate",
+    "stopping_patience",
+    "valid_batch_size",
+    "valid_thread_workers",
+    "valid_batches_per_epoch",
+    "start_epoch",
+    "ema_decay",
+    "save_metric_vars",
+)
+_TRAINER_OFF_ONLY = {
+    "use_ema": "credit-parallel keeps no moving average of the weights",
+    "cpu_offload": "parameters stay on the device",
+    "load_weights": "resume with trainer.resume: true (DCP checkpoints)",
+    "load_optimizer": "resume with trainer.resume: true (DCP checkpoints)",
+    "load_scaler": "resume with trainer.resume: true (DCP checkpoints)",
+    "load_scheduler": "resume with trainer.resume: true (DCP checkpoints)",
+    "reload_epoch": "resume with trainer.resume: true (DCP checkpoints)",
+}
+_GEN2_TRAINER_TYPES = ("era5-gen2",)
+_LOSS_AS_OURS = {
+    "training_loss": "mse",
+    "use_power_loss": False,
+    "use_spectral_loss": False,
+    "use_latitude_weights": True,
+    "use_variable_weights": False,
+}
+
+
+def is_credit_gen2(conf) -> bool:
+    """True for a config whose ``data`` is CREDIT's gen-2 schema (``data.source``)."""
+    data = conf.get("data") if isinstance(conf, Mapping) else None
+    return isinstance(data, Mapping) and "source" in data
+
+
+def _inject_flat_var_keys(data: dict) -> dict:
+    """miles-credit's ``inject_flat_var_keys`` on a copy: ``variables``, ``surface_variables``,
+    ``diagnostic_variables`` as CREDIT's gen-2 trainer derives them."""
+    try:
+        from credit.trainers.utils import inject_flat_var_keys
+    except ImportError as err:
+        raise ValueError(
+            "data.source: CREDIT's gen-2 data schema is read with miles-credit's own "
+            f"inject_flat_var_keys (credit.trainers.utils), which cannot be imported ({err}); "
+            "install miles-credit 2026.2 with its dependencies, or write the data block in "
+            "credit-parallel's keys (data.path, data.upper_air_variables, ...)"
+        ) from err
+    conf = {"data": {k: v for k, v in copy.deepcopy(data).items() if k != "variables"}}
+    inject_flat_var_keys(conf)
+    return conf["data"]
+
+
+def _source(data: dict, problems: list[str]) -> tuple[str, dict]:
+    sources = data["source"]
+    if not isinstance(sources, Mapping) or not sources:
+        problems.append(f"data.source must map a source name to its block, got {sources!r}")
+        return "", {}
+    if len(sources) > 1:
+        problems.append(
+            f"data.source has {len(sources)} sources {sorted(sources)}; credit-parallel reads "
+            "one zarr store: keep one source"
+        )
+    name, block = next(iter(sources.items()))
+    block = block if isinstance(block, Mapping) else {}
+    for key in sorted(set(block) - set(_SOURCE_KEYS)):
+        problems.append(f"data.source.{name}.{key} is not read by credit-parallel")
+    return name, dict(block)
+
+
+def _groups(name: str, block: dict, flat: dict, problems: list[str]) -> dict:
+    """Our variable keys and the one store path, from the source's variable groups."""
+    variables = block.get("variables") or {}
+    out = {
+        "upper_air_variables": list(flat.get("variables") or []),
+        "surface_variables": list(flat.get("surface_variables") or []),
+    }
+    where = f"data.source.{name}.variables"
+    for group in sorted(set(variables) - set(_GROUPS)):
+        problems.append(f"{where}.{group} is not a gen-2 variable group ({', '.join(_GROUPS)})")
+    if flat.get("diagnostic_variables"):
+        problems.append(
+            f"{where}.diagnostic {flat['diagnostic_variables']}: output-only (diagnostic) "
+            "variables are not read by credit-parallel's dataset; remove the group and set "
+            "model.output_only_channels: 0"
+        )
+    for group, key in (
+        ("dynamic_forcing", "dynamic_forcing_variables"),
+        ("static", "static_variables"),
+    ):
+        spec = variables.get(group) or {}
+        if spec.get("vars_3D"):
+            problems.append(
+                f"{where}.{group}.vars_3D {spec['vars_3D']}: only 2-D {group} fields are read"
+            )
+        out[key] = list(spec.get("vars_2D") or [])
+    paths = {g: (variables.get(g) or {}).get("path") for g in _GROUPS if variables.get(g)}
+    distinct = sorted({p for p in paths.values() if p is not None})
+    if not distinct:
+        problems.append(f"{where}.<group>.path: no store path given")
+    elif len(distinct) > 1:
+        listing = ", ".join(f"{where}.{g}.path = {p!r}" for g, p in paths.items())
+        problems.append(
+            f"the variable groups name {len(distinct)} stores ({listing}); "
+            "credit-parallel reads every variable, static ones included, from ONE "
+            "zarr store: write them into one"
+        )
+    if distinct and any(c in distinct[0] for c in "*?["):
+        problems.append(
+            f"{where}.*.path = {distinct[0]!r} is a glob of files; credit-parallel reads one zarr "
+            "store (data.path): combine the files into one store"
+        )
+    if distinct:
+        out["path"] = distinct[0]
+    return out
+
+
+def _data_section(conf: Mapping, problems: list[str]) -> dict:
+    data = dict(conf["data"])
+    name, block = _source(data, problems)
+    flat = _inject_flat_var_keys({"source": {name: block}}) if name else {}
+    out = _groups(name, block, flat, problems) if name else {}
+    if "levels" in block:
+        out["levels"] = block["levels"]
+    if "level_coord" in block:
+        out["level_coord"] = block["level_coord"]
+    if "history_len" in block:
+        out["history_len"] = block["history_len"]
+    start, end = data.get("start_datetime"), data.get("end_datetime")
+    if start is not None or end is not None:
+        out["time_slice"] = [start, end]
+    valid = conf.get("validation_data")
+    if isinstance(valid, Mapping) and (valid.get("start_datetime") or valid.get("end_datetime")):
+        out["valid_time_slice"] = [valid.get("start_datetime"), valid.get("end_datetime")]
+    scaler = data.get("scaler_type")
+    if scaler is not None and scaler not in ("std_new", "std"):
+        problems.append(
+            f"data.scaler_type = {scaler!r}: credit-parallel normalises by a per-channel mean "
+            "and std (CREDIT's 'std_new'); choose that or normalise the store yourself"
+        )
+    for key in ("mean_path", "std_path"):
+        if data.get(key) is not None:
+            problems.append(
+                f"data.{key}: CREDIT's netCDF mean / std files are not read; give data.stats_path "
+                "(a store written by credit_parallel.data.compute_normalization_stats) or leave "
+                "both out (the statistics stored beside data.path)"
+            )
+    taken = {"source", "start_datetime", "end_datetime", "scaler_type", "mean_path", "std_path"}
+    for key, value in data.items():
+        if key not in taken | set(_DATA_IGNORED):
+            out.setdefault(key, value)  # history_len, timestep, ours, or unknown: parser names it
+    return out
+
+
+def _schedule(t: dict, out: dict, problems: list[str]) -> None:
+    if t.pop("use_scheduler", False) is not True:
+        t.pop("scheduler", None)
+        return
+    sched = dict(t.pop("scheduler", None) or {})
+    kind = sched.pop("scheduler_type", None)
+    if kind != "linear-warmup-cosine":
+        problems.append(
+            f"trainer.scheduler.scheduler_type = {kind!r}: credit-parallel's schedule is a "
+            "linear warmup then cosine decay ('linear-warmup-cosine'); choose it or set "
+            "trainer.use_scheduler: false"
+        )
+        return
+    if "warmup_steps" in sched:
+        out["warmup_steps"] = sched.pop("warmup_steps")
+    if "total_steps" in sched:
+        out.setdefault("steps", sched.pop("total_steps"))
+    if "min_lr" in sched:
+        lr = out.get("lr", t.get("lr", 1e-3))
+        out["min_lr_ratio"] = sched.pop("min_lr") / lr if lr else 0.0
+    for key in sorted(sched):
+        problems.append(f"trainer.scheduler.{key} is not read by credit-parallel's schedule")
+
+
+def _trainer_section(conf: Mapping, data: dict, problems: list[str], dropped: list[str]) -> dict:
+    t = dict(conf.get("trainer") or {})
+    kind = t.get("type")
+    if kind is not None and kind not in _GEN2_TRAINER_TYPES:
+        problems.append(
+            f"trainer.type = {kind!r}: credit-parallel's trainer is CREDIT's gen-2 trainer "
+            f"({', '.join(_GEN2_TRAINER_TYPES)})"
+        )
+    out = {}
+    for theirs, ours in _TRAINER_RENAMED.items():
+        if theirs in t:
+            out[ours] = t.pop(theirs)
+    for theirs, ours in _TRAINER_TO_DATA.items():
+        if theirs in t:
+            data.setdefault(ours, t.pop(theirs))
+    for key, why in _TRAINER_OFF_ONLY.items():
+        if t.pop(key, False):
+            problems.append(f"trainer.{key}: true is not supported ({why}); set it to false")
+    norm = t.pop("grad_max_norm", None)
+    if norm == "dynamic":
+        # CREDIT clips to the global norm itself: a factor norm / (norm + 1e-6), i.e. none
+        out["grad_clip"] = 0.0
+    elif norm is not None:
+        out["grad_clip"] = norm
+    _schedule(t, out, problems)
+    epochs = [t.pop(k) for k in ("batches_per_epoch", "num_epoch", "epochs") if k in t]
+    if epochs and "steps" not in out and "steps" not in t:
+        problems.append(
+            "trainer.batches_per_epoch / num_epoch / epochs: credit-parallel counts optimizer "
+            "steps; set trainer.steps (or trainer.scheduler.total_steps)"
+        )
+    dropped.extend(f"trainer.{k}" for k in _TRAINER_DROPPED if t.pop(k, None) is not None)
+    if "seed" not in t and "seed" in conf:
+        out["seed"] = conf["seed"]
+    return {**t, **out}
+
+
+def _loss_problems(conf: Mapping, problems: list[str]) -> None:
+    loss = conf.get("loss") or {}
+    for key, ours in _LOSS_AS_OURS.items():
+        if key in loss and loss[key] != ours:
+            problems.append(
+                f"loss.{key} = {loss[key]!r}: credit-parallel trains on the latitude-weighted "
+                f"MSE (loss.{key}: {ours!r})"
+            )
+
+
+def credit_gen2_conf(conf):
+    """``conf`` in credit-parallel's keys when its ``data`` is CREDIT's gen-2 schema (a new
+    mapping; the model block and ``trainer.parallelism`` as they are), else ``conf`` itself.
+    Raises ONE ``ValueError`` naming every key that cannot be honoured."""
+    if not is_credit_gen2(conf):
+        return conf
+    problems: list[str] = []
+    dropped: list[str] = []
+    data = _data_section(conf, problems)
+    trainer = _trainer_section(conf, data, problems, dropped)
+    _loss_problems(conf, problems)
+    if problems:
+        listing = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(
+            f"CREDIT gen-2 config: {len(problems)} key(s) cannot be honoured:\n{listing}"
+        )
+    if dropped:
+        warnings.warn(
+            f"CREDIT gen-2 config: {', '.join(dropped)} only steer CREDIT's own bookkeeping "
+            "and are ignored",
+            UserWarning,
+            stacklevel=2,
+        )
+    out = {k: v for k, v in conf.items() if k not in ("data", "trainer", "loss", "seed")}
+    return {**out, "data": data, "trainer": trainer}

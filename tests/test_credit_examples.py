@@ -1,0 +1,323 @@
+"""miles-credit's gen-2 example configs train: ``config/gen_2/examples/wxformer_era5_025deg_6hr.yml``
+(miles-credit 2026.2) as a dict, its data block in CREDIT's gen-2 schema (``data.source.ERA5``),
+its trainer in CREDIT's keys.  A copy rewritten to the sample store (path, the store's variable
+names, no diagnostic group, no netCDF statistics, no EMA) and to a tiny model trains 2 steps
+through the Trainer at domain 2 with the single-process losses, gradient norms and weights
+(float64, 1e-10); the example as written is refused naming every key that cannot be honoured.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed.tensor  # noqa: F401
+
+from credit_parallel.data import write_sample_dataset
+from credit_parallel.layout.credit_gen2 import credit_gen2_conf
+from credit_parallel.layout.run_config import RunConfig
+from credit_parallel.testing import run_on_ranks
+from miles_credit import import_credit
+
+TOL = 1e-10
+H, W = 32, 64
+
+_LEVELS = [25.5, 75.0, 125.0, 175.0, 225.0, 275.0, 350.0, 450.0, 550.0, 650.0, 775.0]
+_LEVELS += [887.5, 962.5]
+_STORE = (
+    "/glade/campaign/cisl/aiml/ksha/CREDIT_data/ERA5_plevel_base/all_in_one/ERA5_plevel_6h_*.zarr"
+)
+_STATIC = (
+    "/glade/campaign/cisl/aiml/ksha/CREDIT_data/ERA5_plevel_base/static/ERA5_plevel_6h_static.zarr"
+)
+_DIAGNOSTIC = ["total_precipitation", "evaporation", "top_net_thermal_radiation"]
+
+
+def _example() -> dict:
+    """The example's blocks as written (data, trainer, model, loss; predict / pbs left out)."""
+    return {
+        "save_loc": "/glade/derecho/scratch/$USER/CREDIT_runs/wxformer_025deg_6hr_v2",
+        "seed": 1000,
+        "data": {
+            "source": {
+                "ERA5": {
+                    "level_coord": "level",
+                    "levels": list(_LEVELS),
+                    "variables": {
+                        "prognostic": {
+                            "vars_3D": ["U", "V", "T", "specific_total_water"],
+                            "vars_2D": ["SP", "VAR_2T", "VAR_10U", "VAR_10V"],
+                            "path": _STORE,
+                        },
+                        "diagnostic": {"vars_2D": list(_DIAGNOSTIC), "path": _STORE},
+                        "dynamic_forcing": {
+                            "vars_2D": ["toa_incident_solar_radiation", "land_sea_CI_mask"],
+                            "path": _STORE,
+                        },
+                        "static": {"vars_2D": ["z_norm", "land_sea_mask"], "path": _STATIC},
+                    },
+                }
+            },
+            "start_datetime": "1979-01-01",
+            "end_datetime": "2018-12-31",
+            "timestep": "6h",
+            "history_len": 1,
+            "forecast_len": 1,
+            "one_shot": True,
+            "lead_time_periods": 6,
+            "skip_periods": None,
+            "static_first": True,
+            "scaler_type": "std_new",
+            "mean_path": "/glade/mean_6h_1979_2019_13lev_0.25deg.nc",
+            "std_path": "/glade/std_6h_1979_2019_13lev_0.25deg.nc",
+        },
+        "trainer": {
+            "type": "era5-gen2",
+            "mode": "ddp",
+            "cpu_offload": False,
+            "activation_checkpoint": True,
+            "load_weights": False,
+            "load_optimizer": False,
+            "load_scaler": False,
+            "load_scheduler": False,
+            "skip_validation": False,
+            "update_learning_rate": False,
+            "save_backup_weights": True,
+            "save_best_weights": True,
+            "learning_rate": 1.0e-03,
+            "weight_decay": 0,
+            "train_batch_size": 2,
+            "valid_batch_size": 2,
+            "batches_per_epoch": 0,
+            "valid_batches_per_epoch": 100,
+            "stopping_patience": 999,
+            "start_epoch": 0,
+            "num_epoch": 5,
+            "reload_epoch": False,
+            "epochs": 70,
+            "use_tensorboard": True,
+            "use_ema": True,
+            "ema_decay": 0.9999,
+            "use_scheduler": True,
+            "scheduler": {
+                "scheduler_type": "linear-warmup-cosine",
+                "warmup_steps": 1000,
+                "total_steps": 500000,
+                "min_lr": 1.0e-5,
+            },
+            "amp": False,
+            "grad_accum_every": 1,
+            "grad_max_norm": "dynamic",
+            "thread_workers": 4,
+            "valid_thread_workers": 4,
+            "prefetch_factor": 4,
+        },
+        "model": {
+            "type": "crossformer",
+            "frames": 1,
+            "image_height": 721,
+            "image_width": 1440,
+            "levels": 13,
+            "channels": 4,
+            "surface_channels": 4,
+            "input_only_channels": 4,
+            "output_only_channels": 8,
+            "patch_width": 1,
+            "patch_height": 1,
+            "frame_patch_size": 1,
+            "dim": [128, 256, 512, 1024],
+            "depth": [2, 2, 8, 2],
+            "global_window_size": [10, 5, 2, 1],
+            "local_window_size": 10,
+            "cross_embed_kernel_sizes": [[4, 8, 16, 32], [2, 4], [2, 4], [2, 4]],
+            "cross_embed_strides": [2, 2, 2, 2],
+            "attn_dropout": 0.0,
+            "ff_dropout": 0.0,
+            "interp": True,
+            "use_spectral_norm": True,
+            "padding_conf": {
+                "activate": True,
+                "mode": "earth",
+                "pad_lat": [40, 40],
+                "pad_lon": [80, 80],
+            },
+            "post_conf": {
+                "activate": True,
+                "tracer_fixer": {
+                    "activate": True,
+                    "denorm": True,
+                    "tracer_name": ["specific_total_water"],
+                    "tracer_thres": [1e-8],
+                },
+            },
+        },
+        "loss": {
+            "training_loss": "mse",
+            "use_power_loss": False,
+            "use_spectral_loss": False,
+            "use_latitude_weights": True,
+            "latitude_weights": _STATIC,
+            "use_variable_weights": False,
+        },
+    }
+
+
+def _on_sample(store: str, parallelism: dict) -> dict:
+    """The example rewritten to the sample store: its path and variable names, no diagnostic
+    group and no netCDF statistics (the store's own), no EMA, 2 steps, a tiny model (float64)."""
+    conf = _example()
+    source = conf["data"]["source"]["ERA5"]
+    source["levels"] = [500.0, 850.0]
+    source["variables"] = {
+        "prognostic": {"vars_3D": ["T", "U", "V"], "vars_2D": ["SP", "t2m"], "path": store},
+        "dynamic_forcing": {"vars_2D": ["tsi"], "path": store},
+        "static": {"vars_2D": ["orography", "land_sea_mask"], "path": store},
+    }
+    data = conf["data"]
+    data.update(start_datetime="2020-01-01", end_datetime="2020-01-02T18")
+    del data["mean_path"], data["std_path"]
+    trainer = conf["trainer"]
+    trainer.update(use_ema=False, thread_workers=0, parallelism=parallelism, dtype="float64")
+    trainer["scheduler"].update(warmup_steps=1, total_steps=2)
+    conf["model"].update(
+        image_height=H,
+        image_width=W,
+        levels=2,
+        channels=3,
+        surface_channels=2,
+        input_only_channels=3,
+        output_only_channels=0,
+        dim=[4, 8, 16, 32],
+        depth=[1, 1, 1, 1],
+        dim_head=4,
+        global_window_size=[2, 2, 2, 1],
+        local_window_size=2,
+        cross_embed_kernel_sizes=[[2, 4], [2, 4], [2, 4], [2, 4]],
+        interp=False,
+        padding_conf={"activate": False},
+    )
+    return conf
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    import_credit("credit.trainers.utils")  # miles-credit's inject_flat_var_keys
+    import_credit("credit.models.crossformer")
+    path = tmp_path_factory.mktemp("data") / "s.zarr"
+    return str(write_sample_dataset(path, n_times=16, nlat=H, nlon=W))
+
+
+def test_the_example_as_written_is_refused_naming_every_key_it_cannot_honour(store):
+    with pytest.raises(ValueError) as refused:
+        credit_gen2_conf(_example())
+    message = str(refused.value)
+    for key in (
+        "data.source.ERA5.variables.diagnostic",
+        "model.output_only_channels: 0",
+        "ERA5.variables.static.path",
+        "glob",
+        "data.mean_path",
+        "data.std_path",
+        "trainer.use_ema",
+    ):
+        assert key in message, (key, message)
+    assert "6 key(s) cannot be honoured" in message, message
+
+
+def test_the_rewritten_example_reads_as_credit_parallel_keys(store):
+    conf = _on_sample(store, {"data": "none", "tensor": 1, "domain": 2})
+    with pytest.warns(UserWarning, match=r"trainer\.use_tensorboard.*bookkeeping"):
+        run = RunConfig.from_conf(conf)
+    d, t = run.data, run.trainer
+    assert d.path == store and d.levels == (500.0, 850.0) and d.level_coord == "level"
+    assert d.upper_air_variables == ("T", "U", "V") and d.surface_variables == ("SP", "t2m")
+    assert d.dynamic_forcing_variables == ("tsi",)
+    assert d.static_variables == ("orography", "land_sea_mask")
+    assert d.time_slice == ("2020-01-01", "2020-01-02T18") and d.timestep == "6h"
+    assert (d.num_workers, d.prefetch_factor) == (0, 4)
+    assert (t.lr, t.batch_size, t.grad_accum, t.seed) == (1e-3, 2, 1, 1000)
+    assert (t.steps, t.warmup_steps, t.grad_clip) == (2, 1, 0.0)
+    assert t.min_lr_ratio == pytest.approx(1e-2)
+    assert t.activation_checkpoint and dict(run.parallelism)["domain"] == 2
+    # what is not honoured, named: a second source, 3-D static fields, another scheduler
+    bad = copy.deepcopy(conf)
+    source = bad["data"]["source"]
+    source["GFS"] = copy.deepcopy(source["ERA5"])
+    source["ERA5"]["variables"]["static"]["vars_3D"] = ["Z"]
+    bad["trainer"]["scheduler"]["scheduler_type"] = "cosine-annealing"
+    with pytest.raises(ValueError) as refused:
+        credit_gen2_conf(bad)
+    for key in ("data.source has 2 sources", "static.vars_3D", "scheduler_type"):
+        assert key in str(refused.value)
+
+
+def _train(conf, steps=2):
+    from credit_parallel.train.trainer import Trainer
+
+    trainer = Trainer(conf)
+    records = [trainer.train_step() for _ in range(steps)]
+    params = {}
+    for name, p in trainer.model.named_parameters():
+        t = p.detach()
+        full = t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+        params[name] = full.clone()
+    trainer.close()
+    return records, params
+
+
+def _domain2_worker(rank, world, store):
+    return _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 2}))
+
+
+def test_the_rewritten_example_trains_at_domain_2_as_on_one_process(store):
+    ref_records, ref_params = _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
+    records, params = run_on_ranks(_domain2_worker, 2, store, timeout=300)[0]
+    assert [r["step"] for r in records] == [1, 2]
+    for par, ref in zip(records, ref_records):
+        for key in ("loss", "grad_norm", "lr"):
+            assert abs(par[key] - ref[key]) <= TOL, (par["step"], key, par[key], ref[key])
+    assert ref_records[0]["loss"] > 0 and ref_records[0]["lr"] == pytest.approx(1e-3)
+    assert params.keys() == ref_params.keys()
+    worst = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
+    assert worst <= TOL, worst
+    assert ref_records[1]["loss"] != ref_records[0]["loss"]  # the first step changed the weights
+
+
+def test_timestep_and_level_coord_are_honoured_by_the_dataset(store):
+    from credit_parallel.data import ERA5Dataset
+
+    kwargs = {"upper_air_variables": ["T"], "surface_variables": ["SP"], "normalize": False}
+    every = ERA5Dataset(store, **kwargs, timestep="6h", level_coord="level")
+    twelve = ERA5Dataset(store, **kwargs, timestep="12h")
+    assert list(twelve.times) == list(every.times[::2]) and len(every.times) == 16
+    assert torch.equal(twelve[1]["x"], every[2]["x"]) and torch.equal(twelve[1]["y"], every[3]["y"])
+    with pytest.raises(ValueError, match=r"timestep '5h' is not a multiple of .* 0 days 06:00"):
+        ERA5Dataset(store, **kwargs, timestep="5h")
+    with pytest.raises(ValueError, match=r"level_coord 'plev' is not a dimension"):
+        ERA5Dataset(store, **kwargs, level_coord="plev")
+
+
+def test_the_examples_interpolation_is_refused_at_domain_2_before_any_rank(store):
+    """The example's interpolation to the global size would run per latitude shard: refused by
+    name (its earth padding, CREDIT's TensorPadding in the model's forward, is exact:
+    ``tensor_padding.DomainPaddedModel``, tests/test_domain2d_relayout.py)."""
+    from credit_parallel.train.preflight import check_run
+
+    conf = _on_sample(store, {"data": "none", "tensor": 1, "domain": 2})
+    conf["model"].update(
+        interp=True,
+        padding_conf={"activate": True, "mode": "earth", "pad_lat": [8, 8], "pad_lon": [16, 16]},
+        global_window_size=[3, 3, 3, 1],  # windows that tile the padded stages 24 / 12 / 6 / 3
+        local_window_size=3,
+    )
+    with pytest.warns(UserWarning):
+        with pytest.raises(ValueError) as refused:
+            check_run(conf, 2)
+    message = str(refused.value)
+    for words in ("(CrossFormer)", "model.interp: true", "domain: 1"):
+        assert words in message, (words, message)
+    assert "padding_conf" not in message
+    conf["trainer"]["parallelism"]["domain"] = 1  # one process: the same model runs as written
+    with pytest.warns(UserWarning):
+        check_run(conf, 1)
