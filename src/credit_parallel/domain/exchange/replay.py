@@ -46,6 +46,13 @@ class Link:
                 work.wait(timeout)
 
 
+def _frozen(value):
+    """``value`` as a hashable key: lists (shapes from the traced operators) become tuples."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 def _cached(kind: str, plans: tuple, key: tuple, build):
     """The object ``build()`` for ``(kind, ids of plans, key)``, built once; the plans are held
     by the entry so that their ids stay theirs while it lives."""
@@ -295,7 +302,7 @@ def forward_messages(specs, shapes, peers, group, device) -> ForwardMessages:
     """The :class:`ForwardMessages` of ``specs`` for shards of ``shapes`` on ``device``, built
     once per (plans, dims, shapes, peers, group, device)."""
     plans = tuple(p for p, _, _ in specs)
-    key = (tuple(d for _, d, _ in specs), tuple(shapes), tuple(peers), id(group), device)
+    key = (tuple(d for _, d, _ in specs), _frozen(shapes), _frozen(peers), id(group), device)
     build = lambda: ForwardMessages(specs, shapes, peers, group, device)  # noqa: E731
     return _cached("forward", plans, key, build)
 
@@ -304,6 +311,6 @@ def backward_messages(specs, shapes, peers, group, device) -> BackwardMessages:
     """The :class:`BackwardMessages` of ``specs`` for shards of ``shapes`` on ``device``,
     built once per (plans, dims, shapes, peers, group, device)."""
     plans = tuple(p for p, _, _ in specs)
-    key = (tuple(d for _, d, _ in specs), tuple(shapes), tuple(peers), id(group), device)
+    key = (tuple(d for _, d, _ in specs), _frozen(shapes), _frozen(peers), id(group), device)
     build = lambda: BackwardMessages(specs, shapes, peers, group, device)  # noqa: E731
     return _cached("backward", plans, key, build)
