@@ -12,9 +12,13 @@ import torch
 from torch import nn
 
 from credit_parallel import convert_to_domain_parallel
+from credit_parallel.domain.convert import plan_conversion
+from credit_parallel.domain.layers.conv import DomainParallelConv2d
 from credit_parallel.domain.layers.gather import DomainGatherModule
 from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.domain.plan import ConversionPlan, PlannedModule
 from credit_parallel.testing import run_on_ranks
+from miles_credit import import_credit
 from test_domain_attention import TOL, exactness_errors
 
 
@@ -149,3 +153,124 @@ def test_default_policy_still_raises_naming_the_module():
 def test_unknown_nonlocal_policy_rejected():
     with pytest.raises(ValueError, match="nonlocal_policy"):
         convert_to_domain_parallel(nn.Conv2d(1, 1, 1), object(), nonlocal_policy="ignore")
+
+
+class StridedRowAttention(nn.Module):
+    """Attention within groups of 2 rows H/2 apart (CREDIT's long-distance layout "(k h)"),
+    declared so the converter's attention stage makes it exact ON SHARDS."""
+
+    _domain_attention = {"form": "strided", "rows": 2}
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.qkv = nn.Conv2d(channels, 3 * channels, 1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=1)
+
+        def groups(t):  # (b, c, 2 h', w) -> (b h', 2 w, c)
+            t = t.reshape(b, c, 2, h // 2, w).permute(0, 3, 2, 4, 1)
+            return t.reshape(b * (h // 2), 2 * w, c)
+
+        att = torch.softmax(groups(q) @ groups(k).transpose(1, 2) / c**0.5, dim=-1)
+        out = (att @ groups(v)).reshape(b, h // 2, 2, w, c)
+        return out.permute(0, 4, 2, 1, 3).reshape(b, c, h, w)
+
+
+class RollingBlockWithAttention(nn.Module):
+    """Non-local (rolls over H, declared) and holding what the converter converts elsewhere: a
+    3x3 conv, nn.MultiheadAttention over the tokens, CREDIT's NextGenWXFormer long-distance
+    Attention and a declared strided attention.  Gathered, it runs on the whole globe on every
+    rank: each of those must stay the original module there."""
+
+    _domain_local = False
+
+    def __init__(self, channels: int):
+        super().__init__()
+        wxformer_next = import_credit("credit.models.wxformer.wxformer_next")
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.tokens = nn.MultiheadAttention(channels, 2, batch_first=True)
+        self.credit_long = wxformer_next.Attention(channels, "long", 2, dim_head=2)
+        self.strided = StridedRowAttention(channels)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        x = torch.roll(self.conv(x), 1, dims=-2)
+        t = x.flatten(2).transpose(1, 2)
+        x = x + self.tokens(t, t, t, need_weights=False)[0].transpose(1, 2).reshape(b, c, h, w)
+        return self.strided(self.credit_long(x) + x)
+
+
+def _inner_model() -> nn.Module:
+    torch.manual_seed(0)
+    body = RollingBlockWithAttention(4)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), body, nn.Conv2d(4, 2, 3, padding=1))
+
+
+def _gathered_inner_on_ranks(rank, world_size):
+    net = _inner_model().double()
+    x = torch.randn(2, 3, 8, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    manager = DomainParallelManager(world_size, world_size)
+
+    def convert(model, mgr):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return convert_to_domain_parallel(model, mgr, nonlocal_policy="gather")
+
+    errors = exactness_errors(net, x, (), manager, convert=convert)
+    errors["inside"] = [
+        f"{name}: {type(m).__name__}"
+        for name, m in net[1].named_modules()
+        if name and getattr(m, "_domain_parallel", False)
+    ]
+    errors["gathered"] = isinstance(net[1], DomainGatherModule)
+    return errors
+
+
+@pytest.mark.parametrize("domain", [2, 3])
+def test_gathered_module_keeps_its_attention_and_convs_original(domain):
+    """The attention stage decides before the gather (outermost-first walk, attention first):
+    the gathered module's descendants must not be converted (at domain 2 the strided attention
+    converted inside the gather was off by ~2e-4, NextGenWXFormer's by ~0.43)."""
+    for errors in run_on_ranks(_gathered_inner_on_ranks, domain):
+        assert errors["gathered"] and errors["inside"] == [], errors
+        assert errors["keys_equal"]
+        assert errors["out"] <= TOL, errors
+        assert errors["input_grad"] <= TOL, errors
+        assert errors["param_grad"] <= TOL, errors
+
+
+class _BadlyDeclaredAttention(nn.Module):
+    _domain_attention = {"form": "windows"}  # no "rows": the attention stage cannot convert it
+
+    def forward(self, x):
+        return x
+
+
+def test_gather_plan_decides_nothing_below_a_gathered_module():
+    body = RollingBlockWithAttention(4)
+    body.bad = _BadlyDeclaredAttention()  # converting it would raise; gathered, it runs whole
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), body)
+    plan = plan_conversion(model, None, nonlocal_policy="gather")
+    assert [(m.path, m.stage) for m in plan.modules] == [("0", "rule"), ("1", "gather")]
+    assert plan.modules[1].replacement.wrapped is body
+    with pytest.raises(ValueError, match="_domain_attention"):
+        plan_conversion(model, None)  # the default policy still converts (and refuses) inside
+
+
+def test_plan_keep_whole_forgets_decisions_below_a_path():
+    plan = ConversionPlan(-2, "gather")
+    conv = nn.Conv2d(1, 1, 1)
+    for path in ("a", "a.b", "a.b.c", "ab", "<root>"):
+        plan.modules.append(PlannedModule(path, "rule", conv, conv))
+    assert plan.keep_whole("a") == ["a.b", "a.b.c"]
+    assert [m.path for m in plan.modules] == ["a", "ab", "<root>"]
+    assert plan.keep_whole("<root>") == ["a", "ab"]
+    assert [m.path for m in plan.modules] == ["<root>"]
+
+
+def test_gather_wrapper_refuses_a_module_holding_domain_layers():
+    body = nn.Sequential(nn.Conv2d(2, 2, 1), DomainParallelConv2d(nn.Conv2d(2, 2, 3, padding=1)))
+    with pytest.raises(ValueError, match=r"1 \(DomainParallelConv2d\)"):
+        DomainGatherModule(body)

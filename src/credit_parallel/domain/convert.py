@@ -367,6 +367,7 @@ def plan_conversion(
     plan = ConversionPlan(shard_dim, nonlocal_policy)
     decided: dict[str, nn.Module] = {}  # display path -> the module it holds once converted
     skip = tuple(custom)
+    gathering = nonlocal_policy == "gather"
 
     def occupant(path: str, module: nn.Module) -> nn.Module:
         return decided.get(path, module)
@@ -379,6 +380,8 @@ def plan_conversion(
         def visit(module: nn.Module, path: str):
             try:
                 new = decision(module, path)
+                if new is None and gathering and _unsafe_reason(module, shard_dim) is not None:
+                    return module  # gathered below: runs whole, its descendants stay original
             except ValueError as err:
                 if errors == "raise":
                     raise
@@ -425,6 +428,8 @@ def plan_conversion(
     if plan.unsafe and nonlocal_policy == "gather":
         at = dict(converted_tree(model, occupant))
         for path, _ in plan.unsafe:
+            for below in plan.keep_whole(path):  # run whole: its descendants stay original
+                decided.pop(below, None)
             module = at["" if path == "<root>" else path]
             # (B, H, W, C) Swin blocks shard their dim -3 whatever the model's shard_dim
             dim = SWIN_SHARD_DIM if swin_family(module) is not None else shard_dim

@@ -139,6 +139,17 @@ class ConversionPlan:
         """The decisions that replace a module (errors left out), in order."""
         return [m for m in self.modules if m.error is None]
 
+    def keep_whole(self, path: str) -> list[str]:
+        """Forget every decision strictly below ``path`` ("<root>": the model), returning their
+        paths: the module there runs on the whole globe (the gather policy), so its
+        descendants stay the original modules — a domain layer inside it would exchange or
+        re-lay rows as if its input were a shard."""
+        prefix = "" if path == "<root>" else f"{path}."
+        below = [m.path != path and m.path.startswith(prefix) for m in self.modules]
+        dropped = [m.path for m, drop in zip(self.modules, below) if drop]
+        self.modules = [m for m, drop in zip(self.modules, below) if not drop]
+        return dropped
+
     def __str__(self) -> str:
         lines = [f"conversion plan (shard_dim={self.shard_dim}, nonlocal={self.nonlocal_policy})"]
         lines += [f"  {m}" for m in self.modules]

@@ -40,6 +40,16 @@ class DomainGatherModule(DomainWrapper):
     domain_form = "gather"
 
     def __init__(self, module: nn.Module, shard_dim: int = -2, *, manager=None):
+        inner = [
+            f"{name} ({type(m).__name__})"
+            for name, m in module.named_modules()
+            if name and getattr(m, "_domain_parallel", False)
+        ]
+        if inner:  # it runs on the whole globe: a domain layer inside would treat it as a shard
+            raise ValueError(
+                f"DomainGatherModule({type(module).__name__}): holds domain-parallel layers "
+                f"{', '.join(inner)}; gather the original module (unconverted descendants)"
+            )
         super().__init__(module)
         self.shard_dim = shard_dim
         self.manager = manager
