@@ -45,7 +45,7 @@ _EXPORTS = {
     "DomainParallelPad": "domain.layers.padding",
     "set_model_overlap": "domain.layers.split_conv",
     "convert_to_domain_parallel": "domain.convert",
-    "register_domain_rule": "domain.convert",
+    "register_domain_rule": "domain.rules",
     "validate_sharding_constraints": "domain.convert",
     "shard_tensor": "domain.sharding",
     "gather_tensor": "domain.sharding",
