@@ -379,3 +379,40 @@ def test_exchange_host_benchmark_measures_both_versions_in_the_same_ranks():
     ours = [key for key in results if key[0] == "credit_parallel"]
     assert len(baseline) == len(module.VARIANTS) and len(ours) == 3  # split, window, exchange
     assert all(value > 0 for times in results.values() for value in times)
+
+
+def _batched_path_worker(rank, world):
+    """The NCCL path of the replayed posts (one ``dist.batch_isend_irecv`` of reused
+    ``P2POp``s, their tensors rebound per call), forced on gloo, which runs it too: the halo
+    cases and the arbitrary windows give what the direct path gives, twice (the replay)."""
+    import torch.distributed as dist
+
+    from credit_parallel.domain.exchange import replay
+
+    calls = []
+    real = dist.batch_isend_irecv
+
+    def counted(ops):
+        calls.append(len(ops))
+        assert all(op.tensor is not replay._PLACEHOLDER for op in ops)
+        return real(ops)
+
+    replay.batches_p2p = lambda pg, device: True
+    replay._CACHE.clear()
+    dist.batch_isend_irecv = counted
+    try:
+        first = _halo_worker(rank, world), _exchange_rows_worker(rank, world)
+        again = _halo_worker(rank, world), _exchange_rows_worker(rank, world)
+    finally:
+        dist.batch_isend_irecv = real
+    return first, again, len(calls)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_batched_p2p_path_nccl_takes_is_exact_on_gloo(world):
+    for (halo, rows), (halo2, rows2), batched in run_on_ranks(_batched_path_worker, world):
+        for res in halo + halo2:
+            assert res["shape_ok"] and res["forward"] <= 1e-10 and res["grad"] <= 1e-10, res
+        for fwd, grad, _shape, _calls in (rows, rows2):
+            assert fwd <= 1e-12 and grad <= 1e-12
+        assert batched >= 2 * len(halo), batched  # every exchange went through the batch

@@ -78,6 +78,13 @@ def _receive_layout(shapes_by_peer: dict) -> tuple:
     return tuple(out)
 
 
+def batches_p2p(pg, device: torch.device) -> bool:
+    """Whether the exchange posts through one ``dist.batch_isend_irecv`` on ``pg`` (a backend
+    that coalesces point-to-point calls: NCCL) rather than the group's own send / recv
+    (gloo)."""
+    return type(pg) is not dist.ProcessGroup or pg._get_backend(device).supports_coalescing
+
+
 class _Posts:
     """The posts of one exchange's messages (sends, then receives) and the receive buffers'
     layout.  On a backend that batches point-to-point calls (NCCL), one ``P2POp`` per message,
@@ -90,7 +97,7 @@ class _Posts:
         self.recv_layout = recv_layout
         pg = group if group is not None else dist.group.WORLD
         self.direct = None
-        if type(pg) is not dist.ProcessGroup or pg._get_backend(device).supports_coalescing:
+        if batches_p2p(pg, device):
             self.ops = [dist.P2POp(dist.isend, _PLACEHOLDER, p, group) for p in send_peers]
             self.ops += [dist.P2POp(dist.irecv, _PLACEHOLDER, p, group) for p, _, _ in recv_layout]
         else:
