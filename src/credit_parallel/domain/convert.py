@@ -40,6 +40,7 @@ from .layers.conv import (
     DomainParallelPeriodicConv2d,
     conv_needs_domain_wrapper,
 )
+from .layers.empty_rows import guard_row_local_convs
 from .layers.gather import NONLOCAL_POLICIES, DomainGatherModule, gather_cost_note
 from .layers.norm import DomainParallelGroupNorm
 from .layers.padding import DomainParallelPad
@@ -477,6 +478,7 @@ def apply_conversion_plan(model: nn.Module, plan: ConversionPlan) -> nn.Module:
         [(f.pad, f.conv) for f in plan.pad_conv], [list(g.layers) for g in plan.shared_inputs]
     )
     apply_norm_conv([(f.norm, f.activation, f.conv) for f in plan.norm_conv])
+    guard_row_local_convs(root)  # the convs left alone also run on a rank with 0 rows
     return root
 
 
