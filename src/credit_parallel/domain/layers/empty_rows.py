@@ -17,8 +17,6 @@ module's type, parameters, state_dict and forward stay as they are.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
@@ -36,22 +34,30 @@ def _local_dims(conv: nn.Module) -> tuple[int, ...]:
     return tuple(i + 2 for i in range(nd) if geo.is_row_local(i))
 
 
-def _empty_safe(original, local_dims: tuple[int, ...]):
-    def _conv_forward(self, input, weight, bias):
-        empty = [d for d in local_dims if input.shape[d] == 0]
+class _EmptySafeConvForward:
+    """``conv._conv_forward`` of a guarded conv: the class's own, except when a dim the conv is
+    local along has size 0 (then on one zero row there, 0 rows of the result kept).  A plain
+    object (not a closure) so that a guarded model deep-copies and pickles."""
+
+    def __init__(self, conv: nn.Module, local_dims: tuple[int, ...]):
+        self.conv = conv
+        self.local_dims = local_dims
+
+    def __call__(self, input, weight, bias):
+        conv = self.conv
+        original = type(conv)._conv_forward
+        empty = [d for d in self.local_dims if input.shape[d] == 0]
         if not empty:
-            return original(self, input, weight, bias)
+            return original(conv, input, weight, bias)
         x = input
         for d in empty:  # one zero row along each empty local dim, dropped from the result
             shape = list(x.shape)
             shape[d] = 1
             x = torch.cat([x, x.new_zeros(shape)], dim=d)
-        y = original(self, x, weight, bias)
+        y = original(conv, x, weight, bias)
         for d in empty:
             y = y.narrow(d, 0, 0)
         return y
-
-    return _conv_forward
 
 
 def guard_row_local_convs(model: nn.Module) -> int:
@@ -67,9 +73,7 @@ def guard_row_local_convs(model: nn.Module) -> int:
         if isinstance(module, _GUARDED) and "_conv_forward" not in vars(module):
             dims = _local_dims(module)
             if dims:
-                original = type(module)._conv_forward
-                method = _empty_safe(original, dims)
-                vars(module)["_conv_forward"] = types.MethodType(method, module)
+                vars(module)["_conv_forward"] = _EmptySafeConvForward(module, dims)
                 count += 1
         for child in module.children():
             visit(child)
