@@ -284,6 +284,22 @@ def test_the_rewritten_example_trains_at_domain_2_as_on_one_process(store):
     assert ref_records[1]["loss"] != ref_records[0]["loss"]  # the first step changed the weights
 
 
+def _domain3_worker(rank, world, store):
+    return _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 3}))
+
+
+def test_the_rewritten_example_trains_at_domain_3_where_a_rank_owns_no_deep_row(store):
+    """H=32 at domain 3: the deepest stage has 2 rows, rank 2 owns none of them; its
+    FeedForward's 1x1 convs (left alone, row-local) run on 0 rows (``layers/empty_rows.py``)."""
+    ref_records, ref_params = _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
+    records, params = run_on_ranks(_domain3_worker, 3, store, timeout=300)[0]
+    for par, ref in zip(records, ref_records, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(par[key] - ref[key]) <= TOL, (par["step"], key, par[key], ref[key])
+    worst = max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params)
+    assert params.keys() == ref_params.keys() and worst <= TOL, worst
+
+
 def test_timestep_and_level_coord_are_honoured_by_the_dataset(store):
     from credit_parallel.data import ERA5Dataset
 

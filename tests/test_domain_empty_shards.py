@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.exchange.halo import HaloExchange
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import plan_exchange, shard_range, shard_sizes
@@ -196,3 +197,54 @@ def test_shard_tensor_without_manager_still_checks_the_dim():
         shard_tensor(torch.zeros(2, 2), 2)
     with pytest.raises(ValueError, match="dim -3"):
         gather_tensor(torch.zeros(2, 2), -3)
+
+
+class _PointwiseAtTheDeepLevel(nn.Module):
+    """4 -> 2 rows, then what the converter leaves alone (row-local: miles-credit's CrossFormer
+    FeedForward, a LayerNorm over channels and two 1x1 convs; a (1, 3) conv along W with
+    circular padding), then back to 4 rows: at 3 ranks rank 2 owns 0 of the 2 deep rows."""
+
+    def __init__(self):
+        super().__init__()
+        from miles_credit import import_credit
+
+        credit = import_credit("credit.models.crossformer")
+        c = 4
+        self.down = nn.Conv2d(2, c, 3, stride=2, padding=1)
+        self.ff = credit.FeedForward(c, mult=2)
+        self.along_w = nn.Conv2d(c, c, (1, 3), padding=(0, 1), padding_mode="circular")
+        self.up = nn.Upsample(scale_factor=2, mode="nearest")
+        self.out = nn.Conv2d(c, 2, 1)
+
+    def forward(self, x):
+        h = self.down(x)
+        h = self.ff(h) + h
+        return self.out(self.up(self.along_w(h)))
+
+
+def _pointwise_worker(rank, world):
+    torch.set_default_dtype(torch.float64)
+    mgr = DomainParallelManager(world, world)
+    x = torch.randn(2, 2, 4, 6, generator=torch.Generator().manual_seed(0))
+    errors = domain_parity_errors(_PointwiseAtTheDeepLevel, x, mgr)
+    model = convert_to_domain_parallel(_PointwiseAtTheDeepLevel(), mgr)
+    left_alone = [type(m) is nn.Conv2d for m in (model.ff.layers[1], model.ff.layers[4])]
+    x5 = torch.randn(1, 2, 2, 3, 4, generator=torch.Generator().manual_seed(1))
+    errors3d = domain_parity_errors(lambda: nn.Conv3d(2, 3, 1), x5, mgr, shard_dim=-2)
+    return errors, errors3d, left_alone, shard_range(2, world, rank)
+
+
+def test_pointwise_convs_on_a_rank_with_0_rows_of_a_level_match_single_process():
+    """The gen-2 CrossFormer example at H=32 and domain 3: its deepest stage has 2 rows, and
+    the FeedForward's 1x1 convs (left alone: row-local) crashed inside torch on rank 2's
+    (B, C, 0, W) input while ranks 0 and 1 waited in the next collective."""
+    results = run_on_ranks(_pointwise_worker, 3)
+    assert [r[3] for r in results] == [(0, 1), (1, 2), (2, 2)]  # rank 2: no deep row
+    for errors, errors3d, left_alone, _ in results:
+        assert errors == results[0][0] and errors3d == results[0][1]
+        assert left_alone == [True, True]
+        assert_parity(errors)
+        assert_parity(errors3d)
+    assert {"param:ff.layers.0.g", "param:ff.layers.1.weight", "param:along_w.weight"} <= set(
+        results[0][0]
+    )

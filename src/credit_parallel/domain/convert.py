@@ -33,6 +33,7 @@ from .adapters.swin import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
 from .adapters.tensor_padding import credit_adapter_decision
 from .fusion import apply_fusions, apply_norm_conv, find_fusions, find_norm_conv
 from .layers.conv import conv_needs_domain_wrapper
+from .layers.empty_rows import guard_row_local_convs
 from .layers.gather import NONLOCAL_POLICIES, DomainGatherModule, gather_cost_note
 from .options import OptionsMixin
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
@@ -374,6 +375,7 @@ def apply_conversion_plan(model: nn.Module, plan: ConversionPlan) -> nn.Module:
         [(f.pad, f.conv) for f in plan.pad_conv], [list(g.layers) for g in plan.shared_inputs]
     )
     apply_norm_conv([(f.norm, f.activation, f.conv) for f in plan.norm_conv])
+    guard_row_local_convs(root)  # the convs left alone also run on a rank with 0 rows
     return root
 
 
