@@ -71,6 +71,8 @@ def _rows(t: torch.Tensor, dim: int, start: int, count: int) -> torch.Tensor:
 def _segments(plan, start: int, stop: int, skip) -> tuple:
     """:func:`_range_segments` as a tuple, computed once per (plan, range, skip): the same
     plan is cut the same way at every call of a layer."""
+    if torch.compiler.is_compiling():  # traced (a layer's geometry): no global cache written
+        return tuple(_range_segments(plan, start, stop, skip))
     key = (id(plan), start, stop, skip[0], skip[1])
     hit = _SEGMENTS.get(key)
     if hit is None or hit[0] is not plan:

@@ -308,7 +308,8 @@ class _DomainParallelConvNd(DomainWrapper):
             first = windows[rank][0] if windows[rank] else None
             plan = plan_exchange(length, n, windows)[rank]
             full = None if split is None else self._full_call(length, n, rank, plan)
-            if full is not None:
+            if full is not None and not torch.compiler.is_compiling():
+                # (traced: the strips stay; they give the same rows, one conv call more)
                 split = _without_fill_strips(split, plan, full[1])
             call = _ConvCall(plan, split, o0 == o1, (o0, o1), first, full)
             if len(self._calls) > 64:
