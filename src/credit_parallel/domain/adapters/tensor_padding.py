@@ -22,8 +22,6 @@ The model's layers are converted as anywhere else (the wrapper converts its chil
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,7 +31,7 @@ from ..manager import resolve_manager
 from ..rows import shard_range
 from ..tiles_relayout import move_blocks, strip_rects, tile_rects
 from ..wrap import DomainWrapper
-from .fuxi import credit_model_decision, tensor_padding_rows, tensor_unpadding_rows
+from .fuxi import _swapped, credit_model_decision, tensor_padding_rows, tensor_unpadding_rows
 
 __all__ = [
     "DomainPaddedModel",
@@ -122,16 +120,6 @@ class _ShardedPadding:
         return move_blocks(
             y, strip_rects(out_h, out_w, n), tile_rects(out_h, out_w, shape), -2, -1, strips
         )
-
-
-@contextmanager
-def _swapped(obj, name: str, value):
-    old = obj.__dict__[name]
-    obj.__dict__[name] = value
-    try:
-        yield
-    finally:
-        obj.__dict__[name] = old
 
 
 class DomainPaddedModel(DomainWrapper):

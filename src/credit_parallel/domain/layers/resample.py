@@ -353,34 +353,30 @@ class DomainParallelInterpolate(OptionsMixin, nn.Module):
         return f"{what}, mode={self.mode!r}{ac}, shard_dim={self.shard_dim}"
 
 
-@torch._dynamo.assume_constant_result
-def _geometry_at_trace(spec, in_hw, n: int, rank: int, device, dtype, compute_dtype):
-    """:meth:`DomainParallelInterpolate._geometry` for a layer of ``spec`` (size, mode,
-    align_corners, scale_factor, recompute_scale_factor), run for real while Dynamo traces: the
-    kernel probe, the row plan and the index tensors are constants of the compiled graph."""
+def _layer_of(spec) -> DomainParallelInterpolate:
+    """A layer of ``spec`` (size, mode, align_corners, scale_factor, recompute_scale_factor)."""
     size, mode, align_corners, scale_factor, recompute = spec
-    layer = DomainParallelInterpolate(
+    return DomainParallelInterpolate(
         size=size,
         mode=mode,
         align_corners=align_corners,
         scale_factor=scale_factor,
         recompute_scale_factor=recompute,
     )
+
+
+@torch._dynamo.assume_constant_result
+def _geometry_at_trace(spec, in_hw, n: int, rank: int, device, dtype, compute_dtype):
+    """:meth:`DomainParallelInterpolate._geometry` for a layer of ``spec`` (size, mode,
+    align_corners, scale_factor, recompute_scale_factor), run for real while Dynamo traces: the
+    kernel probe, the row plan and the index tensors are constants of the compiled graph."""
     probe = torch.empty(0, dtype=dtype, device=device)
-    return layer._geometry(in_hw, n, rank, probe, compute_dtype)
+    return _layer_of(spec)._geometry(in_hw, n, rank, probe, compute_dtype)
 
 
 @torch._dynamo.assume_constant_result
 def _tile_geometry_at_trace(spec, in_hw, tile, device, dtype, compute_dtype):
     """:meth:`DomainParallelInterpolate._tile_geometry` for a layer of ``spec``, run for real
     while Dynamo traces (as :func:`_geometry_at_trace`): constants of the compiled graph."""
-    size, mode, align_corners, scale_factor, recompute = spec
-    layer = DomainParallelInterpolate(
-        size=size,
-        mode=mode,
-        align_corners=align_corners,
-        scale_factor=scale_factor,
-        recompute_scale_factor=recompute,
-    )
     probe = torch.empty(0, dtype=dtype, device=device)
-    return layer._tile_geometry(in_hw, tile, probe, compute_dtype)
+    return _layer_of(spec)._tile_geometry(in_hw, tile, probe, compute_dtype)
