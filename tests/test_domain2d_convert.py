@@ -211,7 +211,7 @@ RESAMPLES = [
 
 
 def _resample_worker(rank, world, shape):
-    from credit_parallel.domain.convert import _upsample_rule
+    from credit_parallel.domain.rules import _upsample_rule
 
     m = TiledDomainManager(world, shape)
     torch.manual_seed(4)
