@@ -12,7 +12,8 @@ named ``"<var>_<level>"`` (``"T_500"``); then the surface variables in the order
 ``x`` stacks ``history_len`` such steps, oldest first, then the dynamic forcing variables
 (``dynamic_forcing_variables``, dims ``(time, latitude, longitude)``) at the last input time, then
 the static ones (``static_variables``, dims ``(latitude, longitude)``); ``y`` the next
-``forecast_len`` steps (prognostic only; ``forcing`` the forcing of target times 1 .. L-1).
+``forecast_len`` steps, each its prognostic then its diagnostic channels (output-only
+``diagnostic_variables``: ``diagnostic.py``); ``forcing`` the forcing of target times 1 .. L-1.
 
 Normalisation statistics live in a separate small zarr store (``default_stats_path(path)``,
 ``<name>_stats.zarr`` beside the data, unless ``stats_path`` is given): one variable per data
@@ -33,6 +34,7 @@ import xarray as xr
 from torch.utils.data import Dataset
 
 from .chunk_reader import ChunkReader, choose_reader
+from .diagnostic import DiagnosticChannels
 from .selection import (
     every_timestep,
     format_level,
@@ -41,6 +43,7 @@ from .selection import (
     level_index,
     name_list,
     positive_int,
+    select_times,
     tile_window,
     time_label,
 )
@@ -62,7 +65,7 @@ __all__ = ["DEFAULT_CACHE_LIMIT_BYTES", "ERA5Dataset", "dataset_from_conf", "lat
 DEFAULT_CACHE_LIMIT_BYTES = 1 << 30
 
 
-class ERA5Dataset(Dataset):
+class ERA5Dataset(DiagnosticChannels, Dataset):
     """Samples ``{"x": (C_in, H, W), "y": (C_out, H, W), "time_index": int64}`` from a zarr store.
 
     Sample ``i`` takes times ``i .. i+history_len-1`` of the (sliced) time axis as input and the
@@ -78,6 +81,10 @@ class ERA5Dataset(Dataset):
     ``as_5d=True`` (for 3-D models) returns instead ``x_upper`` ``(history_len * n_upper, Z, H, W)``
     (history step outer, variable inner), ``x_surface`` ``(history_len * n_surface, H, W)`` and
     likewise ``y_upper`` / ``y_surface`` over ``forecast_len``; it needs an upper-air variable.
+
+    ``diagnostic_variables``: output-only 2-D fields, in ``y`` after each step's prognostic
+    channels (after the surface ones of ``y_surface``), never in ``x`` (``diagnostic.py``:
+    ``n_diagnostic``, ``channels_out_per_step``, ``output_variable_names``, ``output_mean``).
 
     ``rows=(start, stop)``: read only the global latitude rows ``start..stop-1`` (north to south,
     after any flip) of every sample; ``domain_shard=(domain_rank, domain_size)`` instead: the rows
@@ -98,7 +105,7 @@ class ERA5Dataset(Dataset):
 
     Attributes: ``channels_in``, ``channels_out``, ``grid_shape`` ``(H, W)``, ``variable_units``
     (the store's ``units`` attribute per variable), ``variable_names``
-    (the channels of ONE time step, in order), ``channel_names_in`` / ``channel_names_out`` (every
+    (the prognostic channels of ONE time step, in order), ``channel_names_in`` / ``channel_names_out`` (every
     channel of x / y: ``"T_500@t-1"``, ``"T_500@t"``, ``"T_500@t+1"``, offsets from the last
     input time),
     ``latitude``, ``longitude``, ``levels``, ``times``, ``lat_weights`` (``latitude_weights`` of
@@ -128,11 +135,13 @@ class ERA5Dataset(Dataset):
         static_variables: Sequence[str] = (),
         level_coord: str | None = None,
         timestep: str | None = None,
+        diagnostic_variables: Sequence[str] = (),
     ):
         super().__init__()
         self.path = Path(path)
         self.history_len = positive_int(history_len, "history_len")
         self.forecast_len = positive_int(forecast_len, "forecast_len")
+        self.diagnostic_variables = name_list(diagnostic_variables, "diagnostic_variables")
         self._set_variables(
             upper_air_variables, surface_variables, dynamic_forcing_variables, static_variables
         )
@@ -152,7 +161,7 @@ class ERA5Dataset(Dataset):
         names = self._read_variables + self.static_variables
         self.variable_units = {n: str(ds[n].attrs.get("units", "")) for n in names}
         self._level_positions, self.levels = self._select_levels(ds, levels)
-        self._time_positions, self.times = self._select_times(ds, time_slice)
+        self._time_positions, self.times = select_times(ds, self._time_dim, time_slice)
         if timestep is not None:  # every k-th time of the store ("6h" of an hourly store)
             self._time_positions, self.times = every_timestep(self, timestep)
 
@@ -213,6 +222,7 @@ class ERA5Dataset(Dataset):
         kinds = (
             self.upper_air_variables,
             self.surface_variables,
+            self.diagnostic_variables,
             self.forcing_variables,
             self.static_variables,
         )
@@ -221,12 +231,10 @@ class ERA5Dataset(Dataset):
         if twice:
             raise ValueError(
                 f"ERA5Dataset: {twice} listed as more than one kind of variable (upper-air, "
-                "surface, dynamic forcing, static)"
+                "surface, diagnostic, dynamic forcing, static)"
             )
-        # the variables read per time step: the prognostic ones, then the dynamic forcing
-        self._read_variables = (
-            self.upper_air_variables + self.surface_variables + self.forcing_variables
-        )
+        # read per time step: the prognostic ones, the diagnostic ones, the dynamic forcing
+        self._read_variables = [name for names in kinds[:4] for name in names]
 
     def _name_channels(self) -> None:
         self.variable_names = [
@@ -238,11 +246,11 @@ class ERA5Dataset(Dataset):
         self.channels_per_step = len(self.variable_names)
         self.n_forcing = len(self.forcing_variables)
         self.n_static = len(self.static_variables)
-        self._channels_read = self.channels_per_step + self.n_forcing
+        self._channels_read = self.channels_out_per_step + self.n_forcing
         self.channels_in = (
             self.history_len * self.channels_per_step + self.n_forcing + self.n_static
         )
-        self.channels_out = self.forecast_len * self.channels_per_step
+        self.channels_out = self.forecast_len * self.channels_out_per_step
         self.channel_names_in = (
             [
                 f"{name}@{time_label(step - self.history_len + 1)}"
@@ -255,7 +263,7 @@ class ERA5Dataset(Dataset):
         self.channel_names_out = [
             f"{name}@{time_label(step + 1)}"
             for step in range(self.forecast_len)
-            for name in self.variable_names
+            for name in self.output_variable_names
         ]
 
     def _direct_arrays(self, ds: xr.Dataset) -> dict:
@@ -292,6 +300,7 @@ class ERA5Dataset(Dataset):
         for kind, names, dims in (
             ("upper-air", self.upper_air_variables, spatial | {self._level_dim}),
             ("surface", self.surface_variables, spatial),
+            ("diagnostic", self.diagnostic_variables, spatial),
             ("dynamic forcing", self.forcing_variables, spatial),
             ("static", self.static_variables, {self._lat_dim, self._lon_dim}),
         ):
@@ -305,8 +314,8 @@ class ERA5Dataset(Dataset):
                     raise ValueError(
                         f"ERA5Dataset: {kind} variable {name!r} has dims {ds[name].dims}, "
                         f"expected {sorted(d for d in dims if d is not None)}; is it listed as the "
-                        "right kind (upper_air_variables, surface_variables, "
-                        "dynamic_forcing_variables or static_variables)?"
+                        "right kind (upper_air_variables, surface_variables, diagnostic_"
+                        "variables, dynamic_forcing_variables or static_variables)?"
                     )
 
     def _select_levels(self, ds: xr.Dataset, levels):
@@ -332,29 +341,6 @@ class ERA5Dataset(Dataset):
             raise ValueError("ERA5Dataset: levels is empty but upper-air variables were requested")
         return positions, tuple(float(store_levels[p]) for p in positions)
 
-    def _select_times(self, ds: xr.Dataset, time_slice):
-        n_store = ds.sizes[self._time_dim]
-        positions = np.arange(n_store)
-        if time_slice is not None:
-            if isinstance(time_slice, tuple | list) and len(time_slice) == 2:
-                time_slice = slice(*time_slice)
-            if not isinstance(time_slice, slice):
-                raise ValueError(
-                    f"ERA5Dataset: time_slice must be a slice or a (start, stop) pair, "
-                    f"got {time_slice!r}"
-                )
-            ends = (time_slice.start, time_slice.stop)
-            if all(end is None or isinstance(end, int | np.integer) for end in ends):
-                positions = positions[time_slice]
-            else:
-                index = ds.indexes[self._time_dim]
-                positions = positions[index.slice_indexer(time_slice.start, time_slice.stop)]
-                positions = positions[:: time_slice.step or 1]
-            if positions.size and np.any(np.diff(positions) != positions[1] - positions[0]):
-                raise ValueError(f"ERA5Dataset: time_slice {time_slice!r} is not evenly spaced")
-        times = ds[self._time_dim].values[positions]
-        return positions, times
-
     def _load_stats(self, stats_path):
         stats_path = default_stats_path(self.path) if stats_path is None else Path(stats_path)
         upper = set(self.upper_air_variables)
@@ -366,7 +352,7 @@ class ERA5Dataset(Dataset):
             self._level_dim,
             "ERA5Dataset",
         )
-        channel_names = self.variable_names + self.forcing_variables + self.static_variables
+        channel_names = self.output_variable_names + self.forcing_variables + self.static_variables
         bad = [channel_names[c] for c in range(std.size) if not np.isfinite(std[c]) or std[c] <= 0]
         if bad:
             raise ValueError(
@@ -485,10 +471,10 @@ class ERA5Dataset(Dataset):
         inputs, targets = window[: self.history_len], window[self.history_len :]
         sample = {"time_index": torch.tensor(int(self._time_positions[index]), dtype=torch.int64)}
         sample.update(self.compose_input(inputs))
-        sample.update(self._compose(targets[:, : self.channels_per_step], "y", ()))
+        sample.update(self._compose(targets[:, : self.channels_out_per_step], "y", ()))
         if self.n_forcing and self.forecast_len > 1:
             # the forcing of the inputs of forecast steps 2 .. forecast_len (advance_state)
-            future = targets[:-1, self.channels_per_step :]
+            future = targets[:-1, self.forcing_channels]
             sample["forcing"] = torch.from_numpy(
                 np.ascontiguousarray(future).reshape(
                     future.shape[0] * future.shape[1], *self.sample_grid_shape
@@ -506,7 +492,7 @@ class ERA5Dataset(Dataset):
                 f"ERA5Dataset.compose_input: {steps.shape[0]} time steps for history_len "
                 f"{self.history_len}"
             )
-        extras = (steps[-1, self.channels_per_step :], self._static)
+        extras = (steps[-1, self.forcing_channels], self._static)
         return self._compose(steps[:, : self.channels_per_step], "x", extras)
 
     def _compose(self, block: np.ndarray, prefix: str, extras: tuple) -> dict:
@@ -532,8 +518,8 @@ class ERA5Dataset(Dataset):
 
     def read_steps(self, start: int, stop: int) -> np.ndarray:
         """Positions ``start .. stop-1`` of the (sliced) time axis, normalised float32
-        ``(T, channels_per_step + n_forcing, rows, W)``: the prognostic channels of each time,
-        then its dynamic forcing (a copy)."""
+        ``(T, channels_out_per_step + n_forcing, rows, W)``: the prognostic channels of each
+        time, its diagnostic ones, then its dynamic forcing (``forcing_channels``; a copy)."""
         if not 0 <= start <= stop <= len(self._time_positions):
             raise IndexError(
                 f"ERA5Dataset.read_steps: [{start}, {stop}) outside the "
@@ -565,6 +551,7 @@ _CONF_KEYS = (
     "timestep",
     "upper_air_variables",
     "surface_variables",
+    "diagnostic_variables",
     "dynamic_forcing_variables",
     "static_variables",
     "levels",

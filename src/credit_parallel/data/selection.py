@@ -17,6 +17,7 @@ __all__ = [
     "level_index",
     "name_list",
     "positive_int",
+    "select_times",
     "tile_window",
     "time_label",
 ]
@@ -164,3 +165,30 @@ def every_timestep(dataset, timestep):
         )
     k = int(want // have)
     return positions[::k], times[::k]
+
+
+def select_times(ds, time_dim: str, time_slice):
+    """``(positions, times)`` of the store's time axis ``time_dim`` that ``time_slice`` selects:
+    a ``slice`` (or ``(start, stop)`` pair) of integer positions, or of labels (inclusive, as
+    ``.sel``); evenly spaced or a ``ValueError``."""
+    n_store = ds.sizes[time_dim]
+    positions = np.arange(n_store)
+    if time_slice is not None:
+        if isinstance(time_slice, tuple | list) and len(time_slice) == 2:
+            time_slice = slice(*time_slice)
+        if not isinstance(time_slice, slice):
+            raise ValueError(
+                f"ERA5Dataset: time_slice must be a slice or a (start, stop) pair, "
+                f"got {time_slice!r}"
+            )
+        ends = (time_slice.start, time_slice.stop)
+        if all(end is None or isinstance(end, int | np.integer) for end in ends):
+            positions = positions[time_slice]
+        else:
+            index = ds.indexes[time_dim]
+            positions = positions[index.slice_indexer(time_slice.start, time_slice.stop)]
+            positions = positions[:: time_slice.step or 1]
+        if positions.size and np.any(np.diff(positions) != positions[1] - positions[0]):
+            raise ValueError(f"ERA5Dataset: time_slice {time_slice!r} is not evenly spaced")
+    times = ds[time_dim].values[positions]
+    return positions, times

@@ -234,7 +234,7 @@ class _Run:
             return None
 
         def at(k: int) -> torch.Tensor:
-            step = ds.read_steps(position + k, position + k + 1)[0, ds.channels_per_step :]
+            step = ds.read_steps(position + k, position + k + 1)[0, ds.forcing_channels]
             return self._tensor(step).expand(members, -1, -1, -1)
 
         return at
@@ -256,6 +256,7 @@ class _Run:
             manager=self.manager,
             amp=self.amp,
             n_static=self.dataset.n_static,
+            n_diagnostic=self.dataset.n_diagnostic,
         )
         for k, out in enumerate(outputs, start=1):
             physical = self.fields.physical(out)  # (this rank's members, C, rows, W)

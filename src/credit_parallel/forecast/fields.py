@@ -33,15 +33,16 @@ class Fields:
 
     def __init__(self, dataset, device):
         self.dataset = dataset
-        self.mean = torch.as_tensor(dataset.channel_mean, device=device).view(-1, 1, 1)
-        self.std = torch.as_tensor(dataset.channel_std, device=device).view(-1, 1, 1)
+        # the output channels: prognostic, then diagnostic (output-only, 2-D)
+        self.mean = torch.as_tensor(dataset.output_mean, device=device).view(-1, 1, 1)
+        self.std = torch.as_tensor(dataset.output_std, device=device).view(-1, 1, 1)
         n_levels = len(dataset.levels)
         self.slices = []
         c = 0
         for name in dataset.upper_air_variables:
             self.slices.append((name, slice(c, c + n_levels), True))
             c += n_levels
-        for name in dataset.surface_variables:
+        for name in [*dataset.surface_variables, *dataset.diagnostic_variables]:
             self.slices.append((name, slice(c, c + 1), False))
             c += 1
 
@@ -52,8 +53,8 @@ class Fields:
 
     def truth(self, step: np.ndarray, device) -> torch.Tensor:
         """One time step of :meth:`ERA5Dataset.read_steps` in physical units, ``(1, C, rows, W)``."""
-        prognostic = torch.from_numpy(step[: self.dataset.channels_per_step]).to(device)
-        return (prognostic.double() * self.std + self.mean).unsqueeze(0)
+        output = torch.from_numpy(step[: self.dataset.channels_out_per_step]).to(device)
+        return (output.double() * self.std + self.mean).unsqueeze(0)
 
     def from_store(self, store, index: tuple, rows: tuple, device, columns=None) -> torch.Tensor:
         """What :meth:`variables` wrote at ``index``, read back as physical channels
@@ -75,6 +76,7 @@ def store_variables(dataset) -> list:
     from .store import StoreVariable
 
     units = dataset.variable_units
+    surface = [*dataset.surface_variables, *dataset.diagnostic_variables]
     return [StoreVariable(n, True, units.get(n, "")) for n in dataset.upper_air_variables] + [
-        StoreVariable(n, False, units.get(n, "")) for n in dataset.surface_variables
+        StoreVariable(n, False, units.get(n, "")) for n in surface
     ]

@@ -3,7 +3,7 @@
 ``rollout(model, state, steps, forcing=...)`` runs the model ``steps`` times from the initial
 state, feeding each prediction back as the next input exactly as training advances its state
 (:func:`credit_parallel.train.step.advance_state`: drop the oldest history step, append the
-prediction, replace the dynamic forcing channels with the next input time's, keep the static
+prediction's prognostic channels (its diagnostic ones are yielded, never fed back), replace the dynamic forcing channels with the next input time's, keep the static
 ones).  Every tensor stays this rank's rows (on a lat x lon domain: its tile, rows x columns): a
 domain-parallel model never sees the globe, and
 the caller writes or scores the rows it is handed.
@@ -78,6 +78,7 @@ def rollout(
     manager=None,
     amp: bool = False,
     n_static: int = 0,
+    n_diagnostic: int = 0,
 ) -> Iterator[tuple]:
     """Yield the outputs of forecast steps 1 .. ``steps`` (tuples of this rank's rows, detached).
 
@@ -86,7 +87,9 @@ def rollout(
     does; a 5-D model's forcing and static channels are in its last input).  ``forcing``: None
     (the state holds no forcing channels) or ``forcing(k)`` -> this rank's rows of the forcing
     channels of step ``k``'s input (``k >= 1``: a tensor for the last input, or a tuple aligned
-    with the last inputs).  ``n_static``: static channels at the end of the last input.
+    with the last inputs).  ``n_static``: static channels at the end of the last input;
+    ``n_diagnostic``: output-only channels at the end of the last output (yielded, never fed
+    back).
     ``manager``: the domain manager (default: the model's own); ``amp``: bf16 autocast as the
     trainer's ``amp``.  Fed back: the outputs cast to the state's dtype.
     """
@@ -110,7 +113,12 @@ def rollout(
             with torch.no_grad():
                 n_forcing = 0 if step_forcing is None else int(step_forcing[-1].shape[1])
                 state = advance_state(
-                    state, outputs, step_forcing, n_forcing=n_forcing, n_static=n_static
+                    state,
+                    outputs,
+                    step_forcing,
+                    n_forcing=n_forcing,
+                    n_static=n_static,
+                    n_diagnostic=n_diagnostic,
                 )
     finally:
         model.train(was_training)

@@ -14,8 +14,9 @@ ensemble, ``rmse`` and ``acc`` are those of the ensemble mean, ``spread = sqrt(m
 Fields are scored in the units they are given in (the forecast command passes physical units,
 as in the store); the climatology must be in the same units.
 
-Channel layout of a scored field (the dataset's, ``ERA5Dataset.variable_names``): each upper-air
-variable at each level, then the surface variables.  A 4-D model's output ``(B, C, H, W)`` is in
+Channel layout of a scored field (the dataset's, ``ERA5Dataset.output_variable_names``): each
+upper-air variable at each level, then the surface variables, then the diagnostic (output-only)
+ones, scored like surface variables.  A 4-D model's output ``(B, C, H, W)`` is in
 that order already; a 5-D model's ``(upper (B, V, Z, H, W), surface (B, S, H, W))`` is flattened
 into it.  With ``members > 1`` every field has a leading member axis ``(M_local, B, ...)``.
 
@@ -167,7 +168,10 @@ class ScoreAccumulator:
             dataset.upper_air_variables,
             dataset.levels if dataset.upper_air_variables else (),
             lead_times,
-            surface_variables=dataset.surface_variables,
+            surface_variables=[
+                *dataset.surface_variables,
+                *getattr(dataset, "diagnostic_variables", ()),
+            ],
             **kwargs,
         )
 
@@ -396,7 +400,8 @@ def _clim_dataset(conf: dict, domain_shard, forecast_len: int):
     return ERA5Dataset(
         d["path"],
         upper_air_variables=d.get("upper_air_variables", ()),
-        surface_variables=d.get("surface_variables", ()),
+        # the diagnostic fields after the surface ones: the output channels' order, raw values
+        surface_variables=[*d.get("surface_variables", ()), *d.get("diagnostic_variables", ())],
         levels=d.get("levels"),
         history_len=1,
         forecast_len=forecast_len,
@@ -441,7 +446,8 @@ def _time_mean_from_file(path, conf: dict, domain_shard) -> np.ndarray:
     lat_dim = next(n for n in LAT_NAMES if n in ds.dims)
     ds = ds.sortby(lat_dim, ascending=False)  # north to south, as the dataset's rows
     parts = []
-    for name in list(d.get("upper_air_variables", ())) + list(d.get("surface_variables", ())):
+    names = [d.get(k, ()) for k in ("upper_air_variables", "surface_variables")]
+    for name in [*names[0], *names[1], *d.get("diagnostic_variables", ())]:
         if name not in ds.data_vars:
             raise ValueError(f"climatology file {str(path)!r} has no variable {name!r}")
         da = ds[name]

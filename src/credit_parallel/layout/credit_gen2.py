@@ -2,7 +2,8 @@
 
 A CREDIT 2026.2 gen-2 config (``config/gen_2/examples/*.yml``) describes its data as
 ``data.source.<NAME>.variables.{prognostic, diagnostic, dynamic_forcing, static}`` with
-``vars_3D`` / ``vars_2D`` lists and a ``path`` per group, and its trainer in CREDIT's names
+``vars_3D`` / ``vars_2D`` lists and a ``path`` per group (the ``diagnostic`` group becomes
+``data.diagnostic_variables``: output-only 2-D fields), and its trainer in CREDIT's names
 (``learning_rate``, ``grad_accum_every``, ``thread_workers``, ``use_scheduler``, ...).
 :func:`credit_gen2_conf` returns the same run in credit-parallel's keys, which
 :mod:`credit_parallel.layout.run_config` then parses like any other config.  The flat variable
@@ -114,13 +115,8 @@ def _groups(name: str, block: dict, flat: dict, problems: list[str]) -> dict:
     where = f"data.source.{name}.variables"
     for group in sorted(set(variables) - set(_GROUPS)):
         problems.append(f"{where}.{group} is not a gen-2 variable group ({', '.join(_GROUPS)})")
-    if flat.get("diagnostic_variables"):
-        problems.append(
-            f"{where}.diagnostic {flat['diagnostic_variables']}: output-only (diagnostic) "
-            "variables are not read by credit-parallel's dataset; remove the group and set "
-            "model.output_only_channels: 0"
-        )
     for group, key in (
+        ("diagnostic", "diagnostic_variables"),
         ("dynamic_forcing", "dynamic_forcing_variables"),
         ("static", "static_variables"),
     ):
@@ -130,6 +126,9 @@ def _groups(name: str, block: dict, flat: dict, problems: list[str]) -> dict:
                 f"{where}.{group}.vars_3D {spec['vars_3D']}: only 2-D {group} fields are read"
             )
         out[key] = list(spec.get("vars_2D") or [])
+    # CREDIT's own flat list (inject_flat_var_keys: vars_3D then vars_2D, 3-D refused above):
+    # the output-only channels, after the prognostic ones in the target
+    out["diagnostic_variables"] = list(flat.get("diagnostic_variables") or [])
     paths = {g: (variables.get(g) or {}).get("path") for g in _GROUPS if variables.get(g)}
     distinct = sorted({p for p in paths.values() if p is not None})
     if not distinct:

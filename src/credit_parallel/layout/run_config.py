@@ -192,6 +192,9 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     "path": (None, _optional_path("data", "path")),
     "upper_air_variables": ((), _strings("data", "upper_air_variables")),
     "surface_variables": ((), _strings("data", "surface_variables")),
+    # output-only 2-D channels (CREDIT's diagnostic group): in the target after the prognostic
+    # ones, never an input; the model outputs prognostic + diagnostic channels
+    "diagnostic_variables": ((), _strings("data", "diagnostic_variables")),
     # input-only channels: the forcing at each input time, and time-invariant fields
     "dynamic_forcing_variables": ((), _strings("data", "dynamic_forcing_variables")),
     "static_variables": ((), _strings("data", "static_variables")),
@@ -346,6 +349,7 @@ class DataConfig:
     path: str | None = None
     upper_air_variables: tuple = ()
     surface_variables: tuple = ()
+    diagnostic_variables: tuple = ()
     dynamic_forcing_variables: tuple = ()
     static_variables: tuple = ()
     levels: tuple | None = None

@@ -83,6 +83,25 @@ def _model_keys(conf_model: dict, n_inputs: int) -> list[dict[str, str]]:
     return [{"C": "model.in_channels"}]
 
 
+def _target_split(dataset, channels: int) -> str:
+    """`` (P prognostic + D diagnostic)`` for a target step with diagnostic channels, else ''."""
+    n_diag = int(getattr(dataset, "n_diagnostic", 0) or 0)
+    if not n_diag:
+        return ""
+    return f" ({channels - n_diag} prognostic + {n_diag} diagnostic: data.diagnostic_variables)"
+
+
+def _output_fix(conf_model: dict, key: str, channels: int, dataset) -> str:
+    """What to set so that the model outputs ``channels`` channels per forecast step."""
+    if "out_channels" in conf_model:
+        return f"set model.out_channels: {channels}"
+    if "output_only_channels" in conf_model or "channels" in conf_model:
+        # CREDIT's models: channels x levels + surface_channels prognostic, output_only_channels
+        n_diag = int(getattr(dataset, "n_diagnostic", 0) or 0)
+        return f"set model.output_only_channels: {n_diag} (the diagnostic channels)"
+    return f"set {key}: {channels} (the channels of one time step)"
+
+
 def _data_vs_model(
     conf: dict, dataset, sample, model_shapes, meta_model, violations: list[str]
 ) -> None:
@@ -140,7 +159,8 @@ def _data_vs_model(
         if out_channels != target_shapes[0][0]:
             violations.append(
                 f"model.out_channels = {out_channels} but one forecast step of the target has "
-                f"{target_shapes[0][0]} channels: set model.out_channels: {target_shapes[0][0]}"
+                f"{target_shapes[0][0]} channels{_target_split(dataset, target_shapes[0][0])}: "
+                f"set model.out_channels: {target_shapes[0][0]}"
             )
         return
     if mismatched or meta_model is None:
@@ -166,12 +186,14 @@ def _data_vs_model(
             "target(s) per forecast step"
         )
         return
-    for key, want, got in zip(out_keys, outs, target_shapes):
+    for i, (key, want, got) in enumerate(zip(out_keys, outs, target_shapes)):
+        split = _target_split(dataset, got[0]) if i + 1 == len(outs) else ""  # the last output's
         if want != got:
             violations.append(
                 f"the model's output per sample {want} does not match one forecast step of the "
-                f"target {got}: set {key}: {got[0]} (the channels of one time step) so that the "
-                "autoregressive rollout can feed predictions back"
+                f"target {got}{split}: "
+                f"{_output_fix(conf_model, key, got[0], dataset)} so that the loss covers every "
+                "output channel and the autoregressive rollout can feed predictions back"
             )
 
 

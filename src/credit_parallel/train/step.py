@@ -19,6 +19,10 @@ are input-only channels at the END of the last input (``x``, or ``x_surface`` of
 replaces the forcing channels with the next input time's (the batch's ``forcing`` key holds them
 for steps 2 .. ``forecast_len``) and keeps the static ones.
 
+Diagnostic (output-only) channels (``data.diagnostic_variables``) are the LAST
+``n_diagnostic`` channels of the model's (last) output and of each forecast step of the target:
+the loss covers them, the state never holds them (only the prognostic part is fed back).
+
 Loss shares: each rank's loss is its share of the globally normalised loss (local sum divided
 by the global count), so summing gradients over the domain ranks (``op="sum"``) is exact for any
 shard sizes, and dp averaging (DDP/FSDP2) gives the mean over the global batch.
@@ -91,21 +95,33 @@ def _forcing_tuple(forcing, n: int) -> tuple:
     return (None,) * (n - len(forcing)) + tuple(forcing)
 
 
-def advance_state(state: tuple, outputs: tuple, forcing=None, *, n_forcing=0, n_static=0) -> tuple:
+def advance_state(
+    state: tuple, outputs: tuple, forcing=None, *, n_forcing=0, n_static=0, n_diagnostic=0
+) -> tuple:
     """The input of the next forecast step: per input, drop the oldest time step (as many
-    channels as its output has), append the prediction after the remaining history, replace the
-    ``n_forcing`` dynamic forcing channels with ``forcing`` (the next input time's) and keep the
-    ``n_static`` static channels.
+    channels as its output has prognostic ones), append the prediction's prognostic channels
+    after the remaining history, replace the ``n_forcing`` dynamic forcing channels with
+    ``forcing`` (the next input time's) and keep the ``n_static`` static channels.
 
     ``n_forcing`` / ``n_static``: an int (channels at the end of the LAST input, as the dataset
-    lays them out) or one int per input.  ``forcing``: None when there is no forcing, else a
-    tensor (the last input's) or a tuple aligned with the last inputs, ``n_forcing`` channels.
+    lays them out) or one int per input.  ``n_diagnostic``: the output-only channels at the end
+    of the LAST output (or one int per output), never fed back.  ``forcing``: None when there is
+    no forcing, else a tensor (the last input's) or a tuple aligned with the last inputs,
+    ``n_forcing`` channels.
     """
     n = len(state)
     n_forcing, n_static = _per_input(n_forcing, n, "n_forcing"), _per_input(n_static, n, "n_static")
+    n_diagnostic = _per_input(n_diagnostic, n, "n_diagnostic")
     forcing = _forcing_tuple(forcing, n)
     out = []
-    for s, o, f, nf, ns in zip(state, outputs, forcing, n_forcing, n_static):
+    for s, o, f, nf, ns, nd in zip(state, outputs, forcing, n_forcing, n_static, n_diagnostic):
+        if nd:
+            if o.shape[1] <= nd:
+                raise ValueError(
+                    f"advance_state: an output of {o.shape[1]} channels has no prognostic "
+                    f"channel besides its {nd} diagnostic ones"
+                )
+            o = o[:, : o.shape[1] - nd]
         if nf == 0 and ns == 0:
             out.append(torch.cat([s[:, o.shape[1] :], o.to(s.dtype)], dim=1))
             continue
@@ -140,10 +156,12 @@ def rollout_loss(
     forcing: torch.Tensor | None = None,
     n_forcing: int = 0,
     n_static: int = 0,
+    n_diagnostic: int = 0,
 ) -> tuple[torch.Tensor, tuple]:
     """Mean loss share over ``forecast_len`` autoregressive steps, and the last step's outputs.
     ``forcing``: the batch's ``forcing`` tensor (``n_forcing`` channels per later step);
-    ``n_forcing`` / ``n_static``: the input-only channels of the last input (see
+    ``n_forcing`` / ``n_static``: the input-only channels of the last input; ``n_diagnostic``:
+    the output-only channels of the last output, in the loss, never fed back (see
     :func:`advance_state`)."""
     state = tuple(inputs)
     total = None
@@ -158,7 +176,12 @@ def rollout_loss(
         if k + 1 < forecast_len:
             step_forcing = forcing_at(forcing, k + 1, n_forcing)
             state = advance_state(
-                state, outputs, step_forcing, n_forcing=n_forcing, n_static=n_static
+                state,
+                outputs,
+                step_forcing,
+                n_forcing=n_forcing,
+                n_static=n_static,
+                n_diagnostic=n_diagnostic,
             )
     # no kernel a plain loop would not run: x / 1 is x
     return (total if forecast_len == 1 else total / forecast_len), outputs
@@ -213,7 +236,8 @@ class TrainStep:
     ranks of ``manager`` (False when the caller passes shards already).  ``max_norm``: clip to
     this global norm (``float("inf")`` measures without clipping; None skips the norm).
     ``n_forcing`` / ``n_static``: the input-only channels at the end of the last input (the
-    batch's ``forcing`` key feeds the forcing of later steps).  ``autocast``: a factory of the
+    batch's ``forcing`` key feeds the forcing of later steps).  ``n_diagnostic``: the
+    output-only channels at the end of the last output (in the loss, not fed back).  ``autocast``: a factory of the
     mixed-precision context.  ``guard``: a factory
     ``guard(model)`` of a functional-call guard (``domain.guard.FunctionalCallGuard``) active
     around every model call when the domain is split; its findings collect in ``findings``
@@ -233,6 +257,7 @@ class TrainStep:
     findings: list = field(default_factory=list)
     n_forcing: int = 0
     n_static: int = 0
+    n_diagnostic: int = 0
 
     def shard(self, batch: dict) -> dict:
         """This rank's rows of a global batch, only through the model's own manager
@@ -267,6 +292,7 @@ class TrainStep:
                 forcing=forcing,
                 n_forcing=self.n_forcing,
                 n_static=self.n_static,
+                n_diagnostic=self.n_diagnostic,
             )
             if divide_by != 1:
                 share = share / divide_by

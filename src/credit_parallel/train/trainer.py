@@ -142,6 +142,7 @@ class Trainer:
             shard_inputs=False,  # the loader reads this rank's rows already
             n_forcing=int(getattr(self.dataset, "n_forcing", 0) or 0),
             n_static=int(getattr(self.dataset, "n_static", 0) or 0),
+            n_diagnostic=int(getattr(self.dataset, "n_diagnostic", 0) or 0),
         )
 
     def _build_model(self, model):
@@ -296,9 +297,9 @@ class Trainer:
         total = torch.cat([sums.flatten(), sums.new_tensor([float(count)])])
         total = self._sum_over_replicas(total)
         means = total[:-1].view(sums.shape) / total[-1]
-        names = getattr(loader.dataset, "variable_names", None) or [
-            f"ch{i}" for i in range(means.shape[-1])
-        ]
+        ds = loader.dataset  # the output channels: prognostic then diagnostic
+        names = getattr(ds, "output_variable_names", None) or getattr(ds, "variable_names", None)
+        names = names or [f"ch{i}" for i in range(means.shape[-1])]
         metrics = {}
         for k in range(steps):
             suffix = "" if k == 0 else f"@t+{k + 1}"
@@ -337,6 +338,7 @@ class Trainer:
                     forcing,
                     n_forcing=self.step_fn.n_forcing,
                     n_static=self.step_fn.n_static,
+                    n_diagnostic=self.step_fn.n_diagnostic,
                 )
         return torch.stack(rows)
 
@@ -357,8 +359,8 @@ class Trainer:
         (:func:`credit_parallel.forecast.scores.climatology`; ``path``: a climatology file
         instead), in the data's normalised units.  Reads the whole training range once."""
         raw = climatology(self.conf, domain_shard=(self.domain_rank, self.domain_split), path=path)
-        mean = torch.as_tensor(self.dataset.channel_mean).view(-1, 1, 1)
-        std = torch.as_tensor(self.dataset.channel_std).view(-1, 1, 1)
+        mean = torch.as_tensor(self.dataset.output_mean).view(-1, 1, 1)
+        std = torch.as_tensor(self.dataset.output_std).view(-1, 1, 1)
         self.climatology = ((raw - mean) / std).to(device=self.device, dtype=torch.float64)
         return self.climatology
 
