@@ -159,6 +159,21 @@ def test_advance_state_feeds_back_only_the_prognostic_channels():
         advance_state((state,), (out[:, :2],), forcing, n_forcing=1, n_static=1, n_diagnostic=2)
 
 
+def test_advance_state_of_a_5d_model_drops_the_diagnostics_of_its_surface_output():
+    g = torch.Generator().manual_seed(2)
+    upper, surface = (
+        torch.randn(1, 3, 2, 5, 4, generator=g),
+        torch.randn(1, 2 + 1, 5, 4, generator=g),
+    )
+    out_upper, out_surface = (
+        torch.randn(1, 3, 2, 5, 4, generator=g),
+        torch.randn(1, 2 + 1, 5, 4, generator=g),
+    )
+    nxt = advance_state((upper, surface), (out_upper, out_surface), n_static=1, n_diagnostic=1)
+    assert torch.equal(nxt[0], out_upper)  # history 1: the prediction itself
+    assert torch.equal(nxt[1], torch.cat([out_surface[:, :2], surface[:, 2:]], dim=1))
+
+
 # --------------------------------------------------------------------------- training
 def _unet_conf(store, parallelism, **trainer):
     return {
@@ -270,6 +285,12 @@ def test_the_loss_covers_the_diagnostic_channels(store):
     batch["y"][:, 5] += 1.0  # the diagnostic channel of forecast step 1
     shifted, _ = trainer.step_fn.forward_backward(batch)
     assert float(shifted - base) > 1e-3
+    # validation names every output channel, the diagnostic one included, at both leads
+    metrics = trainer.evaluate()
+    names = ["T_500", "T_850", "U_500", "U_850", "SP", "t2m"]
+    assert sorted(metrics) == sorted(
+        [f"rmse/{n}" for n in names] + [f"rmse@t+2/{n}" for n in names]
+    )
     trainer.close()
 
 
