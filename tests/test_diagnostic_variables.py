@@ -305,6 +305,63 @@ def test_a_model_that_does_not_output_the_diagnostics_is_refused_by_name(store):
     assert "set model.out_channels: 6" in problems, problems
 
 
+def _pangu_conf(store, parallelism, output_only=1):
+    """A 5-D run: Pangu3D on T, U (2 levels) and SP, t2m predicted after SP in y_surface."""
+    return {
+        "model": {
+            "type": "pangu",
+            "upper_channels": 2,
+            "surface_channels": 1,
+            "output_only_channels": output_only,
+            "levels": 2,
+            "image_height": 16,
+            "image_width": 16,
+            "dim": 8,
+        },
+        "data": {
+            "path": store,
+            "upper_air_variables": ["T", "U"],
+            "surface_variables": ["SP"],
+            "diagnostic_variables": ["t2m"],
+            "levels": [500, 850],
+            "forecast_len": 2,
+            "as_5d": True,
+            "time_slice": [0, 12],
+            "num_workers": 0,
+        },
+        "trainer": {
+            "parallelism": parallelism,
+            "steps": 2,
+            "batch_size": 2,
+            "lr": 0.01,
+            "seed": 5,
+            "dtype": "float64",
+            "dist_timeout_s": 60,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def store16(tmp_path_factory):
+    path = tmp_path_factory.mktemp("diag16") / "s.zarr"
+    return str(write_sample_dataset(path, n_times=12, nlat=16, nlon=16))
+
+
+def test_a_5d_model_with_diagnostics_trains_at_domain_2_as_on_one_process(store16):
+    """Pangu3D's ``output_only_channels``: the surface output carries the diagnostic t2m, the
+    two-step rollout feeds back only T, U and SP."""
+    from credit_parallel.train.preflight import validate_run
+
+    want = _train(_pangu_conf(store16, {"data": "none", "tensor": 1, "domain": 1}), 2)
+    conf = _pangu_conf(store16, {"data": "none", "tensor": 1, "domain": 2})
+    for result in run_on_ranks(_train_worker, 2, conf, 2, timeout=240):
+        _assert_same_run(result, want)
+    bad = _pangu_conf(store16, {"data": "none", "tensor": 1, "domain": 1}, output_only=0)
+    problems = " ".join(validate_run(bad, 1))
+    assert "target (2, 16, 16) (1 prognostic + 1 diagnostic" in problems, problems
+    assert "set model.output_only_channels: 1" in problems, problems
+
+
 # --------------------------------------------------------------------------- CREDIT's gen-2 schema
 def _credit_conf(store, parallelism, *, diagnostic=("t2m",), output_only=1) -> dict:
     """A miles-credit gen-2 config (the 0.25-degree example's schema) on the sample store, its

@@ -49,7 +49,8 @@ class PanguBlock3D(nn.Module):
 
 
 class Pangu3D(nn.Module):
-    """forward(upper (B, C_upper, Z, H, W), surface (B, C_surf, H, W)) -> (upper_out, surface_out).
+    """forward(upper (B, C_upper, Z, H, W), surface (B, C_surf, H, W)) -> (upper_out, surface_out),
+    ``surface_out`` ``(B, C_surf + output_only_channels, H, W)``.
 
     Args:
         upper_channels, surface_channels: variables per level / surface variables.
@@ -60,6 +61,8 @@ class Pangu3D(nn.Module):
         depths: blocks in the first and second stage.
         mlp_ratio: feed-forward hidden width in multiples of the stage width.
         norm_groups: GroupNorm groups; must divide dim.
+        output_only_channels: diagnostic fields predicted after the surface ones (CREDIT's
+            name; ``data.diagnostic_variables``), never an input.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class Pangu3D(nn.Module):
         depths: Sequence[int] = (1, 1),
         mlp_ratio: int = 4,
         norm_groups: int = 4,
+        output_only_channels: int = 0,
     ) -> None:
         super().__init__()
         upper_channels = check_positive_int("upper_channels", upper_channels)
@@ -86,6 +90,12 @@ class Pangu3D(nn.Module):
         depths = check_int_tuple("depths", depths, 2)
         mlp_ratio = check_positive_int("mlp_ratio", mlp_ratio)
         norm_groups = check_positive_int("norm_groups", norm_groups)
+        if isinstance(output_only_channels, bool) or not isinstance(output_only_channels, int):
+            raise ValueError(
+                f"output_only_channels must be an int >= 0, got {output_only_channels!r}"
+            )
+        if output_only_channels < 0:
+            raise ValueError(f"output_only_channels must be >= 0, got {output_only_channels}")
         pz, ph, pw = patch_size
         for name, size, factor in (
             ("levels", levels, pz),
@@ -100,6 +110,7 @@ class Pangu3D(nn.Module):
 
         self.upper_channels = upper_channels
         self.surface_channels = surface_channels
+        self.output_only_channels = output_only_channels
         self.levels = levels
         self.image_height = image_height
         self.image_width = image_width
@@ -117,7 +128,7 @@ class Pangu3D(nn.Module):
         self.up = nn.ConvTranspose3d(2 * dim, dim, (1, 2, 2), stride=(1, 2, 2))
         self.upper_recovery = nn.ConvTranspose3d(2 * dim, upper_channels, patch_size, patch_size)
         self.surface_recovery = nn.ConvTranspose2d(
-            2 * dim, surface_channels, (ph, pw), stride=(ph, pw)
+            2 * dim, surface_channels + output_only_channels, (ph, pw), stride=(ph, pw)
         )
 
     def forward(

@@ -91,13 +91,15 @@ def _target_split(dataset, channels: int) -> str:
     return f" ({channels - n_diag} prognostic + {n_diag} diagnostic: data.diagnostic_variables)"
 
 
-def _output_fix(conf_model: dict, key: str, channels: int, dataset) -> str:
-    """What to set so that the model outputs ``channels`` channels per forecast step."""
+def _output_fix(conf_model: dict, key: str, channels: int, dataset, last: bool) -> str:
+    """What to set so that the model outputs ``channels`` channels per forecast step (``last``:
+    the model's last output, the one that carries the diagnostic channels)."""
     if "out_channels" in conf_model:
         return f"set model.out_channels: {channels}"
-    if "output_only_channels" in conf_model or "channels" in conf_model:
-        # CREDIT's models: channels x levels + surface_channels prognostic, output_only_channels
-        n_diag = int(getattr(dataset, "n_diagnostic", 0) or 0)
+    n_diag = int(getattr(dataset, "n_diagnostic", 0) or 0)
+    if last and (n_diag or "output_only_channels" in conf_model or "channels" in conf_model):
+        # CREDIT's models (channels x levels + surface_channels prognostic) and Pangu3D
+        # (surface_channels) predict output_only_channels more
         return f"set model.output_only_channels: {n_diag} (the diagnostic channels)"
     return f"set {key}: {channels} (the channels of one time step)"
 
@@ -187,12 +189,13 @@ def _data_vs_model(
         )
         return
     for i, (key, want, got) in enumerate(zip(out_keys, outs, target_shapes)):
-        split = _target_split(dataset, got[0]) if i + 1 == len(outs) else ""  # the last output's
+        last = i + 1 == len(outs)
+        split = _target_split(dataset, got[0]) if last else ""  # the last output carries them
         if want != got:
             violations.append(
                 f"the model's output per sample {want} does not match one forecast step of the "
                 f"target {got}{split}: "
-                f"{_output_fix(conf_model, key, got[0], dataset)} so that the loss covers every "
+                f"{_output_fix(conf_model, key, got[0], dataset, last)} so that the loss covers every "
                 "output channel and the autoregressive rollout can feed predictions back"
             )
 
