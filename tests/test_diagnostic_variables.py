@@ -285,12 +285,19 @@ def test_the_loss_covers_the_diagnostic_channels(store):
     batch["y"][:, 5] += 1.0  # the diagnostic channel of forecast step 1
     shifted, _ = trainer.step_fn.forward_backward(batch)
     assert float(shifted - base) > 1e-3
-    # validation names every output channel, the diagnostic one included, at both leads
+    # validation names every output channel, the diagnostic one included, at both leads; the
+    # climatology of its ACC holds the diagnostic channel too (normalised by its statistics)
+    climatology = trainer.use_training_climatology()
+    assert climatology.shape == (6, H, W)
     metrics = trainer.evaluate()
     names = ["T_500", "T_850", "U_500", "U_850", "SP", "t2m"]
     assert sorted(metrics) == sorted(
-        [f"rmse/{n}" for n in names] + [f"rmse@t+2/{n}" for n in names]
+        f"{score}{lead}/{n}" for score in ("rmse", "acc") for lead in ("", "@t+2") for n in names
     )
+    raw, stats = xr.open_zarr(store)["t2m"], xr.open_zarr(default_stats_path(store))["t2m"]
+    mean, std = stats.values
+    want = (raw.isel(time=slice(0, 20)).values.astype(np.float64).mean(axis=0) - mean) / std
+    assert np.abs(climatology[5].numpy() - want).max() <= 1e-5
     trainer.close()
 
 

@@ -5,7 +5,7 @@ the row-reading training loader of domain-parallel runs.
 - ``store``: ``ByteCountingStore`` (bytes read), ``compute_normalization_stats``,
   ``default_stats_path``;
 - ``dataset``: ``ERA5Dataset`` (whole globe, or one domain rank's rows), ``latitude_weights``,
-  ``dataset_from_conf``;
+  ``dataset_from_conf``; ``diagnostic``: its output-only (diagnostic) channels;
 - ``sampler``: ``DistributedDPSampler``, ``StepBatchSampler``, ``make_dataloader`` (shards over
   data parallelism only);
 - ``loader``: ``build_train_loader``, ``register_row_batch``, ``RowView``; ``batch_to_device``
