@@ -17,6 +17,7 @@ __all__ = [
     "level_index",
     "name_list",
     "positive_int",
+    "select_levels",
     "tile_window",
     "time_label",
 ]
@@ -164,3 +165,30 @@ def every_timestep(dataset, timestep):
         )
     k = int(want // have)
     return positions[::k], times[::k]
+
+
+def select_levels(store_levels, levels, path, dim: str = "level"):
+    """``(positions, values)`` of the requested pressure ``levels`` (matched with ``np.isclose``)
+    in the store's level coordinate ``store_levels`` (dim ``dim``) (``None``: no upper-air variable; ``levels``
+    ``None``: all of them); ``ValueError`` naming a missing or repeated level."""
+    if store_levels is None:
+        return [], ()
+    store_levels = np.asarray(store_levels, dtype=np.float64)
+    if levels is None:
+        return list(range(store_levels.size)), tuple(store_levels.tolist())
+    if isinstance(levels, int | float | np.number):
+        levels = [levels]
+    positions = []
+    for level in levels:
+        matches = np.flatnonzero(np.isclose(store_levels, float(level)))
+        if matches.size == 0:
+            raise ValueError(
+                f"ERA5Dataset: level {level!r} is not in {str(path)!r}; available "
+                f"{dim} values: {[format_level(v) for v in store_levels]}"
+            )
+        positions.append(int(matches[0]))
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"ERA5Dataset: levels lists a level twice: {list(levels)}")
+    if not positions:
+        raise ValueError("ERA5Dataset: levels is empty but upper-air variables were requested")
+    return positions, tuple(float(store_levels[p]) for p in positions)
