@@ -176,35 +176,9 @@ class ERA5Dataset(Dataset):
                 "shorten history_len/forecast_len or widen time_slice"
             )
 
-        latitude = ds[self._lat_dim].values.astype(np.float64)
-        # north to south, as ERA5 and as domain rank 0 (north edge) expects
-        self._flip_lat = bool(latitude.size > 1 and latitude[0] < latitude[-1])
-        self.latitude = latitude[::-1].copy() if self._flip_lat else latitude
-        self.longitude = ds[self._lon_dim].values.astype(np.float64)
-        self.grid_shape = (self.latitude.size, self.longitude.size)
-        self.lat_weights = latitude_weights(self.latitude)
-        self.rows, self.columns = tile_window(rows, domain_shard, self.grid_shape)
-        first, stop = self.rows if self.rows is not None else (0, self.grid_shape[0])
-        west, east = self.columns if self.columns is not None else (0, self.grid_shape[1])
-        self.sample_grid_shape = (stop - first, east - west)
-        self.row_lat_weights = self.lat_weights[first:stop]
+        self._set_grid(ds, rows, domain_shard)
         self._name_channels()
-        self._static_store = None
-        if static_path is not None and self.static_variables:
-            self._static_store = StaticStore(
-                static_path, self.static_variables, self.latitude, self.longitude
-            )
-            self._stores.static_counter = self._static_store.counter
-            self.variable_units.update(self._static_store.units)
-
-        if self.normalize:
-            self._mean, self._std = dataset_stats(self, stats_path, mean_path, std_path)
-        else:
-            n = self._channels_read + len(self.static_variables)
-            self._mean, self._std = np.zeros(n), np.ones(n)
-
-        self._mean32 = np.asarray(self._mean, dtype=np.float32)
-        self._std32 = np.asarray(self._std, dtype=np.float32)
+        self._set_statistics(static_path, stats_path, mean_path, std_path)
         self._static = self._read_static(ds)
         self._level_index, self._level_block = level_index(self._level_positions)
         self.reader = self._stores.open_readers(
@@ -219,6 +193,37 @@ class ERA5Dataset(Dataset):
             self._stores.release()
 
     # ---- construction helpers -------------------------------------------------------------
+    def _set_grid(self, ds: xr.Dataset, rows, domain_shard) -> None:
+        latitude = ds[self._lat_dim].values.astype(np.float64)
+        # north to south, as ERA5 and as domain rank 0 (north edge) expects
+        self._flip_lat = bool(latitude.size > 1 and latitude[0] < latitude[-1])
+        self.latitude = latitude[::-1].copy() if self._flip_lat else latitude
+        self.longitude = ds[self._lon_dim].values.astype(np.float64)
+        self.grid_shape = (self.latitude.size, self.longitude.size)
+        self.lat_weights = latitude_weights(self.latitude)
+        self.rows, self.columns = tile_window(rows, domain_shard, self.grid_shape)
+        first, stop = self.rows if self.rows is not None else (0, self.grid_shape[0])
+        west, east = self.columns if self.columns is not None else (0, self.grid_shape[1])
+        self.sample_grid_shape = (stop - first, east - west)
+        self.row_lat_weights = self.lat_weights[first:stop]
+
+    def _set_statistics(self, static_path, stats_path, mean_path, std_path) -> None:
+        """The static store (``static_path``) and the per-channel mean / std."""
+        self._static_store = None
+        if static_path is not None and self.static_variables:
+            self._static_store = StaticStore(
+                static_path, self.static_variables, self.latitude, self.longitude
+            )
+            self._stores.static_counter = self._static_store.counter
+            self.variable_units.update(self._static_store.units)
+        if self.normalize:
+            self._mean, self._std = dataset_stats(self, stats_path, mean_path, std_path)
+        else:
+            n = self._channels_read + len(self.static_variables)
+            self._mean, self._std = np.zeros(n), np.ones(n)
+        self._mean32 = np.asarray(self._mean, dtype=np.float32)
+        self._std32 = np.asarray(self._std, dtype=np.float32)
+
     def _set_variables(self, upper, surface, forcing, static) -> None:
         self.upper_air_variables = name_list(upper, "upper_air_variables")
         self.surface_variables = name_list(surface, "surface_variables")
