@@ -26,6 +26,7 @@ import yaml
 from credit_parallel.data import ERA5Dataset, default_stats_path, write_sample_dataset
 from credit_parallel.data.chunk_reader import tensorstore_available
 from credit_parallel.layout.credit_gen2 import credit_gen2_conf
+from credit_parallel.layout.run_config import RunConfig
 from credit_parallel.testing import run_on_ranks
 from miles_credit import import_credit
 from test_credit_examples import TOL, H, W, _on_sample, _train
@@ -321,6 +322,14 @@ def test_the_examples_paths_map_to_the_data_keys(data):
     conf["data"]["source"]["ERA5"]["variables"]["dynamic_forcing"]["path"] = "/x/era5_%Y.zarr"
     with pytest.warns(UserWarning):
         assert credit_gen2_conf(conf)["data"]["path"] == "/x/era5_*.zarr"  # CREDIT's template
+    # credit-parallel's own keys: a list of stores, the static store, the netCDF files
+    mine = {"path": data["years"], "static_path": data["static"], "mean_path": data["mean"]}
+    mine["std_path"] = data["std"]
+    run = RunConfig.from_conf({"trainer": {"parallelism": {}}, "data": mine})
+    assert run.data.path == tuple(data["years"]) and run.data.static_path == data["static"]
+    assert (run.data.mean_path, run.data.std_path) == (data["mean"], data["std"])
+    with pytest.raises(ValueError, match=r"data.path must be a path, a glob or a list"):
+        RunConfig.from_conf({"trainer": {"parallelism": {}}, "data": {"path": [data["glob"], 3]}})
 
 
 def _domain2_worker(rank, world, data):
