@@ -205,6 +205,13 @@ def test_mismatched_stores_are_refused_naming_both(data, tmp_path):
     _write(retyped, tmp_path / "retyped.zarr")
     with pytest.raises(ValueError, match=r"retyped\.zarr.* differ in variable 'T'.*float64"):
         ERA5Dataset([data["years"][0], str(tmp_path / "retyped.zarr")], UPPER, SURFACE, **kwargs)
+    relevelled = raw.isel(time=slice(5, 11)).assign_coords(level=[400.0, 850.0])
+    _write(relevelled, tmp_path / "relevelled.zarr")
+    with pytest.raises(ValueError, match=r"relevelled\.zarr' differ in the 'level' coordinate"):
+        ERA5Dataset([data["years"][0], str(tmp_path / "relevelled.zarr")], UPPER, SURFACE, **kwargs)
+    _write(raw.isel(time=slice(5, 11)).drop_vars("SP"), tmp_path / "no_sp.zarr")
+    with pytest.raises(ValueError, match=r"no_sp\.zarr': variable 'SP' is missing from the second"):
+        ERA5Dataset([data["years"][0], str(tmp_path / "no_sp.zarr")], UPPER, SURFACE, **kwargs)
     with pytest.raises(FileNotFoundError, match=r"the glob .*nothing_\*\.zarr' matches no"):
         ERA5Dataset(str(tmp_path / "nothing_*.zarr"), UPPER, SURFACE, **kwargs)
     with pytest.raises(ValueError, match=r"names 3 stores; give their statistics"):
