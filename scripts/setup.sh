@@ -15,6 +15,8 @@ want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet torch==2.13.0 numpy
+    # -e .: the package's dependencies, h5netcdf / h5py (CREDIT's netCDF statistics) and cftime
+    # (miles-credit's config helpers, for CREDIT gen-2 configs) among them
     .venv/bin/python -m pip install --quiet -e ".[dev]"
     # test dependencies: miles-credit's and timm's own model classes
     # (tests/test_domain_attention.py, tests/test_timm_swin.py).

@@ -116,11 +116,13 @@ def _cmd_train(args) -> int:
     args.config = resolve_config(args.config)
     conf, n = _load_and_check(args.config, args.nproc)
     path = (conf.get("data") or {}).get("path")
-    if path and not os.path.exists(path):
-        raise CLIError(
-            f"data.path {path!r} does not exist (create the demo data with "
-            f"`{_sample_data_command(conf)}`)"
-        )
+    missing = None
+    if path:
+        from .data.multistore import missing_store
+
+        missing = missing_store(path)  # a store, a glob of stores or a list
+    if missing:
+        raise CLIError(f"{missing} (create the demo data with `{_sample_data_command(conf)}`)")
     _choose_device(args, n)
     from .layout.launch import under_launcher
 

@@ -6,6 +6,9 @@ the row-reading training loader of domain-parallel runs.
   ``default_stats_path``;
 - ``dataset``: ``ERA5Dataset`` (whole globe, or one domain rank's rows), ``latitude_weights``,
   ``dataset_from_conf``; ``diagnostic``: its output-only (diagnostic) channels;
+- ``multistore``: several stores as one time axis (a glob of per-year stores), the static
+  fields' own store; ``credit_stats``: the normalisation statistics, CREDIT's netCDF files
+  included;
 - ``sampler``: ``DistributedDPSampler``, ``StepBatchSampler``, ``make_dataloader`` (shards over
   data parallelism only);
 - ``loader``: ``build_train_loader``, ``register_row_batch``, ``RowView``; ``batch_to_device``

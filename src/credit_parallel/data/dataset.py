@@ -1,10 +1,11 @@
 """ERA5-style zarr stores as a torch ``Dataset`` of (input history, forecast target) samples.
 
 Store layout read here (the ERA5 / WeatherBench convention, also what ``write_sample_dataset``
-writes): a zarr store holding upper-air variables with dims ``(time, level, latitude, longitude)``
-and surface variables with dims ``(time, latitude, longitude)``; the names ``lat``/``lon`` and
-``pressure_level``/``plev``/``isobaricInhPa`` are accepted too.  Rows are delivered north to south
-(a store whose latitude ascends is flipped), so row 0 is the north edge that domain rank 0 owns.
+writes): upper-air variables with dims ``(time, level, latitude, longitude)``, surface variables
+``(time, latitude, longitude)`` (``lat``/``lon``, ``pressure_level``/``plev``/``isobaricInhPa``
+accepted too), in one zarr store or in several split along time (``path`` a glob or a list;
+``multistore.py``), static fields optionally in a store of their own (``static_path``).  Rows are
+delivered north to south (a store whose latitude ascends is flipped): row 0 is domain rank 0's.
 
 Channel order of one time step (``ERA5Dataset.variable_names``): each upper-air variable in the
 order requested, each of its levels in the order requested (store order when ``levels=None``),
@@ -15,18 +16,15 @@ the static ones (``static_variables``, dims ``(latitude, longitude)``); ``y`` th
 ``forecast_len`` steps, each its prognostic then its diagnostic channels (output-only
 ``diagnostic_variables``: ``diagnostic.py``); ``forcing`` the forcing of target times 1 .. L-1.
 
-Normalisation statistics live in a separate small zarr store (``default_stats_path(path)``,
-``<name>_stats.zarr`` beside the data, unless ``stats_path`` is given): one variable per data
-variable, same name, dims ``("statistic", level)`` for upper-air and ``("statistic",)`` for
-surface variables, index 0 of ``statistic`` the mean and 1 the std (no coordinate: zarr v3 has no
-stable string dtype; the store's ``statistic_order`` attribute says so); unweighted over time, latitude and longitude,
-ddof 0 (``compute_normalization_stats`` writes it).  Normalised channel = (raw - mean) / std.
+Normalisation (``credit_stats.py``): (raw - mean) / std per channel, the statistics from the
+zarr store ``compute_normalization_stats`` writes (``stats_path``, default
+``default_stats_path(path)``; its layout in ``store.py``) or from CREDIT's netCDF files
+(``mean_path`` / ``std_path``), as miles-credit normalises.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,7 +32,9 @@ import xarray as xr
 from torch.utils.data import Dataset
 
 from .chunk_reader import ChunkReader, choose_reader
+from .credit_stats import dataset_stats
 from .diagnostic import DiagnosticChannels
+from .multistore import StaticStore, StoreSet
 from .selection import (
     every_timestep,
     format_level,
@@ -43,6 +43,7 @@ from .selection import (
     level_index,
     name_list,
     positive_int,
+    select_levels,
     select_times,
     tile_window,
     time_label,
@@ -51,11 +52,8 @@ from .store import (
     LAT_NAMES,
     LON_NAMES,
     TIME_NAMES,
-    default_stats_path,
     direct_float32_array,
     find_dim,
-    load_channel_stats,
-    open_store,
 )
 
 __all__ = ["DEFAULT_CACHE_LIMIT_BYTES", "ERA5Dataset", "dataset_from_conf", "latitude_weights"]
@@ -77,6 +75,9 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
     ``levels``: pressure levels to use (values, matched to the store's level coordinate); ``None``
     = all.  ``time_slice``: a ``slice`` (or ``(start, stop)`` pair) of integer positions, or of
     labels (``"2020-01-03"``, ``np.datetime64``) selected with ``.sel``, inclusive as in xarray.
+    ``path``: a store, a glob or list of stores (one time axis; ``store_paths`` in time order);
+    ``static_path``: the static fields' own store; ``mean_path`` / ``std_path``: CREDIT's netCDF
+    statistics instead of ``stats_path``.
 
     ``as_5d=True`` (for 3-D models) returns instead ``x_upper`` ``(history_len * n_upper, Z, H, W)``
     (history step outer, variable inner), ``x_surface`` ``(history_len * n_surface, H, W)`` and
@@ -107,11 +108,10 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
     (the store's ``units`` attribute per variable), ``variable_names``
     (the prognostic channels of ONE time step, in order), ``channel_names_in`` / ``channel_names_out`` (every
     channel of x / y: ``"T_500@t-1"``, ``"T_500@t"``, ``"T_500@t+1"``, offsets from the last
-    input time),
-    ``latitude``, ``longitude``, ``levels``, ``times``, ``lat_weights`` (``latitude_weights`` of
-    the GLOBE, shape ``(H,)``); ``rows`` / ``columns`` (``None`` or the range read),
-    ``sample_grid_shape`` (rows and columns of a sample), ``row_lat_weights`` (the weights of the sample's rows: the loss
-    weights of a domain rank, normalised over the globe).
+    input time), ``latitude``, ``longitude``, ``levels``, ``times``, ``lat_weights``
+    (``latitude_weights`` of the GLOBE, shape ``(H,)``); ``rows`` / ``columns`` (``None`` or the
+    range read), ``sample_grid_shape`` (rows and columns of a sample), ``row_lat_weights`` (the
+    weights of the sample's rows: the loss weights of a domain rank, normalised over the globe).
     """
 
     def __init__(
@@ -136,9 +136,11 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         level_coord: str | None = None,
         timestep: str | None = None,
         diagnostic_variables: Sequence[str] = (),
+        static_path=None,
+        mean_path=None,
+        std_path=None,
     ):
         super().__init__()
-        self.path = Path(path)
         self.history_len = positive_int(history_len, "history_len")
         self.forecast_len = positive_int(forecast_len, "forecast_len")
         self.diagnostic_variables = name_list(diagnostic_variables, "diagnostic_variables")
@@ -155,13 +157,21 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         self.as_5d = bool(as_5d)
         self.normalize = bool(normalize)
 
-        ds, self._store = open_store(self.path, "ERA5Dataset")
+        self._stores = StoreSet(path, "ERA5Dataset")  # one store, or several along time
+        self.path, self.store_paths = self._stores.path, [p.path for p in self._stores.parts]
+        ds = self._stores.ds
         self._find_dims(ds, level_coord)
-        self._check_variables(ds)
-        names = self._read_variables + self.static_variables
-        self.variable_units = {n: str(ds[n].attrs.get("units", "")) for n in names}
-        self._level_positions, self.levels = self._select_levels(ds, levels)
-        self._time_positions, self.times = select_times(ds, self._time_dim, time_slice)
+        in_store = self.static_variables if static_path is None else []
+        self._check_variables(ds, in_store)
+        self._stores.check(self._read_variables, in_store)
+        self.variable_units = {
+            n: str(ds[n].attrs.get("units", "")) for n in self._read_variables + in_store
+        }
+        store_levels = ds[self._level_dim].values if self.upper_air_variables else None
+        self._level_positions, self.levels = select_levels(
+            store_levels, levels, self.path, self._level_dim
+        )
+        self._time_positions, self.times = self._select_times(time_slice)
         if timestep is not None:  # every k-th time of the store ("6h" of an hourly store)
             self._time_positions, self.times = every_timestep(self, timestep)
 
@@ -175,6 +185,24 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
                 "shorten history_len/forecast_len or widen time_slice"
             )
 
+        self._set_grid(ds, rows, domain_shard)
+        self._name_channels()
+        self._set_statistics(static_path, stats_path, mean_path, std_path)
+        self._static = self._read_static(ds)
+        self._level_index, self._level_block = level_index(self._level_positions)
+        self.reader = self._stores.open_readers(
+            reader, self._direct_arrays, choose_reader, ChunkReader
+        )
+
+        self.nbytes = n_times * self._channels_read * int(np.prod(self.sample_grid_shape)) * 4
+        self.cached = self.nbytes <= cache_limit_bytes
+        self._cache = None
+        self._cache = self._read(0, n_times) if self.cached else None
+        if self.cached:
+            self._stores.release()
+
+    # ---- construction helpers -------------------------------------------------------------
+    def _set_grid(self, ds: xr.Dataset, rows, domain_shard) -> None:
         latitude = ds[self._lat_dim].values.astype(np.float64)
         # north to south, as ERA5 and as domain rank 0 (north edge) expects
         self._flip_lat = bool(latitude.size > 1 and latitude[0] < latitude[-1])
@@ -187,33 +215,24 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         west, east = self.columns if self.columns is not None else (0, self.grid_shape[1])
         self.sample_grid_shape = (stop - first, east - west)
         self.row_lat_weights = self.lat_weights[first:stop]
-        self._name_channels()
 
+    def _set_statistics(self, static_path, stats_path, mean_path, std_path) -> None:
+        """The static store (``static_path``) and the per-channel mean / std."""
+        self._static_store = None
+        if static_path is not None and self.static_variables:
+            self._static_store = StaticStore(
+                static_path, self.static_variables, self.latitude, self.longitude
+            )
+            self._stores.static_counter = self._static_store.counter
+            self.variable_units.update(self._static_store.units)
         if self.normalize:
-            self._mean, self._std = self._load_stats(stats_path)
+            self._mean, self._std = dataset_stats(self, stats_path, mean_path, std_path)
         else:
             n = self._channels_read + len(self.static_variables)
             self._mean, self._std = np.zeros(n), np.ones(n)
-
         self._mean32 = np.asarray(self._mean, dtype=np.float32)
         self._std32 = np.asarray(self._std, dtype=np.float32)
-        self._static = self._read_static(ds)
-        self._level_index, self._level_block = level_index(self._level_positions)
-        self._direct = self._direct_arrays(ds)
-        self.reader = choose_reader(reader, self.path, self._direct)
-        self._reader = ChunkReader(self.reader, self.path, self._direct, self._store)
 
-        self.nbytes = n_times * self._channels_read * int(np.prod(self.sample_grid_shape)) * 4
-        self.cached = self.nbytes <= cache_limit_bytes
-        self._ds = ds
-        self._cache = None
-        self._cache = self._read(0, n_times) if self.cached else None
-        if self.cached:
-            self._ds, self._direct = None, {}
-            self._reader.release()
-            ds.close()
-
-    # ---- construction helpers -------------------------------------------------------------
     def _set_variables(self, upper, surface, forcing, static) -> None:
         self.upper_air_variables = name_list(upper, "upper_air_variables")
         self.surface_variables = name_list(surface, "surface_variables")
@@ -266,14 +285,14 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
             for name in self.output_variable_names
         ]
 
-    def _direct_arrays(self, ds: xr.Dataset) -> dict:
+    def _direct_arrays(self, ds: xr.Dataset, store) -> dict:
         """The variables zarr decodes straight into a sample (``store.direct_float32_array``)."""
         direct = {}
         for name in self._read_variables:
             dims = [self._time_dim, self._lat_dim, self._lon_dim]
             if name in self.upper_air_variables:
                 dims.insert(1, self._level_dim)
-            array = direct_float32_array(ds, self._store, name, dims)
+            array = direct_float32_array(ds, store, name, dims)
             if array is not None:
                 direct[name] = array
         return direct
@@ -294,7 +313,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
                 )
         self._level_dim = level_coord_dim(ds.dims, level_coord, self.path)
 
-    def _check_variables(self, ds: xr.Dataset) -> None:
+    def _check_variables(self, ds: xr.Dataset, static) -> None:
         available = sorted(ds.data_vars)
         spatial = {self._time_dim, self._lat_dim, self._lon_dim}
         for kind, names, dims in (
@@ -302,7 +321,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
             ("surface", self.surface_variables, spatial),
             ("diagnostic", self.diagnostic_variables, spatial),
             ("dynamic forcing", self.forcing_variables, spatial),
-            ("static", self.static_variables, {self._lat_dim, self._lon_dim}),
+            ("static", static, {self._lat_dim, self._lon_dim}),
         ):
             for name in names:
                 if name not in ds.data_vars:
@@ -318,48 +337,18 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
                         "variables, dynamic_forcing_variables or static_variables)?"
                     )
 
-    def _select_levels(self, ds: xr.Dataset, levels):
-        if not self.upper_air_variables:
-            return [], ()
-        store_levels = ds[self._level_dim].values.astype(np.float64)
-        if levels is None:
-            return list(range(store_levels.size)), tuple(store_levels.tolist())
-        if isinstance(levels, int | float | np.number):
-            levels = [levels]
-        positions = []
-        for level in levels:
-            matches = np.flatnonzero(np.isclose(store_levels, float(level)))
-            if matches.size == 0:
-                raise ValueError(
-                    f"ERA5Dataset: level {level!r} is not in {str(self.path)!r}; available "
-                    f"{self._level_dim} values: {[format_level(v) for v in store_levels]}"
-                )
-            positions.append(int(matches[0]))
-        if len(set(positions)) != len(positions):
-            raise ValueError(f"ERA5Dataset: levels lists a level twice: {list(levels)}")
-        if not positions:
-            raise ValueError("ERA5Dataset: levels is empty but upper-air variables were requested")
-        return positions, tuple(float(store_levels[p]) for p in positions)
+    def _select_times(self, time_slice):
+        return select_times(self._stores.time_index(), time_slice)  # every store's times
 
-    def _load_stats(self, stats_path):
-        stats_path = default_stats_path(self.path) if stats_path is None else Path(stats_path)
-        upper = set(self.upper_air_variables)
-        names = self._read_variables + self.static_variables
-        mean, std = load_channel_stats(
-            stats_path,
-            [(n, n in upper) for n in names],
-            self.levels,
-            self._level_dim,
-            "ERA5Dataset",
-        )
-        channel_names = self.output_variable_names + self.forcing_variables + self.static_variables
-        bad = [channel_names[c] for c in range(std.size) if not np.isfinite(std[c]) or std[c] <= 0]
-        if bad:
-            raise ValueError(
-                f"ERA5Dataset: channels {bad} have a zero or non-finite std in "
-                f"{str(stats_path)!r}; they cannot be normalised"
-            )
-        return mean, std
+    @property
+    def _direct(self) -> dict:
+        """The direct-read arrays of the (first) store; assigning sets every store's."""
+        return self._stores.parts[0].direct
+
+    @_direct.setter
+    def _direct(self, arrays: dict) -> None:
+        for part in self._stores.parts:
+            part.direct = arrays
 
     @property
     def channel_mean(self) -> np.ndarray:
@@ -374,17 +363,17 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
     @property
     def bytes_read(self) -> int:
         """Bytes of the selected variables' chunks fetched from the store by this process."""
-        counts = self._store.chunk_bytes
+        counts = self._stores.counter.chunk_bytes
         return sum(counts.get(name, 0) for name in self._read_variables + self.static_variables)
 
     @property
     def read_counter(self):
         """The ``ByteCountingStore`` under this dataset: every byte this process read, by array
         (``chunk_bytes``) and metadata (``metadata_bytes``)."""
-        return self._store
+        return self._stores.counter
 
     def reset_bytes_read(self) -> None:
-        self._store.reset()
+        self._stores.counter.reset()
 
     def _lat_index(self) -> slice:
         """Store positions of the sample's rows (ascending; flipped after reading if needed)."""
@@ -421,14 +410,20 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         return out
 
     def _read_variable(self, name: str, time_index: slice, target: np.ndarray):
-        """``name``'s raw rows decoded into ``target`` by the chunk reader, else read by xarray."""
+        """``name``'s raw rows decoded into ``target`` by the chunk reader, else read by xarray,
+        from each store the window touches (``multistore.StoreSet.read``)."""
+        return self._stores.read(
+            time_index, target, lambda part, index, out: self._read_part(part, name, index, out)
+        )
+
+    def _read_part(self, part, name: str, time_index: slice, target: np.ndarray):
         upper = name in self.upper_air_variables
-        if name in self._direct:
+        if name in part.direct:
             view = target[..., ::-1, :] if self._flip_lat else target  # the store's row order
             selection = [time_index, self._lat_index(), self._lon_index()]
             if upper:
                 selection.insert(1, self._level_index)
-            self._reader.read(name, tuple(selection), self._level_block or not upper, view)
+            part.reader.read(name, tuple(selection), self._level_block or not upper, view)
             return None
         index = {self._time_dim: time_index, self._lat_dim: self._lat_index()}
         index[self._lon_dim] = self._lon_index()
@@ -436,7 +431,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         if upper:
             index[self._level_dim] = self._level_positions
             dims.insert(1, self._level_dim)
-        raw = self._ds[name].isel(index).transpose(*dims).values
+        raw = part.ds[name].isel(index).transpose(*dims).values
         return raw[..., ::-1, :] if self._flip_lat else raw
 
     def _normalise(self, target: np.ndarray, channels: slice, raw=None) -> None:
@@ -536,7 +531,10 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
 
     def _read_static(self, ds: xr.Dataset) -> np.ndarray:
         out = np.empty((self.n_static, *self.sample_grid_shape), np.float32)
-        for c, name in enumerate(self.static_variables):
+        if self._static_store is not None:  # data.static_path
+            rows, columns = self.rows or (0, self.grid_shape[0]), self.columns
+            out = self._static_store.read(rows, columns or (0, self.grid_shape[1]))
+        for c, name in enumerate(self.static_variables if self._static_store is None else ()):
             index = {self._lat_dim: self._lat_index(), self._lon_dim: self._lon_index()}
             raw = ds[name].isel(index)
             raw = raw.transpose(self._lat_dim, self._lon_dim).values
@@ -562,6 +560,9 @@ _CONF_KEYS = (
     "as_5d",
     "cache_limit_bytes",
     "reader",
+    "static_path",
+    "mean_path",
+    "std_path",
 )
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "name_list",
     "positive_int",
     "select_times",
+    "select_levels",
     "tile_window",
     "time_label",
 ]
@@ -167,12 +168,11 @@ def every_timestep(dataset, timestep):
     return positions[::k], times[::k]
 
 
-def select_times(ds, time_dim: str, time_slice):
-    """``(positions, times)`` of the store's time axis ``time_dim`` that ``time_slice`` selects:
-    a ``slice`` (or ``(start, stop)`` pair) of integer positions, or of labels (inclusive, as
-    ``.sel``); evenly spaced or a ``ValueError``."""
-    n_store = ds.sizes[time_dim]
-    positions = np.arange(n_store)
+def select_times(index, time_slice):
+    """``(positions, times)`` of the time axis ``index`` (a ``pandas.Index``: every store's times,
+    in order) that ``time_slice`` selects: a ``slice`` (or ``(start, stop)`` pair) of integer
+    positions, or of labels (inclusive, as ``.sel``); evenly spaced or a ``ValueError``."""
+    positions = np.arange(len(index))
     if time_slice is not None:
         if isinstance(time_slice, tuple | list) and len(time_slice) == 2:
             time_slice = slice(*time_slice)
@@ -185,10 +185,35 @@ def select_times(ds, time_dim: str, time_slice):
         if all(end is None or isinstance(end, int | np.integer) for end in ends):
             positions = positions[time_slice]
         else:
-            index = ds.indexes[time_dim]
             positions = positions[index.slice_indexer(time_slice.start, time_slice.stop)]
             positions = positions[:: time_slice.step or 1]
         if positions.size and np.any(np.diff(positions) != positions[1] - positions[0]):
             raise ValueError(f"ERA5Dataset: time_slice {time_slice!r} is not evenly spaced")
-    times = ds[time_dim].values[positions]
-    return positions, times
+    return positions, np.asarray(index.values)[positions]
+
+
+def select_levels(store_levels, levels, path, dim: str = "level"):
+    """``(positions, values)`` of the requested pressure ``levels`` (matched with ``np.isclose``)
+    in the store's level coordinate ``store_levels`` (dim ``dim``) (``None``: no upper-air variable; ``levels``
+    ``None``: all of them); ``ValueError`` naming a missing or repeated level."""
+    if store_levels is None:
+        return [], ()
+    store_levels = np.asarray(store_levels, dtype=np.float64)
+    if levels is None:
+        return list(range(store_levels.size)), tuple(store_levels.tolist())
+    if isinstance(levels, int | float | np.number):
+        levels = [levels]
+    positions = []
+    for level in levels:
+        matches = np.flatnonzero(np.isclose(store_levels, float(level)))
+        if matches.size == 0:
+            raise ValueError(
+                f"ERA5Dataset: level {level!r} is not in {str(path)!r}; available "
+                f"{dim} values: {[format_level(v) for v in store_levels]}"
+            )
+        positions.append(int(matches[0]))
+    if len(set(positions)) != len(positions):
+        raise ValueError(f"ERA5Dataset: levels lists a level twice: {list(levels)}")
+    if not positions:
+        raise ValueError("ERA5Dataset: levels is empty but upper-air variables were requested")
+    return positions, tuple(float(store_levels[p]) for p in positions)

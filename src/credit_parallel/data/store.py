@@ -7,8 +7,12 @@ the bytes the storage layer handed to zarr (compressed bytes when the store is c
 the decoded array size.  Counters live in the process that reads, so a DataLoader worker counts
 its own reads.
 
-Normalisation statistics live in a separate small zarr store (``default_stats_path(path)``); its
-layout is described in ``credit_parallel.data.dataset``.
+Normalisation statistics live in a separate small zarr store (``default_stats_path(path)``,
+``<name>_stats.zarr`` beside the data, unless ``data.stats_path`` is given): one variable per data
+variable, same name, dims ``("statistic", level)`` for upper-air and ``("statistic",)`` for
+surface variables, index 0 of ``statistic`` the mean and 1 the std (no coordinate: zarr v3 has no
+stable string dtype; the store's ``statistic_order`` attribute says so); unweighted over time,
+latitude and longitude, ddof 0 (``compute_normalization_stats`` writes it).
 """
 
 from __future__ import annotations

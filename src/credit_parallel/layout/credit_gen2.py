@@ -8,7 +8,11 @@ A CREDIT 2026.2 gen-2 config (``config/gen_2/examples/*.yml``) describes its dat
 :func:`credit_gen2_conf` returns the same run in credit-parallel's keys, which
 :mod:`credit_parallel.layout.run_config` then parses like any other config.  The flat variable
 lists come from miles-credit's own ``inject_flat_var_keys`` (what CREDIT's ``train_gen2.py``
-calls before building the model).  Every key that cannot be honoured is reported by its full
+calls before building the model).  The time-dependent groups' ``path`` (a zarr store, or a
+glob of stores split along time such as CREDIT's ``ERA5_plevel_6h_*.zarr``) becomes
+``data.path``, a static group's own store ``data.static_path``, and ``data.mean_path`` /
+``data.std_path`` (CREDIT's netCDF statistics) are read as they are (``data/multistore.py``,
+``data/credit_stats.py``).  Every key that cannot be honoured is reported by its full
 path in ONE ``ValueError``; keys that only steer CREDIT's bookkeeping (tensorboard, backup
 weights, validation batch sizes, ...) are dropped with one warning naming them.
 """
@@ -16,6 +20,7 @@ weights, validation batch sizes, ...) are dropped with one warning naming them.
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -129,25 +134,38 @@ def _groups(name: str, block: dict, flat: dict, problems: list[str]) -> dict:
     # CREDIT's own flat list (inject_flat_var_keys: vars_3D then vars_2D, 3-D refused above):
     # the output-only channels, after the prognostic ones in the target
     out["diagnostic_variables"] = list(flat.get("diagnostic_variables") or [])
-    paths = {g: (variables.get(g) or {}).get("path") for g in _GROUPS if variables.get(g)}
-    distinct = sorted({p for p in paths.values() if p is not None})
+    _paths(where, variables, flat, out, problems)
+    return out
+
+
+def _paths(where: str, variables: Mapping, flat: dict, out: dict, problems: list[str]) -> None:
+    """``data.path`` (a store or a glob of stores, one per year: one time axis) from the
+    time-dependent groups, ``data.static_path`` from the static group when it names another
+    store; CREDIT's strftime codes in a path (``era5_%Y.zarr``) read as ``*``, as CREDIT's
+    gen-2 dataset globs them."""
+    paths = {g: _as_glob((variables.get(g) or {}).get("path")) for g in _GROUPS if variables.get(g)}
+    timed = {g: p for g, p in paths.items() if g != "static"}
+    distinct = sorted({p for p in timed.values() if p is not None})
     if not distinct:
         problems.append(f"{where}.<group>.path: no store path given")
     elif len(distinct) > 1:
-        listing = ", ".join(f"{where}.{g}.path = {p!r}" for g, p in paths.items())
+        listing = ", ".join(f"{where}.{g}.path = {p!r}" for g, p in timed.items())
         problems.append(
             f"the variable groups name {len(distinct)} stores ({listing}); "
-            "credit-parallel reads every variable, static ones included, from ONE "
-            "zarr store: write them into one"
-        )
-    if distinct and any(c in distinct[0] for c in "*?["):
-        problems.append(
-            f"{where}.*.path = {distinct[0]!r} is a glob of files; credit-parallel reads one zarr "
-            "store (data.path): combine the files into one store"
+            "credit-parallel reads every time-dependent variable from ONE zarr store (or one "
+            "glob of stores split along time): write them into one"
         )
     if distinct:
         out["path"] = distinct[0]
-    return out
+    static = paths.get("static")
+    if static is not None and static not in distinct and out.get("static_variables"):
+        out["static_path"] = static
+    if static is not None and not distinct and out.get("static_variables"):
+        problems.append(f"{where}.static.path: the static store needs the data store beside it")
+
+
+def _as_glob(path):
+    return re.sub(r"%[A-Za-z]", "*", path) if isinstance(path, str) else path
 
 
 def _data_section(conf: Mapping, problems: list[str]) -> dict:
@@ -173,13 +191,9 @@ def _data_section(conf: Mapping, problems: list[str]) -> dict:
             f"data.scaler_type = {scaler!r}: credit-parallel normalises by a per-channel mean "
             "and std (CREDIT's 'std_new'); choose that or normalise the store yourself"
         )
-    for key in ("mean_path", "std_path"):
+    for key in ("mean_path", "std_path"):  # CREDIT's netCDF statistics (data/credit_stats.py)
         if data.get(key) is not None:
-            problems.append(
-                f"data.{key}: CREDIT's netCDF mean / std files are not read; give data.stats_path "
-                "(a store written by credit_parallel.data.compute_normalization_stats) or leave "
-                "both out (the statistics stored beside data.path)"
-            )
+            out[key] = data[key]
     taken = {"source", "start_datetime", "end_datetime", "scaler_type", "mean_path", "std_path"}
     for key, value in data.items():
         if key not in taken | set(_DATA_IGNORED):

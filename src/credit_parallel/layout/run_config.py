@@ -106,6 +106,16 @@ def _optional_path(section: str, key: str) -> Callable[[Any], str | None]:
     return parse
 
 
+def _store_paths(value):
+    """``data.path``: one zarr store, a glob of stores, or a list of stores and globs (one time
+    axis, ``data/multistore.py``)."""
+    if isinstance(value, (list, tuple)):
+        if not value or not all(isinstance(v, str) and v for v in value):
+            raise ValueError(f"data.path must be a path, a glob or a list of paths, got {value!r}")
+        return tuple(value)
+    return _optional_path("data", "path")(value)
+
+
 def _strings(section: str, key: str) -> Callable[[Any], tuple]:
     def parse(value):
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
@@ -189,7 +199,11 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
 _TRAINER_ALIASES = {"train_batch_size": "batch_size"}
 
 _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
-    "path": (None, _optional_path("data", "path")),
+    # a zarr store, a glob of stores ("/data/ERA5_*.zarr": one per year) or a list of them,
+    # read as ONE time axis (data/multistore.py)
+    "path": (None, _store_paths),
+    # the static variables' own store (dims latitude, longitude); default: data.path
+    "static_path": (None, _optional_path("data", "static_path")),
     "upper_air_variables": ((), _strings("data", "upper_air_variables")),
     "surface_variables": ((), _strings("data", "surface_variables")),
     # output-only 2-D channels (CREDIT's diagnostic group): in the target after the prognostic
@@ -207,6 +221,10 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     "forecast_len": (1, _number("data", "forecast_len", int, 1)),
     "normalize": (True, _flag("data", "normalize")),
     "stats_path": (None, _optional_path("data", "stats_path")),
+    # CREDIT's netCDF statistics (scaler_type std_new), instead of stats_path
+    # (data/credit_stats.py)
+    "mean_path": (None, _optional_path("data", "mean_path")),
+    "std_path": (None, _optional_path("data", "std_path")),
     "as_5d": (False, _flag("data", "as_5d")),
     "time_slice": (None, _time_slice("time_slice")),
     "valid_time_slice": (None, _time_slice("valid_time_slice")),
@@ -346,7 +364,8 @@ class TrainerConfig:
 class DataConfig:
     """The ``data`` section: the ERA5-layout store and the sample window."""
 
-    path: str | None = None
+    path: str | tuple | None = None
+    static_path: str | None = None
     upper_air_variables: tuple = ()
     surface_variables: tuple = ()
     diagnostic_variables: tuple = ()
@@ -359,6 +378,8 @@ class DataConfig:
     forecast_len: int = 1
     normalize: bool = True
     stats_path: str | None = None
+    mean_path: str | None = None
+    std_path: str | None = None
     as_5d: bool = False
     time_slice: Any = None
     valid_time_slice: Any = None

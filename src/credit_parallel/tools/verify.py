@@ -403,7 +403,9 @@ def main(argv=None) -> int:
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
     dataset = None
     path = (conf.get("data") or {}).get("path")
-    if path and os.path.exists(path):
+    from ..data.multistore import missing_store
+
+    if path and missing_store(path) is None:  # a store, a glob of stores or a list
         from ..data.dataset import dataset_from_conf
 
         dataset = dataset_from_conf(conf, "train")

@@ -1,0 +1,152 @@
+"""The per-channel normalisation statistics of ``ERA5Dataset``: credit-parallel's statistics
+store, or CREDIT's netCDF mean / std files.
+
+``data.stats_path`` (default ``default_stats_path(data.path)``): the zarr store
+``compute_normalization_stats`` writes (``store.load_channel_stats``).
+
+``data.mean_path`` / ``data.std_path``: CREDIT's two netCDF files (``scaler_type: std_new``),
+one variable per data variable, a 1-D level dim for upper-air variables and a scalar for 2-D
+ones, read as miles-credit reads them (``credit.preblock.norm.ERA5Normalizer``, the gen-2
+normaliser, and ``credit.transforms.transforms_global.Normalize_ERA5_and_Forcing``):
+normalised channel = (raw - mean) / std per variable and level.  The levels of a variable are
+matched by the file's level coordinate values (xarray's alignment in ``Normalize_ERA5_and_
+Forcing``), else by position when the file has exactly the selected number of levels
+(``ERA5Normalizer``, which indexes positionally).  As ``ERA5Normalizer`` does, a dynamic
+forcing or static variable absent from both files passes through unchanged (mean 0, std 1);
+a prognostic variable absent from them, or a variable in one file only, is an error naming it.
+The values are those CREDIT computes: bitwise ``ERA5Normalizer``'s float32 arithmetic on a
+domain rank's rows (row mode), and ``Normalize_ERA5_and_Forcing``'s float64 arithmetic
+rounded once on the whole globe (tests/test_credit_stores.py).  Reading netCDF needs an xarray
+engine: ``h5netcdf`` (a dependency of the package).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+
+from .store import default_stats_path, load_channel_stats
+
+__all__ = ["dataset_stats", "load_netcdf_stats"]
+
+
+def _open(path, key: str, what: str) -> xr.Dataset:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what}: data.{key} {str(path)!r} does not exist")
+    try:
+        with xr.open_dataset(path) as ds:
+            return ds.load()
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"{what}: data.{key} {str(path)!r} cannot be read as netCDF ({err}); "
+            "CREDIT's statistics files are read with xarray's h5netcdf engine "
+            "(pip install h5netcdf)"
+        ) from err
+
+
+def _level_values(mean, std, name: str, levels, what: str):
+    """The (mean, std) of ``name`` at each of ``levels`` from its 1-D per-level arrays."""
+    mean, std = mean.squeeze(), std.squeeze()
+    if mean.ndim == 0 and len(levels) == 1:
+        return [float(mean)], [float(std)]
+    if mean.ndim != 1 or mean.shape != std.shape:
+        raise ValueError(
+            f"{what}: the statistics of upper-air variable {name!r} have dims {mean.dims} / "
+            f"{std.dims}; expected one level dim"
+        )
+    dim = mean.dims[0]
+    if dim in mean.coords:
+        have = mean[dim].values.astype(np.float64)
+        at = [np.flatnonzero(np.isclose(have, float(level))) for level in levels]
+        if all(match.size for match in at):
+            picks = [int(match[0]) for match in at]
+            return mean.values[picks].tolist(), std.values[picks].tolist()
+    if mean.size == len(levels):  # positional, as ERA5Normalizer indexes
+        return mean.values.tolist(), std.values.tolist()
+    raise ValueError(
+        f"{what}: the statistics of {name!r} have {mean.size} levels along {dim!r} and match "
+        f"neither the selected levels {list(levels)} by value nor their number"
+    )
+
+
+def load_netcdf_stats(mean_path, std_path, variables, levels, what: str = "ERA5Dataset"):
+    """Per channel, the float64 (mean, std) of ``variables`` (``(name, upper, required)`` in
+    channel order: an upper-air variable one channel per level of ``levels``) from CREDIT's
+    netCDF files (see the module docstring)."""
+    mean_ds = _open(mean_path, "mean_path", what)
+    std_ds = _open(std_path, "std_path", what)
+    means, stds, missing = [], [], []
+    for name, upper, required in variables:
+        where = [key for key, ds in (("mean_path", mean_ds), ("std_path", std_ds)) if name in ds]
+        width = len(levels) if upper else 1
+        if not where and not required:  # passed through unchanged, as ERA5Normalizer does
+            means += [0.0] * width
+            stds += [1.0] * width
+            continue
+        if len(where) < 2:
+            missing.append(f"{name!r} (in {where[0] if where else 'neither file'})")
+            continue
+        mean, std = mean_ds[name], std_ds[name]
+        if upper:
+            m, s = _level_values(mean, std, name, levels, what)
+        elif mean.size != 1 or std.size != 1:
+            raise ValueError(
+                f"{what}: the statistics of 2-D variable {name!r} have dims {mean.dims}; "
+                "expected one value"
+            )
+        else:
+            m, s = [float(mean.values.reshape(()))], [float(std.values.reshape(()))]
+        means += m
+        stds += s
+    if missing:
+        raise ValueError(
+            f"{what}: variables {', '.join(missing)} need a mean and a std in data.mean_path "
+            f"{str(mean_path)!r} and data.std_path {str(std_path)!r}"
+        )
+    return np.asarray(means, np.float64), np.asarray(stds, np.float64)
+
+
+def dataset_stats(dataset, stats_path=None, mean_path=None, std_path=None):
+    """The per-channel (mean, std) of ``dataset``'s read and static channels: from CREDIT's
+    netCDF files when ``mean_path`` / ``std_path`` are given, else the statistics store."""
+    what = "ERA5Dataset"
+    upper = set(dataset.upper_air_variables)
+    names = dataset._read_variables + dataset.static_variables
+    if (mean_path is None) != (std_path is None):
+        raise ValueError(f"{what}: data.mean_path and data.std_path go together; give both")
+    if mean_path is not None and stats_path is not None:
+        raise ValueError(
+            f"{what}: data.stats_path and data.mean_path / data.std_path both given; "
+            "normalise with one of them"
+        )
+    if mean_path is not None:
+        # every output channel (prognostic and diagnostic) needs its statistics
+        prognostic = set(dataset._read_variables) - set(dataset.forcing_variables)
+        variables = [(n, n in upper, n in prognostic) for n in names]
+        mean, std = load_netcdf_stats(mean_path, std_path, variables, dataset.levels, what)
+        source = f"data.std_path {str(std_path)!r}"
+    else:
+        if stats_path is None and len(dataset.store_paths) > 1:
+            raise ValueError(
+                f"{what}: data.path names {len(dataset.store_paths)} stores; give their "
+                "statistics as data.stats_path or data.mean_path / data.std_path"
+            )
+        stats_path = default_stats_path(dataset.path) if stats_path is None else Path(stats_path)
+        variables = [(n, n in upper) for n in names]
+        mean, std = load_channel_stats(
+            stats_path, variables, dataset.levels, dataset._level_dim, what
+        )
+        source = repr(str(stats_path))
+    channel_names = (
+        dataset.output_variable_names + dataset.forcing_variables + dataset.static_variables
+    )
+    bad = [channel_names[c] for c in range(std.size) if not np.isfinite(std[c]) or std[c] <= 0]
+    if bad:
+        raise ValueError(
+            f"{what}: channels {bad} have a zero or non-finite std in {source}; they cannot "
+            "be normalised"
+        )
+    return mean, std
