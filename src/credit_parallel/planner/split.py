@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .projection import DEFAULT_CLUSTER, Cluster, ComputeProfile, project_tiles
-from .tiles import tile_layer_plans
+from .tiles import tile_layer_plans, tile_messages
 
 __all__ = [
     "SplitProjection",
@@ -130,7 +130,7 @@ def project_splits(
         )  # fmt: skip
         ranks = [divmod(r, shape[1]) for r in range(size)]
         sent = max(sum(lay.sent_elements(a, b) for lay in layers) for a, b in ranks)
-        messages = max(sum(sum(lay.messages(a, b)) for lay in layers) for a, b in ranks)
+        messages = max(tile_messages(layers, r) for r in range(size))
         out.append(
             SplitProjection(
                 shape,

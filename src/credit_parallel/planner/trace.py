@@ -102,13 +102,16 @@ def conversion_plan(model: nn.Module, nonlocal_policy: str = "raise") -> Convers
 def plan_targets(plan: ConversionPlan) -> list:
     """``(path, module, replacement or error)`` of every module of ``plan`` whose calls the
     tracer records, in the converter's order.  A CREDIT-model adapter that is not itself a
-    domain layer (``DomainFuxi``: its layers are planned one by one) is left out."""
+    domain layer (``DomainFuxi``: its layers are planned one by one) is left out, except one
+    whose ``padding_calls`` the tracer records (``DomainPaddedModel``: CREDIT's
+    ``TensorPadding`` in the model's forward)."""
     return [
         (m.path, m.original, m.replacement if m.error is None else m.error)
         for m in plan.modules
         if m.error is not None
         or m.stage != "adapter"
         or getattr(m.replacement, "_domain_parallel", False)
+        or hasattr(m.replacement, "padding_calls")
     ]
 
 
@@ -180,6 +183,36 @@ def _conv_columns(mod, args, out) -> int:
     return mod.in_channels // groups * math.prod(mod.kernel_size) * math.prod(out.shape[2:])
 
 
+class _RecordedPadding:
+    """Stands in for a model's ``padding_opt`` (CREDIT's ``TensorPadding``) during the meta
+    forward: runs it and records the ``pad`` / ``unpad`` calls with their geometry."""
+
+    def __init__(self, path, original, geometry, calls):
+        self.path, self.original, self.geometry, self.calls = path, original, geometry, calls
+
+    def _call(self, name: str, which: int, x):
+        y = getattr(self.original, name)(x)
+        geometry = self.geometry[which]
+        where = f"{self.path}.padding_opt.{name}" if self.path else f"padding_opt.{name}"
+        self.calls.append((where, geometry, geometry, tuple(x.shape), tuple(y.shape), x))
+        return y
+
+    def pad(self, x):
+        return self._call("pad", 0, x)
+
+    def unpad(self, x):
+        return self._call("unpad", 1, x)
+
+
+def _record_padding(path, module, replacement, calls):
+    """Swap ``module.padding_opt`` for a :class:`_RecordedPadding`; ``(module, original)``."""
+    original = module.padding_opt
+    module.padding_opt = _RecordedPadding(
+        "" if path == "<root>" else path, original, replacement.padding_calls(), calls
+    )
+    return module, original
+
+
 def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
     """One forward on meta tensors (batch 1, autograd on) recording domain-layer calls, leaf
     outputs, the tensors autograd saves and convolution column buffers."""
@@ -198,7 +231,12 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
             saved.setdefault(key, (tuple(t.shape), t.untyped_storage().nbytes()))
         return t
 
+    swapped = []
     try:
+        for path, module, replacement in list(by_module.values()):
+            if hasattr(replacement, "padding_calls"):
+                swapped.append(_record_padding(path, module, replacement, calls))
+                del by_module[id(module)]
         for path, module, replacement in by_module.values():
 
             def record(mod, args, out, path=path, replacement=replacement):
@@ -239,6 +277,8 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
     finally:
         for h in handles:
             h.remove()
+        for module, original in swapped:
+            module.padding_opt = original
     saved.pop(one.untyped_storage()._cdata, None)
     return Trace(
         calls,

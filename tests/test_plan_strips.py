@@ -1,0 +1,105 @@
+"""The plan counts what runs on latitude strips and CREDIT's boundary padding (issue 26 items 3
+and 5): per rank, the halo bytes, the messages and the batched P2P calls ``make_plan`` predicts
+equal those ``record_exchange_stats`` counts in a real converted step:
+
+* on lat x lon tiles, the CrossFormer's attention runs in a ``TileStripRelayout``: two
+  all-to-alls AND the attention's own 1-D row exchange over the P x Q strips (the rows of its
+  windows in, the output rows back: ``DomainRowGroupAttention.returns_rows``);
+* at 1-D, that row-group attention's way back too;
+* ``DomainPaddedModel`` (CREDIT's ``TensorPadding`` in miles-credit's CrossFormer): one row
+  exchange per ``pad`` / ``unpad`` on latitude shards, a move to strips, the row exchange there
+  and a move back on tiles (``PaddingCall``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from credit_parallel.domain.exchange.traffic import record_exchange_stats
+from credit_parallel.models import CrossFormer
+from credit_parallel.planner import make_plan
+from credit_parallel.planner.tiles import tile_messages
+from credit_parallel.testing import run_on_ranks
+
+H, W = 24, 16  # the bundled CrossFormer: level 0 12 x 8
+
+
+def _bundled():
+    torch.manual_seed(0)
+    return CrossFormer(
+        3, 2, H, W, dims=(8, 8), depths=(2, 2), dim_head=4, window_sizes=(2, 2)
+    ).double()
+
+
+def _credit(mode):
+    from test_domain2d_relayout import _credit_crossformer
+
+    torch.manual_seed(0)
+    padding = {"activate": True, "mode": mode, "pad_lat": [5, 11], "pad_lon": [8, 8]}
+    return _credit_crossformer(32, padding)
+
+
+# name -> (build, per-sample input shape)
+MODELS = {
+    "crossformer": (_bundled, (3, H, W)),
+    "credit_earth": (lambda: _credit("earth"), (3, 1, 48, 32)),
+    "credit_mirror": (lambda: _credit("mirror"), (3, 1, 48, 32)),
+}
+
+
+def _step_worker(rank, world, name, shape):
+    from credit_parallel.domain import convert_to_domain_parallel
+    from credit_parallel.domain.manager import DomainParallelManager
+    from credit_parallel.domain.manager2d import TiledDomainManager
+    from credit_parallel.domain.sharding import shard_tensor
+
+    torch.set_default_dtype(torch.float64)
+    build, sample = MODELS[name]
+    m = TiledDomainManager(world, shape) if shape[1] > 1 else DomainParallelManager(world, world)
+    model = convert_to_domain_parallel(build(), m)
+    x = torch.randn(2, *sample, generator=torch.Generator().manual_seed(0))
+    x = shard_tensor(x, len(sample) - 1, m)
+    model(x)  # learns the global sizes (an all-gather, not counted)
+    with record_exchange_stats() as stats:
+        model(x.clone().requires_grad_()).square().sum().backward()
+    return stats.bytes_sent, stats.messages, stats.p2p_calls
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("crossformer", (2, 1)),
+        ("crossformer", (2, 2)),
+        ("crossformer", (1, 3)),
+        ("credit_earth", (2, 1)),
+        ("credit_earth", (2, 2)),  # the deepest level: 3 rows on 4 strips (one empty)
+        ("credit_mirror", (1, 3)),
+        ("credit_earth", (3, 1)),
+    ],
+)
+def test_planned_halo_bytes_messages_and_calls_equal_a_real_step(name, shape):
+    p, q = shape
+    build, sample = MODELS[name]
+    domain = {"lat": p, "lon": q} if q > 1 else p
+    conf = {"trainer": {"parallelism": {"data": "none", "domain": domain}, "batch_size": 2}}
+    plan = make_plan(conf, p * q, model=build(), input_shapes=[sample])
+    assert plan.violations == []
+    counted = run_on_ranks(_step_worker, p * q, name, shape)
+    assert plan.halo_bytes_per_rank == tuple(b for b, _, _ in counted)
+    assert plan.collectives["domain_p2p"] == max(c for _, _, c in counted)
+    if q > 1:
+        assert [tile_messages(plan.tile_layers, r) for r in range(p * q)] == [
+            m for _, m, _ in counted
+        ]
+        # the attention's own exchange on the strips and the padding's are in the plan
+        on_strips = [lay for lay in plan.tile_layers if any(lay.strip_rows_sent)]
+        assert on_strips
+        if name.startswith("credit"):
+            kinds = {lay.kind for lay in plan.tile_layers if lay.strips_sent}
+            assert {"tensor_padding", "tensor_unpadding"} <= kinds
+    else:
+        kinds = {lay.kind for lay in plan.layers if lay.exchanges}
+        if name.startswith("credit"):
+            assert {"tensor_padding", "tensor_unpadding"} <= kinds
+        assert any(lay.returns and lay.exchanges for lay in plan.layers)
