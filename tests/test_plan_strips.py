@@ -103,3 +103,47 @@ def test_planned_halo_bytes_messages_and_calls_equal_a_real_step(name, shape):
         if name.startswith("credit"):
             assert {"tensor_padding", "tensor_unpadding"} <= kinds
         assert any(lay.returns and lay.exchanges for lay in plan.layers)
+
+
+def test_the_split_projection_costs_the_moves_and_the_exchange_on_the_strips():
+    """``project_tiles`` of a call run on strips (the demo CrossFormer's attention at 2 x 2):
+    with links of only latency (alpha 1 s) its halo time is the busiest rank's message count
+    per direction pass: two all-to-alls plus the way in and the way back on the strips, forward
+    and backward; with only bandwidth (beta 1 s per byte) the larger of what a rank sends and
+    receives in each of them."""
+    import copy
+
+    from credit_parallel.layout.config import load_config
+    from credit_parallel.planner.projection import Cluster, ComputeProfile, Link, project_tiles
+
+    conf = copy.deepcopy(load_config("src/credit_parallel/configs/demo_crossformer.yaml"))
+    conf.pop("data", None)
+    conf["trainer"]["parallelism"] = {"data": "none", "domain": {"lat": 2, "lon": 2}}
+    plan = make_plan(conf, 4)
+    lay = next(x for x in plan.tile_layers if x.strips_sent and any(x.strip_rows_sent))
+    assert lay.strip_returns
+
+    def halo(alpha, beta):
+        cluster = Cluster(8, Link("a", alpha, beta), Link("b", alpha, beta))
+        proj = project_tiles([lay], ComputeProfile({}), shape=(2, 2), dp=1, cluster=cluster)
+        return proj.halo_s
+
+    def busiest(per_rank):
+        return max(per_rank(r) for r in range(4))
+
+    def moves(r):
+        in_s, in_r, out_s, out_r = lay.strips_moves[r]
+        rows = max(lay.strip_rows_sent[r], lay.strip_rows_received[r]) * lay.strip_row_elements
+        return in_s, in_r, out_s, out_r, rows
+
+    def messages(r):
+        in_s, in_r, out_s, out_r, rows = moves(r)
+        return 2 * (bool(in_s or in_r) + bool(out_s or out_r)) + 4 * bool(rows)
+
+    def elements(r):
+        in_s, in_r, out_s, out_r, rows = moves(r)
+        return 2 * (max(in_s, in_r) + max(out_s, out_r)) + 4 * rows
+
+    item = plan.memory.activation_dtype_bytes
+    assert halo(1.0, 0.0) == busiest(messages) == 8
+    assert halo(0.0, 1.0) == busiest(elements) * item > 0

@@ -104,6 +104,9 @@ class TileLayerPlan:
     strip_row_peers_received: tuple[int, ...] = ()
     strip_row_elements: int = 0
     strip_returns: bool = False
+    # the most rows one strip computes on (its output rows; a row-group attention's whole
+    # groups): the busiest strip's share of the call's compute is these over the height
+    strip_compute_rows: int = 0
 
     @property
     def exchanges(self) -> bool:
@@ -255,21 +258,33 @@ def _on_strips(layer, in_shape, dim: int, n: int, double: bool) -> dict:
     layer that does not exchange by windows (gathered, sequence attention: collectives)."""
     height = in_shape[dim]
     form = domain_form_of(layer) or ""
+    out_rows = max(shard_sizes(_output_height(layer, height), n))
     if n <= 1 or form in _NO_EXCHANGE or form in ("", "gather"):
-        return {}
+        return dict(strip_compute_rows=out_rows) if n > 1 else {}
     try:
         windows = input_windows_of(layer, height, n, double=double)
         if windows is None:
-            return {}
+            return dict(strip_compute_rows=out_rows)
         sent, received, peers_sent, peers_received = _axis(height, n, windows)
     except ValueError:  # not runnable on these strips: the 1-D checks report it
-        return {}
+        return dict(strip_compute_rows=out_rows)
+    returns = bool(getattr(layer, "returns_rows", False))
+    if returns:  # the module runs on whole groups of rows
+        out_rows = max(len(w) for w in windows)
     return dict(
+        strip_compute_rows=out_rows,
         strip_rows_sent=sent, strip_rows_received=received, strip_row_peers_sent=peers_sent,
         strip_row_peers_received=peers_received,
         strip_row_elements=math.prod(in_shape) // max(1, height),
-        strip_returns=bool(getattr(layer, "returns_rows", False)),
+        strip_returns=returns,
     )  # fmt: skip
+
+
+def _output_height(layer, height: int) -> int:
+    try:
+        return int(layer.output_height(height))
+    except (AttributeError, TypeError, ValueError):
+        return height
 
 
 def _strips(in_shape, out_shape, dim: int, shape: tuple[int, int]) -> dict:
