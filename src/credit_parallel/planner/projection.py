@@ -304,7 +304,9 @@ def _strips_time(layer, rank: int, link: Link, item: int) -> float:
     seconds = 0.0
     if getattr(layer, "strips_moves", ()):
         in_s, in_r, out_s, out_r = layer.strips_moves[rank]
-        seconds += 2 * (link.message(max(in_s, in_r) * item) + link.message(max(out_s, out_r) * item))
+        seconds += 2 * (
+            link.message(max(in_s, in_r) * item) + link.message(max(out_s, out_r) * item)
+        )
     if getattr(layer, "strip_rows_sent", ()):
         rows = max(layer.strip_rows_sent[rank], layer.strip_rows_received[rank])
         ways = 2 if layer.strip_returns else 1
