@@ -2,9 +2,10 @@
 and 5): per rank, the halo bytes, the messages and the batched P2P calls ``make_plan`` predicts
 equal those ``record_exchange_stats`` counts in a real converted step:
 
-* on lat x lon tiles, the CrossFormer's attention runs in a ``TileStripRelayout``: two
-  all-to-alls AND the attention's own 1-D row exchange over the P x Q strips (the rows of its
-  windows in, the output rows back: ``DomainRowGroupAttention.returns_rows``);
+* on lat x lon tiles, the CrossFormer's attention (and the Swin blocks) run in a
+  ``TileStripRelayout``: two all-to-alls AND the module's own 1-D row exchange over the P x Q
+  strips (the rows of its windows in, the output rows back:
+  ``DomainRowGroupAttention.returns_rows``);
 * at 1-D, that row-group attention's way back too;
 * ``DomainPaddedModel`` (CREDIT's ``TensorPadding`` in miles-credit's CrossFormer): one row
   exchange per ``pad`` / ``unpad`` on latitude shards, a move to strips, the row exchange there
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from credit_parallel.domain.exchange.traffic import record_exchange_stats
-from credit_parallel.models import CrossFormer
+from credit_parallel.models import CrossFormer, SwinNet
 from credit_parallel.planner import make_plan
 from credit_parallel.planner.tiles import tile_messages
 from credit_parallel.testing import run_on_ranks
@@ -32,6 +33,13 @@ def _bundled():
     ).double()
 
 
+def _swin():
+    torch.manual_seed(0)
+    return SwinNet(
+        3, 2, 24, 8, dim=8, depth=2, dim_head=4, window_size=4, mlp_ratio=2, norm_groups=2
+    ).double()
+
+
 def _credit(mode):
     from test_domain2d_relayout import _credit_crossformer
 
@@ -43,6 +51,7 @@ def _credit(mode):
 # name -> (build, per-sample input shape)
 MODELS = {
     "crossformer": (_bundled, (3, H, W)),
+    "swin": (_swin, (3, 24, 8)),  # shifted windows across the tile corners, on strips
     "credit_earth": (lambda: _credit("earth"), (3, 1, 48, 32)),
     "credit_mirror": (lambda: _credit("mirror"), (3, 1, 48, 32)),
 }
@@ -72,6 +81,7 @@ def _step_worker(rank, world, name, shape):
         ("crossformer", (2, 1)),
         ("crossformer", (2, 2)),
         ("crossformer", (1, 3)),
+        ("swin", (2, 2)),
         ("credit_earth", (2, 1)),
         ("credit_earth", (2, 2)),  # the deepest level: 3 rows on 4 strips (one empty)
         ("credit_mirror", (1, 3)),
