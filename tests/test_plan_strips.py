@@ -6,6 +6,8 @@ equal those ``record_exchange_stats`` counts in a real converted step:
   ``TileStripRelayout``: two all-to-alls AND the module's own 1-D row exchange over the P x Q
   strips (the rows of its windows in, the output rows back:
   ``DomainRowGroupAttention.returns_rows``);
+* miles-credit's FuXi (without its ``TensorPadding``) runs whole on the strips on tiles: the
+  two moves of the model's input and output, and every layer's 1-D exchange over the strips;
 * at 1-D, that row-group attention's way back too;
 * ``DomainPaddedModel`` (CREDIT's ``TensorPadding`` in miles-credit's CrossFormer): one row
   exchange per ``pad`` / ``unpad`` on latitude shards, a move to strips, the row exchange there
@@ -22,6 +24,7 @@ from credit_parallel.models import CrossFormer, SwinNet
 from credit_parallel.planner import make_plan
 from credit_parallel.planner.tiles import tile_messages
 from credit_parallel.testing import run_on_ranks
+from test_fuxi import WIDTH as FUXI_WIDTH
 
 H, W = 24, 16  # the bundled CrossFormer: level 0 12 x 8
 
@@ -40,6 +43,13 @@ def _swin():
     ).double()
 
 
+def _fuxi():
+    from test_fuxi import fuxi
+
+    torch.manual_seed(0)
+    return fuxi(32, 2).double()
+
+
 def _credit(mode):
     from test_domain2d_relayout import _credit_crossformer
 
@@ -52,6 +62,7 @@ def _credit(mode):
 MODELS = {
     "crossformer": (_bundled, (3, H, W)),
     "swin": (_swin, (3, 24, 8)),  # shifted windows across the tile corners, on strips
+    "fuxi": (_fuxi, (2, 2, 32, FUXI_WIDTH)),  # miles-credit's FuXi: the whole model on strips
     "credit_earth": (lambda: _credit("earth"), (3, 1, 48, 32)),
     "credit_mirror": (lambda: _credit("mirror"), (3, 1, 48, 32)),
 }
@@ -82,6 +93,7 @@ def _step_worker(rank, world, name, shape):
         ("crossformer", (2, 2)),
         ("crossformer", (1, 3)),
         ("swin", (2, 2)),
+        ("fuxi", (2, 2)),
         ("credit_earth", (2, 1)),
         ("credit_earth", (2, 2)),  # the deepest level: 3 rows on 4 strips (one empty)
         ("credit_mirror", (1, 3)),
@@ -105,6 +117,9 @@ def test_planned_halo_bytes_messages_and_calls_equal_a_real_step(name, shape):
         # the attention's own exchange on the strips and the padding's are in the plan
         on_strips = [lay for lay in plan.tile_layers if any(lay.strip_rows_sent)]
         assert on_strips
+        if name == "fuxi":  # one relayout around the whole model, no tile exchange inside
+            assert [lay.path for lay in plan.tile_layers if lay.strips_sent] == ["<root>"]
+            assert not any(lay.rows_sent for lay in plan.tile_layers)
         if name.startswith("credit"):
             kinds = {lay.kind for lay in plan.tile_layers if lay.strips_sent}
             assert {"tensor_padding", "tensor_unpadding"} <= kinds

@@ -331,6 +331,10 @@ def tile_layer_plans(trace, shape: tuple[int, int], double: bool = False) -> lis
     labelled as the 1-D plan labels them (``path (call k)`` from the second call on).  No
     exchange fusion: the converter does not fuse on tiles."""
     out, seen, calls = [], {}, []
+    for path, _, replacement, in_shape, out_shape in getattr(trace, "relayouts", ()):
+        # an adapter run whole on strips (FuXi): its two moves; every layer inside it below
+        out.append(_relayout_plan(path, replacement, in_shape, out_shape, shape))
+        calls.append((replacement, in_shape))
     for path, _, replacement, in_shape, out_shape, _ in trace.calls:
         seen[path] = seen.get(path, 0) + 1
         label = path if seen[path] == 1 else f"{path} (call {seen[path]})"
@@ -340,10 +344,30 @@ def tile_layer_plans(trace, shape: tuple[int, int], double: bool = False) -> lis
     tops = [lay.path for lay in out if lay.strips_sent]
     return [
         _inside_strips(lay, *call, double)
-        if any(lay.path.startswith(top + ".") for top in tops if top != lay.path)
+        if any(_under(lay.path, top) for top in tops if top != lay.path)
         else lay
         for lay, call in zip(out, calls)
     ]
+
+
+def _under(path: str, top: str) -> bool:
+    return top in ("", "<root>") or path.startswith(top + ".")
+
+
+def _relayout_plan(path, replacement, in_shape, out_shape, shape) -> TileLayerPlan:
+    """The :class:`TileLayerPlan` of an adapter the converter runs whole on latitude strips:
+    its two all-to-alls (the layers inside it count their own exchange on the strips)."""
+    dim = getattr(replacement, "shard_dim", -2) % len(in_shape)
+    height, width = in_shape[dim], in_shape[-1]
+    out_h, out_w = out_shape[dim % len(out_shape)], out_shape[-1]
+    p, q = shape
+    return TileLayerPlan(
+        path=path or "<root>", kind=domain_kind_of(replacement), form="strips", shape=shape,
+        in_hw=(height, width), out_hw=(out_h, out_w), out_rows=shard_sizes(out_h, p),
+        out_cols=shard_sizes(out_w, q), in_rows=shard_sizes(height, p),
+        in_cols=shard_sizes(width, q), cell_elements=math.prod(in_shape) // max(1, height * width),
+        **_strips(in_shape, out_shape, dim, shape),
+    )  # fmt: skip
 
 
 def _inside_strips(layer: TileLayerPlan, replacement, in_shape, double: bool) -> TileLayerPlan:

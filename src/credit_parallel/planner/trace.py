@@ -37,6 +37,7 @@ __all__ = [
     "conversion_plan",
     "domain_targets",
     "model_input_shapes",
+    "plan_relayouts",
     "plan_targets",
     "trace_model",
 ]
@@ -115,6 +116,21 @@ def plan_targets(plan: ConversionPlan) -> list:
     ]
 
 
+def plan_relayouts(plan: ConversionPlan) -> list:
+    """``(path, module, replacement)`` of the CREDIT-model adapters of ``plan`` that are not
+    domain layers and not exact on tiles (``DomainFuxi``): on lat x lon tiles the converter
+    runs each one whole on latitude strips (``tiles_convert.relayout_on_tiles``), so the tile
+    plan needs their calls (``Trace.relayouts``)."""
+    return [
+        (m.path, m.original, m.replacement)
+        for m in plan.modules
+        if m.error is None
+        and m.stage == "adapter"
+        and not getattr(m.replacement, "_domain_parallel", False)
+        and not getattr(m.replacement, "tile_exact", False)
+    ]
+
+
 def domain_targets(model: nn.Module, nonlocal_policy: str = "raise"):
     """``(targets, unsafe)`` of :func:`conversion_plan`: :func:`plan_targets` and the modules
     the converter refuses (empty under ``nonlocal_policy="gather"``: they are wrapped in
@@ -160,6 +176,9 @@ class Trace:
     # output positions, the column matrix PyTorch's CPU convolution builds (cost.py
     # conv_workspace_bytes: what a GPU allocates instead)
     conv_columns: list = field(default_factory=list)
+    # calls of the ``relayouts`` given to :func:`trace_model` (adapters run whole on strips on
+    # tiles): (path, module, replacement, in_shape, out_shape)
+    relayouts: list = field(default_factory=list)
 
 
 def _conv_columns(mod, args, out) -> int:
@@ -213,10 +232,11 @@ def _record_padding(path, module, replacement, calls):
     return module, original
 
 
-def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
+def trace_model(model: nn.Module, input_shapes, targets, relayouts=()) -> Trace:
     """One forward on meta tensors (batch 1, autograd on) recording domain-layer calls, leaf
-    outputs, the tensors autograd saves and convolution column buffers."""
-    calls, leaf_outputs, handles, conv_columns = [], [], [], []
+    outputs, the tensors autograd saves and convolution column buffers; and the calls of
+    ``relayouts`` (:func:`plan_relayouts`)."""
+    calls, leaf_outputs, handles, conv_columns, relayout_calls = [], [], [], [], []
     dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     by_module = {}
     for path, module, replacement in targets:
@@ -237,6 +257,15 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
             if hasattr(replacement, "padding_calls"):
                 swapped.append(_record_padding(path, module, replacement, calls))
                 del by_module[id(module)]
+        for path, module, replacement in relayouts:
+
+            def whole(mod, args, out, path=path, replacement=replacement):
+                ins, outs = list(_tensors(args)), list(_tensors(out))
+                if ins and outs:
+                    shapes = (tuple(ins[0].shape), tuple(outs[0].shape))
+                    relayout_calls.append((path, mod, replacement, *shapes))
+
+            handles.append(module.register_forward_hook(whole))
         for path, module, replacement in by_module.values():
 
             def record(mod, args, out, path=path, replacement=replacement):
@@ -286,4 +315,5 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
         [tuple(t.shape) for t in _tensors(out)],
         list(saved.values()),
         conv_columns,
+        relayout_calls,
     )
