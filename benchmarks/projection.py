@@ -400,12 +400,14 @@ def split_rows(name: str, args, cluster: Cluster) -> list[dict]:
     domain x dp table.  The gradient all-reduce over the domain group (equal for every split of
     one size) is left out.  A model with layers refused on tiles (CrossFormer's attention) is
     projected without them: their compute as a perfect split, their communication not at all,
-    at every split, 1-D included."""
+    at every split, 1-D included.  Calls run on latitude strips (the CrossFormer's attention on
+    tiles) count their two all-to-alls and their exchange on the strips."""
     from credit_parallel.planner.split import project_splits
     from credit_parallel.planner.trace import (
         build_meta_model,
         conversion_plan,
         model_input_shapes,
+        plan_relayouts,
         plan_targets,
         trace_model,
     )
@@ -413,8 +415,9 @@ def split_rows(name: str, args, cluster: Cluster) -> list[dict]:
     conf = _model_conf(name)
     model, _ = build_meta_model(conf)
     shape = model_input_shapes(model)[0]
-    targets = [t for t in plan_targets(conversion_plan(model)) if not isinstance(t[2], Exception)]
-    trace = trace_model(model, [shape], targets)
+    plan = conversion_plan(model)
+    targets = [t for t in plan_targets(plan) if not isinstance(t[2], Exception)]
+    trace = trace_model(model, [shape], targets, plan_relayouts(plan))
     paths = {path for path, *_ in trace.calls}
     profile = _split_profile(args, conf, paths, shape)
     from credit_parallel.planner.make import tile_refusals_of_model

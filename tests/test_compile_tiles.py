@@ -193,6 +193,15 @@ def test_whole_model_compile_on_tiles_inductor_matches_single_process():
     _check(run_on_ranks(_tile_worker, 2, *args, timeout=900))
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # inductor's C++ builds on 4 ranks: minutes on a loaded 2-core machine
+def test_bundled_unet_compiled_whole_with_inductor_on_2x2_tiles_matches_single_process():
+    # 16 x 16 at {lat 2, lon 2}: the U-Net's convs, GroupNorms, interpolation and pads on
+    # 8 x 8 tiles (2 x 2 at the bottom level), inductor's generated kernels against eager
+    args = ("unet", "parallelize_then_compile", "inductor", 16, 16, (2, 2))
+    _check(run_on_ranks(_tile_worker, 4, *args, timeout=1200))
+
+
 @pytest.mark.parametrize(
     "name, shape", [pytest.param("unet", (2, 2), marks=pytest.mark.slow), ("net", (1, 3))]
 )

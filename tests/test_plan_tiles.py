@@ -362,7 +362,8 @@ def test_plan_suggests_the_split_with_the_least_projected_step(hw, expect_2d):
 def test_attention_runs_on_strips_in_every_split():
     """The CrossFormer's window attention runs on latitude strips on tiles
     (``domain/tiles_relayout.py``): every split of 4 runs, and each attention call counts the
-    two all-to-alls (forward and backward) on every rank instead of being refused."""
+    two all-to-alls (forward and backward) on every rank instead of being refused, and its own
+    row exchange on the strips (the rows in and back: two calls each way)."""
     from credit_parallel.layout.config import load_config
     from credit_parallel.planner import make_plan
 
@@ -376,7 +377,9 @@ def test_attention_runs_on_strips_in_every_split():
     assert attention and all(lay.error is None for lay in plan.tile_layers)
     for lay in attention:
         assert all(lay.sent_elements(*divmod(r, 2)) > 0 for r in range(4)), lay
-        assert lay.rank_calls(0) == 2
+        assert lay.rank_calls(0) == 2 + lay.strip_calls(0)
+        assert lay.strip_returns and lay.strip_calls(0) in (0, 2)
+    assert any(lay.strip_calls(0) == 2 for lay in attention)
 
 
 def test_projection_benchmark_prints_1d_against_every_split(capsys):

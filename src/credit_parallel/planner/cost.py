@@ -84,6 +84,9 @@ class DomainLayerPlan:
     # a GroupNorm whose statistics travel with the next conv's halo exchange
     # (``domain/layers/norm_halo.py``): no statistics collective of its own
     stats_with_exchange: bool = False
+    # the rows go back to their owners after the module by the same plan inverted (row-group
+    # attention, ``returns_rows``): twice the bytes and the calls of the windows' exchange
+    returns: bool = False
 
     @property
     def exchanges(self) -> bool:
@@ -91,8 +94,9 @@ class DomainLayerPlan:
         return any(self.rows_received) or any(self.rows_sent)
 
     def rank_calls(self, domain_rank: int) -> int:
-        """Batched P2P calls of one direction ``domain_rank`` makes in this layer (0 or 1)."""
-        return int(self.rank_exchanges(domain_rank))
+        """Batched P2P calls of one direction ``domain_rank`` makes in this layer (0 or 1; 0 or
+        2 for a layer whose rows go back, ``returns``)."""
+        return int(self.rank_exchanges(domain_rank)) * (2 if self.returns else 1)
 
     def rank_exchanges(self, domain_rank: int) -> bool:
         """Whether ``domain_rank`` takes part in a P2P call (it skips it with nothing to move)."""
@@ -206,7 +210,7 @@ def predicted_halo_bytes(
     for layer in layers:
         if not layer.rows_received:
             continue
-        row_bytes = layer.row_elements * batch_size * dtype_bytes
+        row_bytes = layer.row_elements * batch_size * dtype_bytes * (2 if layer.returns else 1)
         if domain_rank is None:
             total += 2 * sum(layer.rows_received) * row_bytes
         else:
@@ -525,4 +529,5 @@ def layer_call_plan(
         None,
         form,
         *extra,
+        returns=bool(getattr(layer, "returns_rows", False)),
     )

@@ -52,7 +52,14 @@ from .split import project_splits, refusal_reason, split_note
 from .tiles import TileLayerPlan, tile_halo_bytes, tile_layer_plans
 from .tiles import tile_levels as tile_levels_of
 from .tp_partial import tp_partial_gradient_findings
-from .trace import build_meta_model, conversion_plan, model_input_shapes, plan_targets, trace_model
+from .trace import (
+    build_meta_model,
+    conversion_plan,
+    model_input_shapes,
+    plan_relayouts,
+    plan_targets,
+    trace_model,
+)
 
 __all__ = ["MAX_RANKS_LISTED", "Plan", "RankEntry", "make_plan", "resolve_plan_device"]
 
@@ -272,7 +279,8 @@ def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: li
     itemsize = 2 if amp else param_dtype.itemsize
     plan = conversion_plan(model, policy)
     targets, unsafe = plan_targets(plan), plan.unsafe
-    trace = trace_model(model, shapes, [t for t in targets if not isinstance(t[2], Exception)])
+    runnable = [t for t in targets if not isinstance(t[2], Exception)]
+    trace = trace_model(model, shapes, runnable, plan_relayouts(plan))
     for path, _, err in targets:
         if isinstance(err, Exception) and n > 1:
             violations.append(f"{path}: convert_to_domain_parallel cannot convert it: {err}")

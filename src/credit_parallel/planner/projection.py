@@ -282,7 +282,10 @@ def _with_gradients(domain, dp, cluster, times, grads, single_s, sync_points, pa
 def _tile_halo_time(layer, link: Link, batch_size: int, dtype_bytes: int) -> float:
     """Seconds of one tile layer's exchanges (forward + backward) on its busiest rank: per
     pass (rows, then columns of the row-extended tile: sequential), one message time of the
-    larger of what the rank sends and receives, its peers served concurrently."""
+    larger of what the rank sends and receives, its peers served concurrently.  A call run on
+    latitude strips: its two all-to-alls (each one message time of the larger of what the rank
+    sends and receives, in forward and again in backward) and its 1-D exchange on the strips
+    (forward and backward; twice when the rows go back, ``strip_returns``)."""
     p, q = layer.shape
     item = batch_size * dtype_bytes
     worst = 0.0
@@ -292,8 +295,23 @@ def _tile_halo_time(layer, link: Link, batch_size: int, dtype_bytes: int) -> flo
             seconds = 2 * (
                 link.message(max(rows_f, rows_b) * item) + link.message(max(cols_f, cols_b) * item)
             )
-            worst = max(worst, seconds)
+            worst = max(worst, seconds + _strips_time(layer, a * q + b, link, item))
     return worst
+
+
+def _strips_time(layer, rank: int, link: Link, item: int) -> float:
+    """Seconds (forward + backward) of what ``rank`` moves for a call run on strips."""
+    seconds = 0.0
+    if getattr(layer, "strips_moves", ()):
+        in_s, in_r, out_s, out_r = layer.strips_moves[rank]
+        seconds += 2 * (
+            link.message(max(in_s, in_r) * item) + link.message(max(out_s, out_r) * item)
+        )
+    if getattr(layer, "strip_rows_sent", ()):
+        rows = max(layer.strip_rows_sent[rank], layer.strip_rows_received[rank])
+        ways = 2 if layer.strip_returns else 1
+        seconds += 2 * ways * link.message(rows * layer.strip_row_elements * item)
+    return seconds
 
 
 def project_tiles(
@@ -325,6 +343,8 @@ def project_tiles(
     for layer in layers:
         (h, w), rows, cols = layer.out_hw, layer.out_rows, layer.out_cols
         share = 1.0 if domain == 1 else max(rows) / max(h, 1) * max(cols) / max(w, 1)
+        if domain > 1 and getattr(layer, "strip_compute_rows", 0):  # run on strips
+            share = layer.strip_compute_rows / max(h, 1)
         seconds = profile.layers.get(layer.path, 0.0) * batch_size * share
         compute += seconds
         parts[layer.kind] = parts.get(layer.kind, 0.0) + seconds

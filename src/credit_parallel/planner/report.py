@@ -123,7 +123,7 @@ def _tiles_section(plan: Plan) -> list[str]:
                 _human(max(sent)),
                 _human(sum(sent)),
                 str(msgs),
-                f"NOT ON TILES: {layer.error}" if layer.error else "",
+                f"NOT ON TILES: {layer.error}" if layer.error else _on_strips_note(layer),
             ]
         )
     out.extend(_table(rows))
@@ -133,6 +133,16 @@ def _tiles_section(plan: Plan) -> list[str]:
         "per pass, each direction)"
     )
     return out
+
+
+def _on_strips_note(layer) -> str:
+    """How a call run on latitude strips exchanges (``tiles.TileLayerPlan``)."""
+    if layer.strips_sent:
+        inside = " + its 1-D exchange there" if any(layer.strip_rows_sent) else ""
+        return f"on strips: 2 all-to-alls{inside}"
+    if any(layer.strip_rows_sent):
+        return "inside a call on strips: its 1-D exchange there"
+    return ""
 
 
 def _layer_bytes(plan: Plan, layer) -> tuple[str, str]:

@@ -4,7 +4,8 @@ projected time per step (issue 26 item 5, ``plan --world-size N``).
 Pure arithmetic on the planner's meta trace: for every split P x Q of the domain size D, the
 tile plans of every layer call (``tiles.py``: halo bytes and messages per rank) and the
 alpha-beta projection of one step (``projection.project_tiles``: the busiest tile's compute,
-the row pass and the column pass of every exchange, GroupNorm statistics over the P x Q group).
+the row pass and the column pass of every exchange, the two all-to-alls and the 1-D exchange of
+every call run on latitude strips, GroupNorm statistics over the P x Q group).
 The compute of a layer call is a roofline on one device (:func:`trace_profile`: its
 convolution FLOPs at ``flops_s``, or the bytes it reads and writes at ``hbm_bytes_s``,
 whichever is slower); what only the split changes is the busiest tile's share of it.  The
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .projection import DEFAULT_CLUSTER, Cluster, ComputeProfile, project_tiles
-from .tiles import tile_layer_plans
+from .tiles import tile_layer_plans, tile_messages
 
 __all__ = [
     "SplitProjection",
@@ -130,7 +131,7 @@ def project_splits(
         )  # fmt: skip
         ranks = [divmod(r, shape[1]) for r in range(size)]
         sent = max(sum(lay.sent_elements(a, b) for lay in layers) for a, b in ranks)
-        messages = max(sum(sum(lay.messages(a, b)) for lay in layers) for a, b in ranks)
+        messages = max(tile_messages(layers, r) for r in range(size))
         out.append(
             SplitProjection(
                 shape,

@@ -19,8 +19,12 @@ A layer with no tile exchange of its own (attention, the FuXi / Swin adapters, t
 policy: the converter runs them on latitude strips, ``domain/tiles_relayout.py``) counts the
 two all-to-alls around it instead: rank r sends the elements of its input tile that other strips
 hold and the elements of its output strip that other tiles hold (``strips_sent[r]``, forward;
-``strips_returned[r]``, backward, the same moves inverted).  What the layer then exchanges on the
-strips (its 1-D exchange over P x Q ranks) and the layers inside it are not counted here.
+``strips_returned[r]``, backward, the same moves inverted), and what the module's 1-D
+replacement exchanges on the strips: its rows over the P x Q strips (``rows.plan_exchange`` of
+its 1-D windows, ``strip_rows_*``; twice for row-group attention, whose output rows go back the
+same way), as do the layers inside it (no tile exchange of their own, only their strips' one).
+CREDIT's ``TensorPadding`` inside a model's forward (``PaddingCall``) is such a call too: a move
+to the strips, one row exchange there, a move back.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..domain.exchange.tiles import compact_windows
-from ..domain.geometry import domain_form_of, domain_kind_of
+from ..domain.geometry import domain_form_of, domain_kind_of, input_windows_of
 from ..domain.rows import plan_exchange, shard_sizes
 from ..domain.tiles_relayout import moved_elements, moved_peers, strip_rects, tile_rects
 
@@ -41,6 +45,7 @@ __all__ = [
     "tile_layer_plan",
     "tile_layer_plans",
     "tile_levels",
+    "tile_messages",
     "tile_p2p_calls",
 ]
 
@@ -87,12 +92,54 @@ class TileLayerPlan:
     strips_sent: tuple[int, ...] = ()
     strips_returned: tuple[int, ...] = ()
     strips_messages: tuple[tuple[int, int], ...] = ()
+    # per domain rank: (in-move sent, in-move received, out-move sent, out-move received)
+    # elements of the two all-to-alls, forward (the backward inverts them)
+    strips_moves: tuple[tuple[int, int, int, int], ...] = ()
+    # the 1-D exchange of the call on the P x Q strips, per domain rank (strip r): rows sent /
+    # received and their peers (forward; the backward returns the received rows' gradients),
+    # ``strip_row_elements`` per row at batch 1; ``strip_returns``: the rows go back too
+    strip_rows_sent: tuple[int, ...] = ()
+    strip_rows_received: tuple[int, ...] = ()
+    strip_row_peers_sent: tuple[int, ...] = ()
+    strip_row_peers_received: tuple[int, ...] = ()
+    strip_row_elements: int = 0
+    strip_returns: bool = False
+    # the most rows one strip computes on (its output rows; a row-group attention's whole
+    # groups): the busiest strip's share of the call's compute is these over the height
+    strip_compute_rows: int = 0
 
     @property
     def exchanges(self) -> bool:
+        if any(self.strip_rows_sent) or any(self.strip_rows_received):
+            return True
         if self.strips_sent:
             return any(self.strips_sent)
         return bool(self.rows_sent) and (any(self.rows_sent) or any(self.cols_sent))
+
+    def strip_elements(self, domain_rank: int) -> int:
+        """Elements strip ``domain_rank`` sends per step (forward + backward) in the call's 1-D
+        exchange on the strips, at batch 1."""
+        if not self.strip_rows_sent:
+            return 0
+        rows = self.strip_rows_sent[domain_rank] + self.strip_rows_received[domain_rank]
+        return rows * self.strip_row_elements * (2 if self.strip_returns else 1)
+
+    def strip_messages(self, domain_rank: int) -> tuple[int, int]:
+        """(forward, backward) messages of the 1-D exchange on the strips."""
+        if not self.strip_rows_sent:
+            return 0, 0
+        sent = self.strip_row_peers_sent[domain_rank]
+        received = self.strip_row_peers_received[domain_rank]
+        if self.strip_returns:  # the way back sends to the peers it received from, and back
+            return sent + received, received + sent
+        return sent, received
+
+    def strip_calls(self, domain_rank: int) -> int:
+        """Batched P2P calls of one direction of the 1-D exchange on the strips."""
+        if not self.strip_rows_sent:
+            return 0
+        moves = self.strip_rows_sent[domain_rank] or self.strip_rows_received[domain_rank]
+        return (2 if self.strip_returns else 1) if moves else 0
 
     def pass_elements(self, lat: int, lon: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """((row pass, column pass) elements rank (lat, lon) sends in forward, the same in
@@ -108,16 +155,20 @@ class TileLayerPlan:
 
     def sent_elements(self, lat: int, lon: int) -> int:
         """Elements rank (lat, lon) sends per step (forward + backward) at batch 1."""
-        if self.strips_sent:
-            r = lat * self.shape[1] + lon
-            return self.strips_sent[r] + self.strips_returned[r]
+        r = lat * self.shape[1] + lon
+        if self.strips_sent or self.strip_rows_sent:
+            moved = self.strips_sent[r] + self.strips_returned[r] if self.strips_sent else 0
+            return moved + self.strip_elements(r)
         fwd, bwd = self.pass_elements(lat, lon)
         return sum(fwd) + sum(bwd)
 
     def messages(self, lat: int, lon: int) -> tuple[int, int]:
         """(forward, backward) messages rank (lat, lon) sends: one per peer per pass."""
-        if self.strips_sent:
-            return self.strips_messages[lat * self.shape[1] + lon]
+        r = lat * self.shape[1] + lon
+        if self.strips_sent or self.strip_rows_sent:
+            fwd, bwd = self.strips_messages[r] if self.strips_sent else (0, 0)
+            strip_fwd, strip_bwd = self.strip_messages(r)
+            return fwd + strip_fwd, bwd + strip_bwd
         if not self.rows_sent:
             return 0, 0
         fwd = self.row_peers_sent[lat] + self.col_peers_sent[lon]
@@ -135,8 +186,10 @@ class TileLayerPlan:
 
     def rank_calls(self, domain_rank: int) -> int:
         """Batched P2P calls of one direction (``lat * Q + lon``): one per pass it takes part in."""
-        if self.strips_sent:  # two all-to-alls, each one batched call when it moves anything
-            return 2 if any(self.strips_messages[domain_rank]) else 0
+        if self.strips_sent or self.strip_rows_sent:
+            # two all-to-alls, each one batched call when it moves anything, and the strips'
+            moves = self.strips_sent and any(self.strips_messages[domain_rank])
+            return (2 if moves else 0) + self.strip_calls(domain_rank)
         return sum(self.passes(*divmod(domain_rank, self.shape[1])))
 
     def received_elements(self, lat: int, lon: int) -> int:
@@ -181,7 +234,8 @@ def tile_layer_plan(
         return TileLayerPlan(**base)
     windows = getattr(layer, "tile_windows", None)
     if windows is None and dim != len(in_shape) - 1:
-        return TileLayerPlan(**base, **_strips(in_shape, out_shape, dim, shape))
+        moves = _strips(in_shape, out_shape, dim, shape)
+        return TileLayerPlan(**base, **moves, **_on_strips(layer, in_shape, dim, p * q, double))
     if windows is None:
         return TileLayerPlan(**base, error=f"{form} layer not exact on lat x lon tiles")
     try:
@@ -196,6 +250,41 @@ def tile_layer_plan(
         rows_received=r_recv, row_peers_sent=r_ps, row_peers_received=r_pr, cols_sent=c_sent,
         cols_received=c_recv, col_peers_sent=c_ps, col_peers_received=c_pr,
     )  # fmt: skip
+
+
+def _on_strips(layer, in_shape, dim: int, n: int, double: bool) -> dict:
+    """The 1-D exchange of ``layer`` (a 1-D replacement) over ``n`` latitude strips: its
+    windows (``geometry.input_windows_of``), fields of :class:`TileLayerPlan`; none for a
+    layer that does not exchange by windows (gathered, sequence attention: collectives)."""
+    height = in_shape[dim]
+    form = domain_form_of(layer) or ""
+    out_rows = max(shard_sizes(_output_height(layer, height), n))
+    if n <= 1 or form in _NO_EXCHANGE or form in ("", "gather"):
+        return dict(strip_compute_rows=out_rows) if n > 1 else {}
+    try:
+        windows = input_windows_of(layer, height, n, double=double)
+        if windows is None:
+            return dict(strip_compute_rows=out_rows)
+        sent, received, peers_sent, peers_received = _axis(height, n, windows)
+    except ValueError:  # not runnable on these strips: the 1-D checks report it
+        return dict(strip_compute_rows=out_rows)
+    returns = bool(getattr(layer, "returns_rows", False))
+    if returns:  # the module runs on whole groups of rows
+        out_rows = max(len(w) for w in windows)
+    return dict(
+        strip_compute_rows=out_rows,
+        strip_rows_sent=sent, strip_rows_received=received, strip_row_peers_sent=peers_sent,
+        strip_row_peers_received=peers_received,
+        strip_row_elements=math.prod(in_shape) // max(1, height),
+        strip_returns=returns,
+    )  # fmt: skip
+
+
+def _output_height(layer, height: int) -> int:
+    try:
+        return int(layer.output_height(height))
+    except (AttributeError, TypeError, ValueError):
+        return height
 
 
 def _strips(in_shape, out_shape, dim: int, shape: tuple[int, int]) -> dict:
@@ -217,6 +306,13 @@ def _strips(in_shape, out_shape, dim: int, shape: tuple[int, int]) -> dict:
         a * c_out + b * c_in
         for a, b in zip(moved_elements(t_out, s_out), moved_elements(s_in, t_in))
     ]
+    moves = tuple(
+        (a * c_in, b * c_in, c * c_out, d * c_out)
+        for a, b, c, d in zip(
+            moved_elements(t_in, s_in), moved_elements(s_in, t_in),
+            moved_elements(s_out, t_out), moved_elements(t_out, s_out),
+        )
+    )  # fmt: skip
     msgs = [
         (a + b, c + d)
         for a, b, c, d in zip(
@@ -224,34 +320,66 @@ def _strips(in_shape, out_shape, dim: int, shape: tuple[int, int]) -> dict:
             moved_peers(t_out, s_out), moved_peers(s_in, t_in),
         )
     ]  # fmt: skip
-    return dict(strips_sent=tuple(fwd), strips_returned=tuple(bwd), strips_messages=tuple(msgs))
+    return dict(
+        strips_sent=tuple(fwd), strips_returned=tuple(bwd), strips_messages=tuple(msgs),
+        strips_moves=moves,
+    )  # fmt: skip
 
 
 def tile_layer_plans(trace, shape: tuple[int, int], double: bool = False) -> list[TileLayerPlan]:
     """One :class:`TileLayerPlan` per domain-layer call of ``trace`` (``trace.trace_model``),
     labelled as the 1-D plan labels them (``path (call k)`` from the second call on).  No
     exchange fusion: the converter does not fuse on tiles."""
-    out, seen = [], {}
+    out, seen, calls = [], {}, []
+    for path, _, replacement, in_shape, out_shape in getattr(trace, "relayouts", ()):
+        # an adapter run whole on strips (FuXi): its two moves; every layer inside it below
+        out.append(_relayout_plan(path, replacement, in_shape, out_shape, shape))
+        calls.append((replacement, in_shape))
     for path, _, replacement, in_shape, out_shape, _ in trace.calls:
         seen[path] = seen.get(path, 0) + 1
         label = path if seen[path] == 1 else f"{path} (call {seen[path]})"
         out.append(tile_layer_plan(label, replacement, in_shape, out_shape, shape, double))
+        calls.append((replacement, in_shape))
     # a layer inside one run on strips exchanges over the strips (1-D), not as a tile
     tops = [lay.path for lay in out if lay.strips_sent]
     return [
-        _inside_strips(lay)
-        if any(lay.path.startswith(top + ".") for top in tops if top != lay.path)
+        _inside_strips(lay, *call, double)
+        if any(_under(lay.path, top) for top in tops if top != lay.path)
         else lay
-        for lay in out
+        for lay, call in zip(out, calls)
     ]
 
 
-def _inside_strips(layer: TileLayerPlan) -> TileLayerPlan:
-    """``layer`` with no tile exchange of its own (it runs on latitude strips)."""
+def _under(path: str, top: str) -> bool:
+    return top in ("", "<root>") or path.startswith(top + ".")
+
+
+def _relayout_plan(path, replacement, in_shape, out_shape, shape) -> TileLayerPlan:
+    """The :class:`TileLayerPlan` of an adapter the converter runs whole on latitude strips:
+    its two all-to-alls (the layers inside it count their own exchange on the strips)."""
+    dim = getattr(replacement, "shard_dim", -2) % len(in_shape)
+    height, width = in_shape[dim], in_shape[-1]
+    out_h, out_w = out_shape[dim % len(out_shape)], out_shape[-1]
+    p, q = shape
+    return TileLayerPlan(
+        path=path or "<root>", kind=domain_kind_of(replacement), form="strips", shape=shape,
+        in_hw=(height, width), out_hw=(out_h, out_w), out_rows=shard_sizes(out_h, p),
+        out_cols=shard_sizes(out_w, q), in_rows=shard_sizes(height, p),
+        in_cols=shard_sizes(width, q), cell_elements=math.prod(in_shape) // max(1, height * width),
+        **_strips(in_shape, out_shape, dim, shape),
+    )  # fmt: skip
+
+
+def _inside_strips(layer: TileLayerPlan, replacement, in_shape, double: bool) -> TileLayerPlan:
+    """``layer`` with no tile exchange of its own (it runs on latitude strips): only its 1-D
+    exchange over the P x Q strips."""
     empty = ("band_rows", "rows_sent", "rows_received", "row_peers_sent", "row_peers_received")
     empty += ("cols_sent", "cols_received", "col_peers_sent", "col_peers_received")
-    empty += ("strips_sent", "strips_returned", "strips_messages")
-    return dataclasses.replace(layer, **{key: () for key in empty}, error=None)
+    empty += ("strips_sent", "strips_returned", "strips_messages", "strips_moves")
+    p, q = layer.shape
+    dim = getattr(replacement, "shard_dim", -2) % len(in_shape)
+    strips = _on_strips(replacement, in_shape, dim, p * q, double)
+    return dataclasses.replace(layer, **{key: () for key in empty}, error=None, **strips)
 
 
 def tile_levels(
@@ -289,3 +417,9 @@ def tile_halo_bytes(
 def tile_p2p_calls(layers: Sequence[TileLayerPlan], domain_rank: int) -> int:
     """Batched P2P calls of one step (forward + backward) of ``domain_rank``."""
     return 2 * sum(layer.rank_calls(domain_rank) for layer in layers)
+
+
+def tile_messages(layers: Sequence[TileLayerPlan], domain_rank: int) -> int:
+    """Messages ``domain_rank`` sends per step (forward + backward)."""
+    q = layers[0].shape[1] if layers else 1
+    return sum(sum(layer.messages(*divmod(domain_rank, q))) for layer in layers)

@@ -37,6 +37,7 @@ __all__ = [
     "conversion_plan",
     "domain_targets",
     "model_input_shapes",
+    "plan_relayouts",
     "plan_targets",
     "trace_model",
 ]
@@ -102,13 +103,31 @@ def conversion_plan(model: nn.Module, nonlocal_policy: str = "raise") -> Convers
 def plan_targets(plan: ConversionPlan) -> list:
     """``(path, module, replacement or error)`` of every module of ``plan`` whose calls the
     tracer records, in the converter's order.  A CREDIT-model adapter that is not itself a
-    domain layer (``DomainFuxi``: its layers are planned one by one) is left out."""
+    domain layer (``DomainFuxi``: its layers are planned one by one) is left out, except one
+    whose ``padding_calls`` the tracer records (``DomainPaddedModel``: CREDIT's
+    ``TensorPadding`` in the model's forward)."""
     return [
         (m.path, m.original, m.replacement if m.error is None else m.error)
         for m in plan.modules
         if m.error is not None
         or m.stage != "adapter"
         or getattr(m.replacement, "_domain_parallel", False)
+        or hasattr(m.replacement, "padding_calls")
+    ]
+
+
+def plan_relayouts(plan: ConversionPlan) -> list:
+    """``(path, module, replacement)`` of the CREDIT-model adapters of ``plan`` that are not
+    domain layers and not exact on tiles (``DomainFuxi``): on lat x lon tiles the converter
+    runs each one whole on latitude strips (``tiles_convert.relayout_on_tiles``), so the tile
+    plan needs their calls (``Trace.relayouts``)."""
+    return [
+        (m.path, m.original, m.replacement)
+        for m in plan.modules
+        if m.error is None
+        and m.stage == "adapter"
+        and not getattr(m.replacement, "_domain_parallel", False)
+        and not getattr(m.replacement, "tile_exact", False)
     ]
 
 
@@ -157,6 +176,9 @@ class Trace:
     # output positions, the column matrix PyTorch's CPU convolution builds (cost.py
     # conv_workspace_bytes: what a GPU allocates instead)
     conv_columns: list = field(default_factory=list)
+    # calls of the ``relayouts`` given to :func:`trace_model` (adapters run whole on strips on
+    # tiles): (path, module, replacement, in_shape, out_shape)
+    relayouts: list = field(default_factory=list)
 
 
 def _conv_columns(mod, args, out) -> int:
@@ -180,10 +202,41 @@ def _conv_columns(mod, args, out) -> int:
     return mod.in_channels // groups * math.prod(mod.kernel_size) * math.prod(out.shape[2:])
 
 
-def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
+class _RecordedPadding:
+    """Stands in for a model's ``padding_opt`` (CREDIT's ``TensorPadding``) during the meta
+    forward: runs it and records the ``pad`` / ``unpad`` calls with their geometry."""
+
+    def __init__(self, path, original, geometry, calls):
+        self.path, self.original, self.geometry, self.calls = path, original, geometry, calls
+
+    def _call(self, name: str, which: int, x):
+        y = getattr(self.original, name)(x)
+        geometry = self.geometry[which]
+        where = f"{self.path}.padding_opt.{name}" if self.path else f"padding_opt.{name}"
+        self.calls.append((where, geometry, geometry, tuple(x.shape), tuple(y.shape), x))
+        return y
+
+    def pad(self, x):
+        return self._call("pad", 0, x)
+
+    def unpad(self, x):
+        return self._call("unpad", 1, x)
+
+
+def _record_padding(path, module, replacement, calls):
+    """Swap ``module.padding_opt`` for a :class:`_RecordedPadding`; ``(module, original)``."""
+    original = module.padding_opt
+    module.padding_opt = _RecordedPadding(
+        "" if path == "<root>" else path, original, replacement.padding_calls(), calls
+    )
+    return module, original
+
+
+def trace_model(model: nn.Module, input_shapes, targets, relayouts=()) -> Trace:
     """One forward on meta tensors (batch 1, autograd on) recording domain-layer calls, leaf
-    outputs, the tensors autograd saves and convolution column buffers."""
-    calls, leaf_outputs, handles, conv_columns = [], [], [], []
+    outputs, the tensors autograd saves and convolution column buffers; and the calls of
+    ``relayouts`` (:func:`plan_relayouts`)."""
+    calls, leaf_outputs, handles, conv_columns, relayout_calls = [], [], [], [], []
     dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     by_module = {}
     for path, module, replacement in targets:
@@ -198,7 +251,21 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
             saved.setdefault(key, (tuple(t.shape), t.untyped_storage().nbytes()))
         return t
 
+    swapped = []
     try:
+        for path, module, replacement in list(by_module.values()):
+            if hasattr(replacement, "padding_calls"):
+                swapped.append(_record_padding(path, module, replacement, calls))
+                del by_module[id(module)]
+        for path, module, replacement in relayouts:
+
+            def whole(mod, args, out, path=path, replacement=replacement):
+                ins, outs = list(_tensors(args)), list(_tensors(out))
+                if ins and outs:
+                    shapes = (tuple(ins[0].shape), tuple(outs[0].shape))
+                    relayout_calls.append((path, mod, replacement, *shapes))
+
+            handles.append(module.register_forward_hook(whole))
         for path, module, replacement in by_module.values():
 
             def record(mod, args, out, path=path, replacement=replacement):
@@ -239,6 +306,8 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
     finally:
         for h in handles:
             h.remove()
+        for module, original in swapped:
+            module.padding_opt = original
     saved.pop(one.untyped_storage()._cdata, None)
     return Trace(
         calls,
@@ -246,4 +315,5 @@ def trace_model(model: nn.Module, input_shapes, targets) -> Trace:
         [tuple(t.shape) for t in _tensors(out)],
         list(saved.values()),
         conv_columns,
+        relayout_calls,
     )

@@ -35,6 +35,7 @@ from .fuxi import _swapped, credit_model_decision, tensor_padding_rows, tensor_u
 
 __all__ = [
     "DomainPaddedModel",
+    "PaddingCall",
     "credit_adapter_decision",
     "is_tensor_padding",
     "padded_model_decision",
@@ -55,6 +56,34 @@ def _share(rows, n: int) -> tuple:
 
 class _Key:
     """An owner under which a global height or width is learned."""
+
+
+class PaddingCall:
+    """The geometry of one ``pad`` (``unpad`` = False) or ``unpad`` call of a
+    :class:`DomainPaddedModel` for the planner (``domain/geometry.py``): on latitude shards one
+    row exchange whose windows are each rank's balanced share of the padded (kept) global rows;
+    on lat x lon tiles no tile windows of its own: the planner counts a move to the strips and
+    back (``tiles_relayout``) and that row exchange over the P x Q strips.  Pure arithmetic."""
+
+    domain_form = "halo"
+    shard_dim = -2
+
+    def __init__(self, original, unpad: bool):
+        self.mode, self.unpad = original.mode, unpad
+        self.domain_kind = "tensor_unpadding" if unpad else "tensor_padding"
+        self.top, self.bottom = (int(v) for v in original.pad_NS)
+        self.left, self.right = (int(v) for v in original.pad_WE)
+
+    def _rows(self, height: int):
+        if self.unpad:
+            return tuple(tensor_unpadding_rows(self.mode, height, self.top, self.bottom))
+        return tensor_padding_rows(self.mode, height, self.top, self.bottom)[0]
+
+    def output_height(self, input_height: int) -> int:
+        return len(self._rows(input_height))
+
+    def input_windows(self, input_height: int, n: int):
+        return _share(self._rows(input_height), n)
 
 
 class _ShardedPadding:
@@ -142,6 +171,11 @@ class DomainPaddedModel(DomainWrapper):
             )
         self.manager = manager
         self._keys = (_Key(), _Key())
+
+    def padding_calls(self) -> tuple[PaddingCall, PaddingCall]:
+        """The planner's geometry of the ``pad`` and the ``unpad`` call (:class:`PaddingCall`)."""
+        original = self.wrapped.padding_opt
+        return PaddingCall(original, unpad=False), PaddingCall(original, unpad=True)
 
     def forward(self, x, *args, **kwargs):
         model = self.wrapped

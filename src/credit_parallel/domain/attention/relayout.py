@@ -101,6 +101,10 @@ class DomainRowGroupAttention(DomainWrapper):
     height.
     """
 
+    # the geometry's windows are the way in; the output rows go back to their owners by the
+    # same plan inverted (``return_rows``): the planner counts both (``planner/cost.py``)
+    returns_rows = True
+
     def __init__(
         self,
         module: nn.Module,
