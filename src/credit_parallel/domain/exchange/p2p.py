@@ -25,6 +25,8 @@ from .windows import shape_with
 
 __all__ = [
     "PendingExchange",
+    "exchange_gradients",
+    "exchange_windows",
     "post_backward",
     "post_forward",
     "post_gradient_return",
@@ -149,6 +151,43 @@ def _replayed(post, args, direction: str, overlapped: bool, n_sends):
     if out[0]:
         _count(stats, list(out[1][:n_sends]), direction, overlapped)
     return out, seconds
+
+
+def exchange_windows(program, xs) -> list[torch.Tensor]:
+    """The windows of ``program`` (a ``replay.ForwardMessages``) for the shards ``xs``: the
+    receives posted, the sends sliced and posted, waited for and the windows assembled, all at
+    once (the exchange's own forward: no :class:`PendingExchange`)."""
+    stats = active_recorder()
+    if stats is None:
+        works, keep, received = program.post(xs)
+        program.posts.link.wait(works)
+        return program.assemble(xs, received)
+    t0 = time.perf_counter()
+    works, keep, received = program.post(xs)
+    if works:
+        _count(stats, list(keep[: program.posts.n_sends]), "forward", False)
+    program.posts.link.wait(works)
+    stats.seconds["forward"] += time.perf_counter() - t0
+    return program.assemble(xs, received)
+
+
+def exchange_gradients(program, grads) -> list[torch.Tensor] | None:
+    """The shard gradients of :func:`exchange_windows` from the window gradients ``grads``, all
+    at once, where every shard row is one window row's and every received run one window
+    piece (``BackwardMessages.tiled``); else None (:func:`post_backward` does it)."""
+    back = program.backward
+    if not back.tiled:
+        return None
+    stats = active_recorder()
+    t0 = time.perf_counter() if stats is not None else 0.0
+    works, keep, views, grad_xs = back.post_tiled(grads)
+    if stats is not None and works:
+        _count(stats, list(keep[: back.posts.n_sends]), "backward", False)
+    back.posts.link.wait(works)
+    if stats is not None:
+        stats.seconds["backward"] += time.perf_counter() - t0
+    back.add_returned(grad_xs, views)
+    return grad_xs
 
 
 def send_buffers(x: torch.Tensor, plan, dim: int) -> list[torch.Tensor]:
