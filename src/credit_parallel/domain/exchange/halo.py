@@ -45,7 +45,8 @@ def _window_grads_now(grads, specs, peers, group, x_shapes) -> list[torch.Tensor
     program = forward_messages(specs, x_shapes, peers, group, grads[0].device)
     out = exchange_gradients(program, grads)
     if out is None:
-        out = post_backward(grads, specs, peers, group, x_shapes, False).wait()
+        back = program.backward
+        out = post_backward(grads, specs, peers, group, x_shapes, False, None, back).wait()
     return list(out)
 
 
@@ -73,7 +74,10 @@ class _ExchangeRows(torch.autograd.Function):
         out = exchange_gradients(program, grads) if stream is None else None
         if out is None:
             specs, peers, group = program.specs, program.peers, program.group
-            out = post_backward(grads, specs, peers, group, program.shapes, False, stream).wait()
+            pending = post_backward(
+                grads, specs, peers, group, program.shapes, False, stream, program.backward
+            )
+            out = pending.wait()
         return (None, None, *out)
 
 

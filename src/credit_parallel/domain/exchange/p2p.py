@@ -236,17 +236,19 @@ def _split_window_grad(grad: torch.Tensor, plan, dim: int, x_shape):
 
 
 def post_backward(
-    grads, specs, peers, group, x_shapes, overlapped: bool, stream=None
+    grads, specs, peers, group, x_shapes, overlapped: bool, stream=None, program=None
 ) -> PendingExchange:
     """Backward of :func:`post_forward`: every window gradient goes back to the owners of its
     rows.  Own-row gradients accumulate at once; ``wait()`` adds the gradients other ranks
-    return for the rows this rank sent and gives the shard gradients, per spec."""
+    return for the rows this rank sent and gives the shard gradients, per spec.  ``program``:
+    the ``replay.BackwardMessages`` of these specs when the caller holds it."""
     if stream is not None and stream.active:
         with stream.posting():
-            pending = post_backward(grads, specs, peers, group, x_shapes, overlapped)
+            pending = post_backward(grads, specs, peers, group, x_shapes, overlapped, None, program)
         stream.keep([*grads, *pending._keep_tensors(), *pending._result])
         return pending.posted_on(stream)
-    program = backward_messages(specs, x_shapes, peers, group, grads[0].device)
+    if program is None:
+        program = backward_messages(specs, x_shapes, peers, group, grads[0].device)
     grad_xs, grad_recvs = [], []
     for k, ((plan, dim, _), grad, shape) in enumerate(zip(specs, grads, x_shapes)):
         split = program.split(k, grad, plan, dim, shape)
