@@ -57,12 +57,12 @@ def _shapes_key(shapes) -> tuple:
     return tuple(s if isinstance(s, tuple) else tuple(s) for s in shapes)
 
 
-def _cached(kind: str, specs, shapes, peers, group, device, build):
-    """The object ``build()`` for ``(kind, specs, shapes, peers, group, device)``, built once
-    (the plans by their ids: the entry holds them, so that their ids stay theirs while it
-    lives); at the size limit the least recently used entry goes."""
+def _cached(kind: type, specs, shapes, peers, group, device):
+    """``kind(specs, shapes, peers, group, device)``, built once per (kind, plans, dims, fills,
+    shapes, peers, group, device) (the plans by their ids: the entry holds them, so that their
+    ids stay theirs while it lives); at the size limit the least recently used entry goes."""
     key = (
-        kind,
+        kind.__name__,
         tuple((id(p), d, f) for p, d, f in specs),
         _shapes_key(shapes),
         tuple(peers),
@@ -71,7 +71,10 @@ def _cached(kind: str, specs, shapes, peers, group, device, build):
     )
     hit = _CACHE.get(key)
     if hit is None:
-        hit = _CACHE[key] = (tuple(p for p, _, _ in specs), build())
+        hit = _CACHE[key] = (
+            tuple(p for p, _, _ in specs),
+            kind(specs, shapes, peers, group, device),
+        )
         if len(_CACHE) > _CACHE_LIMIT:
             _CACHE.popitem(last=False)
     else:
@@ -248,15 +251,18 @@ class ForwardMessages:
     def _pack(self, xs) -> list:
         out = []
         for _, parts in self.sends:
+            if len(parts) == 1 and len(parts[0][2]) == 1:  # one run of one tensor: one copy
+                k, dim, ((s, c),) = parts[0]
+                x = xs[k]
+                out.append(x.contiguous() if c == x.shape[dim] else x.narrow_copy(dim, s, c))
+                continue
             pieces = []
             for k, dim, runs in parts:
                 x = xs[k]
-                if len(runs) > 1:
-                    pieces.append(torch.cat([x.narrow(dim, s, c) for s, c in runs], dim))
-                elif runs[0][1] == x.shape[dim] or len(parts) > 1:
+                if len(runs) == 1:
                     pieces.append(_rows(x, dim, runs[0][0], runs[0][1]))
-                else:  # the one part of this message: one copy of its rows
-                    pieces.append(x.narrow_copy(dim, runs[0][0], runs[0][1]))
+                else:
+                    pieces.append(torch.cat([x.narrow(dim, s, c) for s, c in runs], dim))
             out.append(_flat(pieces))
         return out
 
@@ -434,12 +440,10 @@ class BackwardMessages:
 def forward_messages(specs, shapes, peers, group, device) -> ForwardMessages:
     """The :class:`ForwardMessages` of ``specs`` for shards of ``shapes`` on ``device``, built
     once per (plans, dims, fills, shapes, peers, group, device)."""
-    build = lambda: ForwardMessages(specs, shapes, peers, group, device)  # noqa: E731
-    return _cached("forward", specs, shapes, peers, group, device, build)
+    return _cached(ForwardMessages, specs, shapes, peers, group, device)
 
 
 def backward_messages(specs, shapes, peers, group, device) -> BackwardMessages:
     """The :class:`BackwardMessages` of ``specs`` for shards of ``shapes`` on ``device``,
     built once per (plans, dims, fills, shapes, peers, group, device)."""
-    build = lambda: BackwardMessages(specs, shapes, peers, group, device)  # noqa: E731
-    return _cached("backward", specs, shapes, peers, group, device, build)
+    return _cached(BackwardMessages, specs, shapes, peers, group, device)
