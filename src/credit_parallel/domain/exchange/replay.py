@@ -61,14 +61,12 @@ def _cached(kind: type, specs, shapes, peers, group, device):
     """``kind(specs, shapes, peers, group, device)``, built once per (kind, plans, dims, fills,
     shapes, peers, group, device) (the plans by their ids: the entry holds them, so that their
     ids stay theirs while it lives); at the size limit the least recently used entry goes."""
-    key = (
-        kind.__name__,
-        tuple((id(p), d, f) for p, d, f in specs),
-        _shapes_key(shapes),
-        tuple(peers),
-        id(group),
-        device,
-    )
+    if len(specs) == 1:  # the common case, without the generators
+        (p, d, f), shape = specs[0], shapes[0]
+        ids, shapes_key = ((id(p), d, f),), (shape if isinstance(shape, tuple) else tuple(shape),)
+    else:
+        ids, shapes_key = tuple((id(p), d, f) for p, d, f in specs), _shapes_key(shapes)
+    key = (kind.__name__, ids, shapes_key, tuple(peers), id(group), device)
     hit = _CACHE.get(key)
     if hit is None:
         hit = _CACHE[key] = (
