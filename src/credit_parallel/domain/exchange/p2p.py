@@ -33,6 +33,7 @@ __all__ = [
     "post_halo_gradients",
     "post_messages",
     "post_rows",
+    "receive_halo_gradients",
     "send_buffers",
 ]
 
@@ -287,13 +288,25 @@ def post_gradient_return(
     return pending.then(lambda grad_xs: grad_xs[0])
 
 
-def post_halo_gradients(grad_recv, plan, dim: int, peers, group, like, *, overlapped=True):
+def receive_halo_gradients(plan, dim: int, peers, group, like):
+    """Post now, before the computation that makes this rank's own halo gradients, the
+    receives of what the other ranks will return for the rows this rank sent them (gloo; a
+    batching backend posts them with the sends); give the result to
+    :func:`post_halo_gradients` (``received=``)."""
+    program = backward_messages([(plan, dim, 0.0)], [like.shape], peers, group, like.device)
+    return program.posts.receive(like)
+
+
+def post_halo_gradients(
+    grad_recv, plan, dim: int, peers, group, like, *, overlapped=True, received=None
+):
     """Send the gradients ``grad_recv`` of the received rows back to their owners; ``wait()``
     gives a function adding, into a shard gradient, what other ranks return for the rows this
-    rank sent them.  For layers that split their window gradient (``layers/split_conv.py``)."""
+    rank sent them.  For layers that split their window gradient (``layers/split_conv.py``).
+    ``received``: :func:`receive_halo_gradients`' result when the receives are posted."""
     program = backward_messages([(plan, dim, 0.0)], [like.shape], peers, group, like.device)
     (works, keep, views), posted = _replayed(
-        program.post, ([grad_recv], like), "backward", overlapped, len(program.sends)
+        program.post, ([grad_recv], like, received), "backward", overlapped, len(program.sends)
     )
 
     def add_returned(grad_x):

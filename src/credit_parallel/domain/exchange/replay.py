@@ -140,18 +140,27 @@ class _Posts:
             recvs.append(flat)
         return recvs, views
 
-    def post(self, pack, ref: torch.Tensor):
-        """Post the receives (fresh buffers like ``ref``), then the sends ``pack()`` gives (one
-        flat tensor per send peer, in order; packed after the receives are posted); returns
-        (works, sends, receive buffers, views per peer)."""
+    def receive(self, ref: torch.Tensor):
+        """Fresh receive buffers like ``ref``, posted now where each message is posted alone
+        (gloo; a batching backend posts them with the sends): (works, buffers, views per
+        peer)."""
         recvs, views = self._buffers(ref)
-        if self.direct is not None:
-            to_recv, to_send = self.direct
-            works = [call(_wire(t), rank, 0) for (call, rank), t in zip(to_recv, recvs)]
-            sends = pack()
-            works += [call(_wire(t), rank, 0) for (call, rank), t in zip(to_send, sends)]
-            return works, sends, recvs, views
+        if self.direct is None:
+            return [], recvs, views
+        works = [call(_wire(t), rank, 0) for (call, rank), t in zip(self.direct[0], recvs)]
+        return works, recvs, views
+
+    def post(self, pack, ref: torch.Tensor, received=None):
+        """Post the receives (fresh buffers like ``ref``; or ``received``, what :meth:`receive`
+        posted earlier), then the sends ``pack()`` gives (one flat tensor per send peer, in
+        order; packed after the receives are posted); returns (works, sends, receive buffers,
+        views per peer)."""
+        works, recvs, views = self.receive(ref) if received is None else received
         sends = pack()
+        if self.direct is not None:
+            to_send = self.direct[1]
+            works = [*works, *(call(_wire(t), rank, 0) for (call, rank), t in zip(to_send, sends))]
+            return works, sends, recvs, views
         if not sends and not recvs:
             return [], sends, recvs, views
         ops = self.ops
@@ -397,14 +406,15 @@ class BackwardMessages:
             return grad.narrow_copy(dim, own[0][0], own[0][1])
         return torch.cat([grad.narrow(dim, p, c) for p, c in own], dim)
 
-    def post(self, grad_recvs, ref: torch.Tensor):
+    def post(self, grad_recvs, ref: torch.Tensor, received=None):
         """Post the received rows' gradients (``grad_recvs[k]``: per spec, one per
-        ``plan.recvs`` entry); returns (works, kept tensors, views per peer)."""
+        ``plan.recvs`` entry; ``received``: the receives ``posts.receive`` posted before);
+        returns (works, kept tensors, views per peer)."""
 
         def pack():
             return [_flat([grad_recvs[k][slot] for k, slot in parts]) for parts in self.sends]
 
-        works, sends, recvs, views = self.posts.post(pack, ref)
+        works, sends, recvs, views = self.posts.post(pack, ref, received)
         return works, (*sends, *recvs), views
 
     def post_tiled(self, grads):
