@@ -31,13 +31,7 @@ from ..exchange.shared_input import SharedInputExchange
 from ..exchange.windows import assemble_window, reads_only_fill
 from ..manager import resolve_manager
 from ..options import LayerOptions, check_overlap
-from ..rows import (
-    FILL,
-    RankExchangePlan,
-    compose_windows,
-    plan_exchange,
-    shard_range,
-)
+from ..rows import FILL, RankExchangePlan, compose_windows, plan_exchange, shard_range
 from ..wrap import DomainWrapper, run_forward_pre_hooks
 from .conv_geometry import (
     ConvGeometry,
