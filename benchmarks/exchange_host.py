@@ -15,7 +15,13 @@ per call, forward and backward separately, of:
   layer rows are compared with;
 * ``gloo``     — the transport alone: per direction, one send and one receive of the halo's
   size posted on the process group and waited for, no library code (what no exchange path
-  can go below; on this shared machine it moves with the load).
+  can go below; on this shared machine it moves with the load);
+* ``floor``    — the least a differentiable exchange in Python does: a bare
+  ``torch.autograd.Function`` with the layer's messages hard-wired (per peer one
+  ``narrow_copy`` + ``send``, one ``new_empty`` + ``recv``, the waits, one ``new_full`` for the
+  fill rows and one ``cat``; backward: the own rows' gradient copied, the received rows'
+  gradients sent back, the returned ones added), no library code: ``exchange`` minus ``floor``
+  is what the library's bookkeeping still costs.
 
 The host cost of the exchange in a layer is ``layer - plain`` (the convolution itself
 subtracted).  Backward is ``torch.autograd.grad`` of the output with respect to the input,
@@ -46,7 +52,7 @@ from credit_parallel.domain.rows import shard_range
 
 __all__ = ["VARIANTS", "main"]
 
-VARIANTS = ("split", "window", "exchange", "plain", "gloo")
+VARIANTS = ("split", "window", "exchange", "plain", "gloo", "floor")
 
 
 def _build(variant: str, conv: nn.Conv2d, mgr, package: str):
@@ -59,6 +65,8 @@ def _build(variant: str, conv: nn.Conv2d, mgr, package: str):
     params = list(conv.parameters())
     if variant == "gloo":
         return _transport(mgr)
+    if variant == "floor":
+        return _floor(DomainParallelConv2d(conv, manager=mgr), mgr)
     if variant == "plain":
         return conv, lambda y, x: torch.autograd.grad(y, [x, *params], torch.ones_like(y))
     layer = DomainParallelConv2d(conv, manager=mgr)
@@ -87,6 +95,77 @@ def _transport(mgr):
         return buf
 
     return swap, lambda y, x: swap(x)
+
+
+def _floor(layer, mgr):
+    """The bare Function of the ``floor`` variant for ``layer``'s plan (its first call's
+    geometry; one run per peer, as a 3x3 conv's halo is)."""
+    group, peers = mgr.domain_group, mgr.domain_ranks
+    rank = lambda q: torch.distributed.get_group_rank(group, peers[q])  # noqa: E731
+    state = {}
+
+    def geometry(x):
+        length = mgr.global_length(layer, x.shape[2])
+        plan = layer._call_geometry(length, mgr.domain_world_size, mgr.domain_rank).plan
+        shape = list(x.shape)
+        sends = [(rank(q), runs[0][0], runs[0][1]) for q, runs in plan.sends]
+        recvs = [(rank(q), shape[:2] + [c] + shape[3:]) for q, c in plan.recvs]
+        pieces, pos, owns = [], 0, []
+        for seg in plan.segments:
+            pieces.append((seg[0], seg[1], shape[:2] + [seg[-1]] + shape[3:]))
+            if seg[0] == "own":
+                owns.append((pos, seg[-1]))
+            pos += seg[-1]
+        back = [(rank(q), pieces_at(plan, i), c) for i, (q, c) in enumerate(plan.recvs)]
+        return sends, recvs, pieces, owns[0], back
+
+    def pieces_at(plan, i):
+        pos = 0
+        for seg in plan.segments:
+            if seg[0] == "recv" and seg[1] == i:
+                return pos
+            pos += seg[-1]
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            sends, recvs, pieces, _, _ = state["geo"]
+            bufs = [x.new_empty(shape) for _, shape in recvs]
+            works = [group.recv([b], r, 0) for (r, _), b in zip(recvs, bufs)]
+            works += [group.send([x.narrow_copy(2, s, c)], r, 0) for r, s, c in sends]
+            for w in works:
+                w.wait()
+            parts = []
+            for kind, a, shape in pieces:
+                if kind == "own":
+                    parts.append(x)
+                elif kind == "recv":
+                    parts.append(bufs[a])
+                else:
+                    parts.append(x.new_full(shape, 0.0))
+            return torch.cat(parts, 2)
+
+        @staticmethod
+        def backward(ctx, g):
+            sends, recvs, _, (p, c), back = state["geo"]
+            grad = g.narrow_copy(2, p, c)
+            bufs = [g.new_empty([*g.shape[:2], c_, *g.shape[3:]]) for _, _, c_ in sends]
+            works = [group.recv([b], r, 0) for (r, _, _), b in zip(sends, bufs)]
+            works += [group.send([g.narrow_copy(2, at, n)], r, 0) for r, at, n in back]
+            for w in works:
+                w.wait()
+            for (_, s, n), b in zip(sends, bufs):
+                grad.narrow(2, s, n).add_(b)
+            return grad
+
+    def forward(x):
+        if "geo" not in state:
+            state["geo"] = geometry(x)
+        length = mgr.global_length(layer, x.shape[2])  # as the exchange variant does per call
+        layer._call_geometry(length, mgr.domain_world_size, mgr.domain_rank)
+        return Floor.apply(x)
+
+    return forward, lambda y, x: torch.autograd.grad(y, [x], torch.ones_like(y))
 
 
 def _per_call_us(forward, backward, x, calls: int, mgr, token) -> tuple[float, float]:
@@ -118,7 +197,7 @@ def _worker(rank, world, shape, rounds: int, calls: int, warmup: int, packages: 
         manager = importlib.import_module(f"{package}.domain.manager")
         mgr = manager.DomainParallelManager(world, world)
         for v in VARIANTS:
-            if v in ("plain", "gloo") and package != packages[0]:
+            if v in ("plain", "gloo", "floor") and package != packages[0]:
                 continue  # no library code: measured once
             conv = nn.Conv2d(shape[1], shape[1], 3, padding=1)
             runs[package, v] = (*_build(v, conv, mgr, package), mgr)
@@ -202,13 +281,14 @@ def _report(args, shape: tuple, packages: tuple) -> dict:
     )
     for (package, v), (f, b, fmin, bmin) in results.items():
         extra = ""
-        if v not in ("plain", "exchange", "gloo"):
+        if v not in ("plain", "exchange", "gloo", "floor"):
             extra = f"{f - plain[0]:9.1f} | {b - plain[1]:9.1f}"
         print(f"{package:<24}| {v:<9}| {f:6.1f} ({fmin:6.1f}) | {b:6.1f} ({bmin:6.1f}) | {extra}")
     if args.baseline:
         print("after / before (this version over the baseline), same ranks, interleaved rounds:")
         print("median (min over rounds); 'over gloo': minus the raw transport's time")
         floor = results[packages[0], "gloo"]
+        least = results[packages[0], "floor"]
         for v in ("split", "window", "exchange"):
             old, new = results[packages[0], v], results[packages[1], v]
             ratio = [new[i] / old[i] for i in range(4)]
@@ -217,6 +297,13 @@ def _report(args, shape: tuple, packages: tuple) -> dict:
                 f"{v:<9}: fwd {ratio[0]:.2f} ({ratio[2]:.2f}), bwd {ratio[1]:.2f} ({ratio[3]:.2f});"
                 f" over gloo: fwd {over[0]:.2f} ({over[2]:.2f}), bwd {over[1]:.2f} ({over[3]:.2f})"
             )
+        old, new = results[packages[0], "exchange"], results[packages[1], "exchange"]
+        print(
+            "floor / before (the bare Function, the least any exchange here can cost): "
+            f"fwd {least[0] / old[0]:.2f} ({least[2] / old[2]:.2f}), "
+            f"bwd {least[1] / old[1]:.2f} ({least[3] / old[3]:.2f}); exchange - floor, us: "
+            f"fwd {new[0] - least[0]:.1f}, bwd {new[1] - least[1]:.1f}"
+        )
     print(f"load average after: {os.getloadavg()}")
     return results
 

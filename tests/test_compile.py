@@ -392,3 +392,35 @@ def test_trainer_compile_fsdp2_over_domain2_trains_like_eager(tmp_path):
     assert not eager_names and names  # trainer.compile compiled the blocks
     assert max(abs(a - b) for a, b in zip(losses, eager_losses)) <= 1e-10
     assert max(float((params[k] - eager_params[k]).abs().max()) for k in params) <= 1e-10
+
+
+def _geometry_worker(rank, world):
+    """A domain conv traced on its first call (no eager call before) records the geometry the
+    eager layer computes: the same plan and the same split, the strips that read only fill rows
+    beyond the globe dropped (one path, compiled or not)."""
+    from credit_parallel import get_domain_manager, shard_tensor
+    from credit_parallel.domain.layers.conv import DomainParallelConv2d
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1))
+    conf = {"trainer": {"parallelism": {"domain": world}}}
+    traced, eager = parallelize(copy.deepcopy(conv), conf), parallelize(copy.deepcopy(conv), conf)
+    x = torch.randn(1, 2, 9, 6)
+    y = torch.compile(traced, backend="eager", fullgraph=True)(
+        shard_tensor(x, -2, get_domain_manager(traced))
+    )
+    ref = eager(shard_tensor(x, -2, get_domain_manager(eager)))
+    layers = [
+        [m for m in model.modules() if isinstance(m, DomainParallelConv2d)][0]
+        for model in (traced, eager)
+    ]
+    (call,) = layers[0]._calls.values()
+    return layers[0]._calls == layers[1]._calls, call.split, float((y - ref).abs().max())
+
+
+def test_a_compiled_conv_computes_the_eager_geometry_with_the_fill_strips_dropped():
+    results = run_on_ranks(_geometry_worker, 3)
+    for rank, (same, split, err) in enumerate(results):
+        assert same and err <= 1e-6
+        assert (split.top_rows == 0) == (rank == 0)  # the first rank's top strip: fill only
+        assert (split.bottom_rows == 0) == (rank == 2)

@@ -37,7 +37,7 @@ from .layers.empty_rows import guard_row_local_convs
 from .layers.gather import NONLOCAL_POLICIES, DomainGatherModule, gather_cost_note
 from .options import OptionsMixin
 from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
-from .rules import _CONV_BASES, DOMAIN_RULES, DomainRule, domain_rule_for, register_domain_rule
+from .rules import CONV_BASES, DOMAIN_RULES, DomainRule, domain_rule_for, register_domain_rule
 from .tiles_convert import check_tiles, gathered_paths, relayout_on_tiles
 from .traced_heights import install_height_probe
 from .wrap import converted_tree, visit_outermost
@@ -75,7 +75,7 @@ _UNSAFE_TYPES = (
 def _custom_forward_conv_reason(module: nn.Module, shard_dim: int) -> str | None:
     """A conv subclass with its own ``forward`` whose kernel reaches other rows: the built-in
     rule would replace that forward by the plain conv's, so it can be neither kept nor wrapped."""
-    for base, rank in _CONV_BASES:
+    for base, rank in CONV_BASES:
         if isinstance(module, base):
             if type(module).forward is base.forward:
                 return None

@@ -25,7 +25,7 @@ from .layers.padding import DomainParallelPad
 from .layers.pixel_shuffle import DomainParallelPixelShuffle, DomainParallelPixelUnshuffle
 from .layers.resample import DomainParallelInterpolate
 
-__all__ = ["DOMAIN_RULES", "DomainRule", "domain_rule_for", "register_domain_rule"]
+__all__ = ["CONV_BASES", "DOMAIN_RULES", "DomainRule", "domain_rule_for", "register_domain_rule"]
 
 DomainRule = Callable[[nn.Module, object, int], "nn.Module | None"]
 # {module type | qualified class name: rule(module, manager, shard_dim) -> replacement or None}
@@ -56,8 +56,9 @@ def domain_rule_for(module: nn.Module) -> DomainRule | None:
     return None
 
 
-# (conv base, input rank): the built-in conv rules, most specific first
-_CONV_BASES = (
+# (conv base, input rank): the built-in conv rules, most specific first (also what the
+# converter checks a conv subclass with its own forward against)
+CONV_BASES = (
     (nn.ConvTranspose3d, 5),
     (nn.ConvTranspose2d, 4),
     (nn.Conv3d, 5),

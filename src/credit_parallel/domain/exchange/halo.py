@@ -20,7 +20,8 @@ from torch import nn
 from ..manager import require_manager, resolve_manager
 from ..rows import edge_source_row, plan_exchange, shard_range
 from .ops import EAGER_IMPLS, exchange_traced
-from .p2p import post_backward, post_forward
+from .p2p import exchange_gradients, exchange_windows, post_backward, post_forward
+from .replay import forward_messages
 from .streams import comm_stream_for
 from .windows import assemble_window
 
@@ -35,13 +36,18 @@ __all__ = [
 
 def _windows_now(xs, specs, peers, group) -> list[torch.Tensor]:
     """The windows of :func:`exchange_planned`, not differentiable (the traced operator's body)."""
-    received = post_forward(xs, specs, peers, group, False).wait()
-    return [assemble_window(x, r, p, d, f) for (p, d, f), x, r in zip(specs, xs, received)]
+    shapes = [x.shape for x in xs]
+    return exchange_windows(forward_messages(specs, shapes, peers, group, xs[0].device), xs)
 
 
 def _window_grads_now(grads, specs, peers, group, x_shapes) -> list[torch.Tensor]:
     """The shard gradients of :func:`_windows_now` from its window gradients ``grads``."""
-    return list(post_backward(grads, specs, peers, group, x_shapes, False).wait())
+    program = forward_messages(specs, x_shapes, peers, group, grads[0].device)
+    out = exchange_gradients(program, grads)
+    if out is None:
+        back = program.backward
+        out = post_backward(grads, specs, peers, group, x_shapes, False, None, back).wait()
+    return list(out)
 
 
 EAGER_IMPLS.update(exchange_rows=_windows_now, exchange_rows_backward=_window_grads_now)
@@ -49,27 +55,30 @@ EAGER_IMPLS.update(exchange_rows=_windows_now, exchange_rows_backward=_window_gr
 
 class _ExchangeRows(torch.autograd.Function):
     """Forward: every tensor's window in one batched call (one message per peer).  Backward: all
-    gradient rows back to their owners in one batched call.  ``specs[k] = (plan, dim, fill)``."""
+    gradient rows back to their owners in one batched call.  ``program``: the replayed
+    messages (``replay.ForwardMessages``) of the specs ``(plan, dim, fill)``; ``stream``: a
+    side stream to post on, or None."""
 
     @staticmethod
-    def forward(ctx, specs, peers, group, stream, *xs):
+    def forward(ctx, program, stream, *xs):
+        ctx.program, ctx.stream = program, stream
+        if stream is None:
+            return tuple(exchange_windows(program, xs))
+        specs, peers, group = program.specs, program.peers, program.group
         received = post_forward(xs, specs, peers, group, False, stream).wait()
-        outs = []
-        for (plan, dim, fill), x, recv_bufs in zip(specs, xs, received):
-            window = assemble_window(x, recv_bufs, plan, dim, fill)
-            # an output of a Function must not alias its input (a window of own rows only)
-            aliased = window.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
-            outs.append(window.clone() if aliased else window)
-        ctx.specs, ctx.peers, ctx.group, ctx.stream = specs, peers, group, stream
-        ctx.x_shapes = [x.shape for x in xs]
-        return tuple(outs)
+        return tuple(program.assemble(xs, received))
 
     @staticmethod
     def backward(ctx, *grads):
-        pending = post_backward(
-            grads, ctx.specs, ctx.peers, ctx.group, ctx.x_shapes, False, ctx.stream
-        )
-        return (None, None, None, None, *pending.wait())
+        program, stream = ctx.program, ctx.stream
+        out = exchange_gradients(program, grads) if stream is None else None
+        if out is None:
+            specs, peers, group = program.specs, program.peers, program.group
+            pending = post_backward(
+                grads, specs, peers, group, program.shapes, False, stream, program.backward
+            )
+            out = pending.wait()
+        return (None, None, *out)
 
 
 def exchange_rows_batched(requests, manager, *, side_stream: bool = False) -> list[torch.Tensor]:
@@ -116,15 +125,19 @@ def exchange_planned(xs, specs, manager, *, side_stream: bool = False) -> list[t
     :class:`~credit_parallel.domain.rows.RankExchangePlan`, ``dim`` non-negative), for layers
     that cache their per-call geometry.  Differentiable."""
     require_manager(manager, "exchange_planned")
-    if all(not p.sends and not p.recvs for p, _, _ in specs):
+    if torch.compiler.is_compiling():  # one traced operator (ops.py)
+        if all(not p.sends and not p.recvs for p, _, _ in specs):
+            return [assemble_window(x, [], p, d, f) for x, (p, d, f) in zip(xs, specs)]
+        return exchange_traced(xs, specs, manager.domain_group)
+    device = xs[0].device
+    program = forward_messages(
+        specs, [x.shape for x in xs], manager.domain_ranks, manager.domain_group, device
+    )
+    if not program.moves:
         # nothing to move on any rank's side with us: own and fill rows only (a view if it can)
         return [assemble_window(x, [], p, d, f) for x, (p, d, f) in zip(xs, specs)]
-    if torch.compiler.is_compiling():  # one traced operator (ops.py)
-        return exchange_traced(xs, specs, manager.domain_group)
-    stream = comm_stream_for(xs[0].device) if side_stream else None
-    return list(
-        _ExchangeRows.apply(tuple(specs), manager.domain_ranks, manager.domain_group, stream, *xs)
-    )
+    stream = comm_stream_for(device) if side_stream else None
+    return list(_ExchangeRows.apply(program, stream, *xs))
 
 
 def exchange_rows(

@@ -25,12 +25,15 @@ from .windows import shape_with
 
 __all__ = [
     "PendingExchange",
+    "exchange_gradients",
+    "exchange_windows",
     "post_backward",
     "post_forward",
     "post_gradient_return",
     "post_halo_gradients",
     "post_messages",
     "post_rows",
+    "receive_halo_gradients",
     "send_buffers",
 ]
 
@@ -151,6 +154,43 @@ def _replayed(post, args, direction: str, overlapped: bool, n_sends):
     return out, seconds
 
 
+def exchange_windows(program, xs) -> list[torch.Tensor]:
+    """The windows of ``program`` (a ``replay.ForwardMessages``) for the shards ``xs``: the
+    receives posted, the sends sliced and posted, waited for and the windows assembled, all at
+    once (the exchange's own forward: no :class:`PendingExchange`)."""
+    stats = active_recorder()
+    if stats is None:
+        works, keep, received = program.post(xs)
+        program.posts.link.wait(works)
+        return program.assemble(xs, received)
+    t0 = time.perf_counter()
+    works, keep, received = program.post(xs)
+    if works:
+        _count(stats, list(keep[: program.posts.n_sends]), "forward", False)
+    program.posts.link.wait(works)
+    stats.seconds["forward"] += time.perf_counter() - t0
+    return program.assemble(xs, received)
+
+
+def exchange_gradients(program, grads) -> list[torch.Tensor] | None:
+    """The shard gradients of :func:`exchange_windows` from the window gradients ``grads``, all
+    at once, where every shard row is one window row's and every received run one window
+    piece (``BackwardMessages.tiled``); else None (:func:`post_backward` does it)."""
+    back = program.backward
+    if not back.tiled:
+        return None
+    stats = active_recorder()
+    t0 = time.perf_counter() if stats is not None else 0.0
+    works, keep, views, grad_xs = back.post_tiled(grads)
+    if stats is not None and works:
+        _count(stats, list(keep[: back.posts.n_sends]), "backward", False)
+    back.posts.link.wait(works)
+    if stats is not None:
+        stats.seconds["backward"] += time.perf_counter() - t0
+    back.add_returned(grad_xs, views)
+    return grad_xs
+
+
 def send_buffers(x: torch.Tensor, plan, dim: int) -> list[torch.Tensor]:
     """One contiguous buffer per peer in ``plan.sends``: the runs of own rows it needs."""
     out = []
@@ -197,17 +237,19 @@ def _split_window_grad(grad: torch.Tensor, plan, dim: int, x_shape):
 
 
 def post_backward(
-    grads, specs, peers, group, x_shapes, overlapped: bool, stream=None
+    grads, specs, peers, group, x_shapes, overlapped: bool, stream=None, program=None
 ) -> PendingExchange:
     """Backward of :func:`post_forward`: every window gradient goes back to the owners of its
     rows.  Own-row gradients accumulate at once; ``wait()`` adds the gradients other ranks
-    return for the rows this rank sent and gives the shard gradients, per spec."""
+    return for the rows this rank sent and gives the shard gradients, per spec.  ``program``:
+    the ``replay.BackwardMessages`` of these specs when the caller holds it."""
     if stream is not None and stream.active:
         with stream.posting():
-            pending = post_backward(grads, specs, peers, group, x_shapes, overlapped)
+            pending = post_backward(grads, specs, peers, group, x_shapes, overlapped, None, program)
         stream.keep([*grads, *pending._keep_tensors(), *pending._result])
         return pending.posted_on(stream)
-    program = backward_messages(specs, x_shapes, peers, group, grads[0].device)
+    if program is None:
+        program = backward_messages(specs, x_shapes, peers, group, grads[0].device)
     grad_xs, grad_recvs = [], []
     for k, ((plan, dim, _), grad, shape) in enumerate(zip(specs, grads, x_shapes)):
         split = program.split(k, grad, plan, dim, shape)
@@ -246,13 +288,25 @@ def post_gradient_return(
     return pending.then(lambda grad_xs: grad_xs[0])
 
 
-def post_halo_gradients(grad_recv, plan, dim: int, peers, group, like, *, overlapped=True):
+def receive_halo_gradients(plan, dim: int, peers, group, like):
+    """Post now, before the computation that makes this rank's own halo gradients, the
+    receives of what the other ranks will return for the rows this rank sent them (gloo; a
+    batching backend posts them with the sends); give the result to
+    :func:`post_halo_gradients` (``received=``)."""
+    program = backward_messages([(plan, dim, 0.0)], [like.shape], peers, group, like.device)
+    return program.posts.receive(like)
+
+
+def post_halo_gradients(
+    grad_recv, plan, dim: int, peers, group, like, *, overlapped=True, received=None
+):
     """Send the gradients ``grad_recv`` of the received rows back to their owners; ``wait()``
     gives a function adding, into a shard gradient, what other ranks return for the rows this
-    rank sent them.  For layers that split their window gradient (``layers/split_conv.py``)."""
+    rank sent them.  For layers that split their window gradient (``layers/split_conv.py``).
+    ``received``: :func:`receive_halo_gradients`' result when the receives are posted."""
     program = backward_messages([(plan, dim, 0.0)], [like.shape], peers, group, like.device)
     (works, keep, views), posted = _replayed(
-        program.post, ([grad_recv], like), "backward", overlapped, len(program.sends)
+        program.post, ([grad_recv], like, received), "backward", overlapped, len(program.sends)
     )
 
     def add_returned(grad_x):

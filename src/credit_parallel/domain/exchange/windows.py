@@ -9,6 +9,8 @@ buffers.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 __all__ = [
@@ -34,15 +36,15 @@ def shape_numel(shape) -> int:
     return n
 
 
-def _range_segments(plan, start: int, stop: int, skip: tuple[int, int] = (0, 0)):
-    """The plan's segments cut to window positions ``[start, stop)`` minus ``skip``: yields
+def _range_segments(segments, start: int, stop: int, skip: tuple[int, int] = (0, 0)):
+    """A plan's ``segments`` cut to window positions ``[start, stop)`` minus ``skip``: yields
     ``(kind, where, position, count)`` with ``where`` the local row ("own"), ``(recv index,
     offset)`` ("recv") or None ("fill"), and ``position`` the window position of the piece."""
     ranges = ((start, stop),)
     if skip[1] > skip[0]:
         ranges = ((start, min(stop, skip[0])), (max(start, skip[1]), stop))
     pos = 0
-    for seg in plan.segments:
+    for seg in segments:
         count = seg[-1]
         for lo, hi in ranges:
             a, b = max(lo, pos), min(hi, pos + count)
@@ -57,7 +59,8 @@ def _range_segments(plan, start: int, stop: int, skip: tuple[int, int] = (0, 0))
         pos += count
 
 
-_SEGMENTS: dict = {}
+_SEGMENTS: OrderedDict = OrderedDict()  # least recently used first
+_SEGMENTS_LIMIT = 1024
 
 
 def _rows(t: torch.Tensor, dim: int, start: int, count: int) -> torch.Tensor:
@@ -68,18 +71,28 @@ def _rows(t: torch.Tensor, dim: int, start: int, count: int) -> torch.Tensor:
     return t.narrow(dim, start, count)
 
 
-def _segments(plan, start: int, stop: int, skip) -> tuple:
-    """:func:`_range_segments` as a tuple, computed once per (plan, range, skip): the same
-    plan is cut the same way at every call of a layer."""
-    if torch.compiler.is_compiling():  # traced (a layer's geometry): no global cache written
-        return tuple(_range_segments(plan, start, stop, skip))
-    key = (id(plan), start, stop, skip[0], skip[1])
+@torch._dynamo.assume_constant_result
+def _cut(segments: tuple, start: int, stop: int, skip) -> tuple:
+    """:func:`_range_segments` as a tuple, computed once per (segments, range, skip): the same
+    plan is cut the same way at every call of a layer.  Run for real while Dynamo traces (its
+    result a constant of the graph; its arguments plain tuples and ints), so the cache is never
+    written from traced code and compiled and eager layers cut their windows alike.  At the
+    size limit the least recently used cut goes (an entry holds its segments, so that their id
+    stays theirs)."""
+    key = (id(segments), start, stop, skip[0], skip[1])
     hit = _SEGMENTS.get(key)
-    if hit is None or hit[0] is not plan:
-        if len(_SEGMENTS) >= 1024:
-            _SEGMENTS.clear()
-        hit = _SEGMENTS[key] = (plan, tuple(_range_segments(plan, start, stop, skip)))
+    if hit is None:
+        hit = _SEGMENTS[key] = (segments, tuple(_range_segments(segments, start, stop, skip)))
+        if len(_SEGMENTS) > _SEGMENTS_LIMIT:
+            _SEGMENTS.popitem(last=False)
+    else:
+        _SEGMENTS.move_to_end(key)
     return hit[1]
+
+
+def _segments(plan, start: int, stop: int, skip) -> tuple:
+    """The pieces of ``plan``'s window positions ``[start, stop)`` minus ``skip`` (:func:`_cut`)."""
+    return _cut(plan.segments, start, stop, (skip[0], skip[1]))
 
 
 def _window_pieces(x, recv_bufs, plan, dim, fill_value, start, stop, skip=(0, 0)) -> list:

@@ -76,13 +76,23 @@ class _ConvCall:
 def _without_fill_strips(split: OverlapSplit, plan, skip: tuple) -> OverlapSplit:
     """``split`` without the boundary strips that read, outside the shard's positions
     ``skip``, only fill rows beyond the globe (zeros): with the full call (the conv with its own
-    zero padding over the shard) those output rows are already what the strip would give."""
+    zero padding over the shard) those output rows are already what the strip would give.
+    Traceable (a new ``OverlapSplit`` built field by field; ``reads_only_fill`` runs for real
+    under Dynamo), so that a compiled layer takes the eager layer's path."""
     top, bottom = split.top_rows, split.bottom_rows
     if top and reads_only_fill(plan, 0, split.top_stop, skip):
         top = 0
     if bottom and reads_only_fill(plan, split.bottom_start, plan.window_rows, skip):
         bottom = 0
-    return replace(split, top_rows=top, bottom_rows=bottom)
+    return OverlapSplit(
+        top,
+        split.top_stop,
+        split.interior_rows,
+        split.interior_start,
+        split.interior_stop,
+        bottom,
+        split.bottom_start,
+    )
 
 
 def fused_pad_windows(pad, conv, length: int, n: int) -> tuple:
@@ -308,8 +318,7 @@ class _DomainParallelConvNd(DomainWrapper):
             first = windows[rank][0] if windows[rank] else None
             plan = plan_exchange(length, n, windows)[rank]
             full = None if split is None else self._full_call(length, n, rank, plan)
-            if full is not None and not torch.compiler.is_compiling():
-                # (traced: the strips stay; they give the same rows, one conv call more)
+            if full is not None:
                 split = _without_fill_strips(split, plan, full[1])
             call = _ConvCall(plan, split, o0 == o1, (o0, o1), first, full)
             if len(self._calls) > 64:

@@ -18,8 +18,9 @@ shard, then convolves the boundary rows from small strips of the window (a few r
 * otherwise (strides, asymmetric padding): the interior output rows
   from the interior shard rows, concatenated with the strips; backward per piece.
 
-The backward first computes the strips' gradients, posts the halo-row gradients back to their
-owners, then runs the shard's call while they travel.  No copy of the whole shard is made in
+The backward first posts the receives of the gradients the peers return for this rank's rows,
+computes the strips' gradients, posts the halo-row gradients back to their owners, then runs
+the shard's call while they travel.  No copy of the whole shard is made in
 either direction (the window path, the option ``split_halo=False``, is kept as the reference).
 
 Results equal the window path to rounding, not bitwise: the CPU kernels' bits depend on how rows
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..exchange.p2p import post_halo_gradients, post_rows
+from ..exchange.p2p import post_halo_gradients, post_rows, receive_halo_gradients
 from ..exchange.windows import assemble_window, halo_gradient_buffers, scatter_window_grad
 from ..options import check_overlap
 
@@ -165,6 +166,10 @@ class SplitConv(torch.autograd.Function):
                     split.bottom_rows,
                 )
             )
+        # what the peers return for the rows this rank sent: received while this rank computes
+        received = None
+        if need_x:
+            received = receive_halo_gradients(plan, dim, ctx.peers, ctx.group, x)
         # the boundary strips first: their halo gradients travel while the shard's are computed
         grad_recv = halo_gradient_buffers(x, plan, dim) if need_x else None
         strip_grads, grad_w, grad_b = [], None, None
@@ -182,7 +187,14 @@ class SplitConv(torch.autograd.Function):
         pending = None
         if need_x:
             pending = post_halo_gradients(
-                grad_recv, plan, dim, ctx.peers, ctx.group, x, overlapped=ctx.late
+                grad_recv,
+                plan,
+                dim,
+                ctx.peers,
+                ctx.group,
+                x,
+                overlapped=ctx.late,
+                received=received,
             )
         mask = (need_x, need_w, need_b)
         if full is not None:
