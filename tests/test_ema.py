@@ -226,6 +226,6 @@ def test_ema_keys_are_parsed_and_a_credit_gen2_use_ema_is_accepted():
         with pytest.raises(ValueError, match="trainer.ema_decay must be a number in"):
             TrainerConfig.from_conf({"trainer": {"ema_decay": bad}})
     problems, dropped = [], []
-    out = _trainer_section({"trainer": {"use_ema": True, "ema_decay": 0.99}}, {}, problems, [])
+    out = _trainer_section({"trainer": {"use_ema": True, "ema_decay": 0.99}}, {}, problems, dropped)
     assert not problems and not dropped
     assert out["use_ema"] is True and out["ema_decay"] == 0.99

@@ -31,11 +31,10 @@ from ..manager import resolve_manager
 from ..rows import shard_range
 from ..tiles_relayout import move_blocks, strip_rects, tile_rects
 from ..wrap import DomainWrapper
-from .fuxi import _swapped, credit_model_decision, tensor_padding_rows, tensor_unpadding_rows
+from .fuxi import _swapped, tensor_padding_rows, tensor_unpadding_rows
 
 __all__ = [
     "DomainPaddedModel",
-    "credit_adapter_decision",
     "is_tensor_padding",
     "padded_model_decision",
 ]
@@ -167,12 +166,3 @@ def padded_model_decision(module: nn.Module, path: str, manager):
     except ValueError as err:
         raise ValueError(f"convert_to_domain_parallel: {where}: {err}") from None
     return replacement.configure(module_path=where)
-
-
-def credit_adapter_decision(module: nn.Module, path: str, manager, *args, **kwargs):
-    """The converter's CREDIT-model step: FuXi (``fuxi.credit_model_decision``, same
-    arguments), else a model padded by ``TensorPadding`` (:func:`padded_model_decision`)."""
-    decided = credit_model_decision(module, path, manager, *args, **kwargs)
-    if decided is not None:
-        return decided
-    return padded_model_decision(module, path, manager)
