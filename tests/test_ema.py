@@ -99,6 +99,13 @@ def _worker(rank, world, store, path):
     for _ in range(2):
         fsdp.train_step()
     fsdp.save(f"{path}/fsdp2")
+    # under FSDP2 the EMA weights go into the shards the next all-gather reads, and back
+    from credit_parallel.train.ema import ema_weights
+
+    before = _params(fsdp)
+    with ema_weights(fsdp.ema, fsdp.model):
+        inside = _params(fsdp)
+    out["fsdp2_swap"] = (before, inside, _params(fsdp), _shadow(fsdp)[0])
     # validation on the EMA weights, the training weights back bit for bit afterwards
     before = _params(resumed)
     out["evaluate"] = resumed.evaluate()
@@ -183,6 +190,16 @@ def test_validation_runs_on_the_ema_weights_and_restores_the_training_weights(st
         assert max(abs(out["evaluate"][k] - on_ema[k]) for k in on_ema) <= TOL
 
 
+def test_fsdp2_shards_hold_the_ema_weights_inside_the_block_and_the_training_weights_after(
+    parallel,
+):
+    for out in parallel[1]:
+        before, inside, after, shadow = out["fsdp2_swap"]
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert all(torch.equal(inside[k], shadow[k].double()) for k in shadow)
+        assert any(not torch.equal(inside[k], before[k]) for k in shadow)
+
+
 def test_a_checkpoint_without_ema_starts_the_average_at_the_loaded_weights(store, tmp_path):
     plain = Trainer(_conf(store, ema=False))
     plain.train_step()
@@ -209,6 +226,26 @@ def test_forecast_loads_the_ema_weights_of_a_checkpoint(store, parallel):
     path = plain.save(parallel[0] / "plain")
     with pytest.raises(CheckpointError, match="no EMA weights"):
         load_forecast_weights(model, path, ema=True)
+
+
+def test_forecast_reads_a_miles_credit_checkpoint_ema_file_and_takes_the_ema_flag(store, tmp_path):
+    import argparse
+
+    from credit_parallel.forecast.command import build_arguments
+    from credit_parallel.forecast.weights import load_forecast_weights
+
+    ref, tracker = _reference(store, 2)
+    path = tmp_path / "checkpoint_ema.pt"  # what CREDIT's trainer writes beside checkpoint.pt
+    torch.save({"epoch": 0, "model_state_dict": tracker.state_dict()}, path)
+    model = Trainer(_conf(store, ema=False)).model
+    load_forecast_weights(model, path)
+    got = {k: v.float() for k, v in _params_of(model).items()}
+    assert _max_err(got, tracker.shadow) <= TOL
+    ap = argparse.ArgumentParser()
+    build_arguments(ap)
+    argv = ["--config", "c", "--checkpoint", "k", "--steps", "1", "--output", "o"]
+    argv += ["--init-times", "2020-01-01"]
+    assert ap.parse_args([*argv, "--ema"]).ema and not ap.parse_args(argv).ema
 
 
 def _params_of(model):
