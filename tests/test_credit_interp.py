@@ -26,6 +26,8 @@ from miles_credit import import_credit
 TOL = 1e-10
 H, W = 48, 32
 PADDING = {"activate": True, "mode": "earth", "pad_lat": [5, 11], "pad_lon": [8, 8]}
+# 43 x 33 inputs (uneven rows and columns on every split here) padded to 64 x 48
+UNEVEN = {"activate": True, "mode": "earth", "pad_lat": [10, 11], "pad_lon": [7, 8]}
 
 
 class TanhPost(nn.Module):
@@ -92,10 +94,12 @@ def _forms(model) -> set[str]:
 
 def _worker(rank, world, shape, cases):
     manager = TiledDomainManager(world, shape) if shape else DomainParallelManager(world, world)
-    torch.manual_seed(0)
-    x = torch.randn(1, 3, 1, H, W, dtype=torch.float64)
     out = []
     for kwargs in cases:
+        kwargs = dict(kwargs)
+        hw = kwargs.pop("input", (H, W))
+        torch.manual_seed(0)
+        x = torch.randn(1, 3, 1, *hw, dtype=torch.float64)
         build = functools.partial(_crossformer, **kwargs)
         errors = domain_parity_errors(build, x, manager)
         out.append((kwargs, errors, _forms(convert_to_domain_parallel(build(), manager))))
@@ -107,21 +111,32 @@ LATITUDE_CASES = [
     {"size": (37, 29)},
     {"size": (61, 40), "padding": PADDING},
     {"size": (37, 29), "padding": PADDING, "post": True},
+    {"size": (50, 29), "padding": UNEVEN, "post": True, "input": (43, 33)},
 ]
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_crossformer_interp_exact_on_uneven_latitude_shards(world):
-    """37 rows over 2 / 3 ranks (19 / 18 and 13 / 12 / 12), 61 rows (31 / 30, 21 / 20 / 20)."""
-    for results in run_on_ranks(_worker, world, None, LATITUDE_CASES):
+@pytest.mark.parametrize("cases", [LATITUDE_CASES[:2], LATITUDE_CASES[2:]], ids=["plain", "post"])
+def test_crossformer_interp_exact_on_uneven_latitude_shards(world, cases):
+    """Outputs of 37 rows over 2 / 3 ranks (19 / 18 and 13 / 12 / 12), 61 rows (31 / 30,
+    21 / 20 / 20), 50 rows (17 / 17 / 16) from 43 input rows (22 / 21, 15 / 14 / 14)."""
+    for results in run_on_ranks(_worker, world, None, cases):
         for kwargs, errors, forms in results:
             _assert_exact(errors, (world, kwargs))
             assert "DomainInterpModel" in forms and "DomainParallelInterpolate" not in forms
 
 
-def test_crossformer_interp_exact_on_2x2_tiles():
-    cases = [{"size": (37, 29)}, {"size": (37, 29), "padding": PADDING, "post": True}]
-    for results in run_on_ranks(_worker, 4, (2, 2), cases):
+TILE_CASES = [
+    {"size": (37, 29)},
+    {"size": (50, 29), "padding": UNEVEN, "post": True, "input": (43, 33)},
+]
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=["plain", "padded_post_uneven"])
+def test_crossformer_interp_exact_on_2x2_tiles(case):
+    """(2, 2) tiles: 48 x 32 -> 37 x 29; 43 x 33 (rows 22 / 21, columns 17 / 16) padded to
+    64 x 48 and interpolated to 50 x 29 in front of the post block."""
+    for results in run_on_ranks(_worker, 4, (2, 2), [case]):
         for kwargs, errors, _ in results:
             _assert_exact(errors, ((2, 2), kwargs))
 
