@@ -43,31 +43,30 @@ class TanhPost(nn.Module):
         return torch.tanh(3.0 * d["y_pred"]) * self.scale
 
 
-def _crossformer(size, padding=None, post=False, module="credit.models.crossformer"):
+def _crossformer(
+    size, padding=None, post=False, model="credit.models.crossformer.CrossFormer", dtype=None
+):
     extra = {} if padding is None else {"padding_conf": padding}
-    model = (
-        import_credit(module)
-        .CrossFormer(
-            **extra,
-            image_height=H,
-            image_width=W,
-            frames=1,
-            channels=1,
-            surface_channels=1,
-            input_only_channels=0,
-            levels=2,
-            dim=(2, 4, 8, 16),
-            depth=(1, 1, 1, 1),
-            dim_head=2,
-            global_window_size=(2, 2, 1, 1),
-            local_window_size=(2, 2, 1, 1),
-            cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)),
-            cross_embed_strides=(2, 2, 2, 2),
-            use_spectral_norm=False,
-            interp=True,
-        )
-        .double()
-    )
+    module, name = model.rsplit(".", 1)
+    model = getattr(import_credit(module), name)(
+        **extra,
+        image_height=H,
+        image_width=W,
+        frames=1,
+        channels=1,
+        surface_channels=1,
+        input_only_channels=0,
+        levels=2,
+        dim=(2, 4, 8, 16),
+        depth=(1, 1, 1, 1),
+        dim_head=2,
+        global_window_size=(2, 2, 1, 1),
+        local_window_size=(2, 2, 1, 1),
+        cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)),
+        cross_embed_strides=(2, 2, 2, 2),
+        use_spectral_norm=False,
+        interp=True,
+    ).to(dtype or torch.float64)
     # the stored global size the forward interpolates to (read by the forward only)
     model.image_height, model.image_width = size
     if post:  # CREDIT's PostBlock needs a whole data schema; any module taking its dict will do
@@ -99,7 +98,7 @@ def _worker(rank, world, shape, cases):
         kwargs = dict(kwargs)
         hw = kwargs.pop("input", (H, W))
         torch.manual_seed(0)
-        x = torch.randn(1, 3, 1, *hw, dtype=torch.float64)
+        x = torch.randn(1, 3, 1, *hw, dtype=kwargs.get("dtype") or torch.float64)
         build = functools.partial(_crossformer, **kwargs)
         errors = domain_parity_errors(build, x, manager)
         out.append((kwargs, errors, _forms(convert_to_domain_parallel(build(), manager))))
@@ -141,13 +140,33 @@ def test_crossformer_interp_exact_on_2x2_tiles(case):
             _assert_exact(errors, ((2, 2), kwargs))
 
 
-def test_wxformer_crossformer_interp_exact_at_domain_2():
+def test_wxformer_interp_exact_at_domain_2():
     """``wxformer`` / ``wxformer_base`` (credit.models.wxformer.crossformer) share the tail."""
-    cases = [{"size": (37, 29), "padding": PADDING, "module": "credit.models.wxformer.crossformer"}]
+    model = "credit.models.wxformer.crossformer.CrossFormer"
+    cases = [{"size": (37, 29), "padding": PADDING, "post": True, "model": model}]
     for results in run_on_ranks(_worker, 2, None, cases):
         for kwargs, errors, forms in results:
             _assert_exact(errors, kwargs)
             assert "DomainInterpModel" in forms
+
+
+def test_camulator_interp_at_domain_2_within_float32_rounding():
+    """``camulator`` shares the tail (its output is ``unsqueeze(2)``, not a view) but runs in
+    float32 only (its position bias casts ``rel_pos.float()``): compared at the float32
+    tolerances (relative 1e-5 output and input gradient, 1e-4 parameter gradients against
+    the largest one)."""
+    model = "credit.models.camulator.Camulator"
+    case = {"size": (37, 29), "padding": PADDING, "post": True, "model": model}
+    for results in run_on_ranks(_worker, 2, None, [{**case, "dtype": torch.float32}]):
+        for _, errors, forms in results:
+            assert "DomainInterpModel" in forms
+            # parameter gradients relative to the largest one (the position bias's last bias
+            # gets a zero gradient up to rounding: softmax does not see a shift of every score)
+            grads = [ref for key, (_, ref) in errors.items() if key.startswith("param:")]
+            for key, (err, ref) in errors.items():
+                scale = 1e-4 * max(grads) if key.startswith("param:") else 1e-5 * ref
+                assert err <= scale, (key, err, ref)
+            assert errors["output"][1] > 0 and errors["input_grad"][1] > 0
 
 
 def _restored_worker(rank, world):
