@@ -229,3 +229,42 @@ def _refused_worker(rank, world, model):
     with pytest.raises(ValueError) as refused:
         convert_to_domain_parallel(model, DomainParallelManager(world, world))
     return str(refused.value)
+
+
+def _compiled_worker(rank, world, shape, case):
+    """The converted model compiled whole (``aot_eager``, in place: the parameter names stay),
+    with no eager call first; its graph breaks counted by ``torch._dynamo.explain``."""
+    import torch._dynamo
+
+    from credit_parallel.domain.sharding import shard_tensor
+
+    manager = TiledDomainManager(world, shape) if shape else DomainParallelManager(world, world)
+    case = dict(case)
+    hw = case.pop("input")
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 1, *hw, dtype=torch.float64)
+
+    def convert(model, mgr):
+        model = convert_to_domain_parallel(model, mgr)
+        model.compile(backend="aot_eager")
+        return model
+
+    errors = domain_parity_errors(
+        functools.partial(_crossformer, **case), x, manager, convert=convert
+    )
+    model = convert_to_domain_parallel(_crossformer(**case), manager)
+    explained = torch._dynamo.explain(model)(shard_tensor(x, -2, manager))
+    return errors, explained.graph_break_count, explained.graph_count
+
+
+@pytest.mark.slow  # 3-4 minutes each on the shared 2-core machine (aot_eager, with backward)
+@pytest.mark.parametrize("shape", [None, (2, 2)], ids=["domain2", "tiles2x2"])
+def test_crossformer_interp_compiled_whole_exact_in_one_graph(shape):
+    """``torch.compile`` of the whole converted model: the shape twin (``traced_heights``) runs
+    the model's own padding and ``F.interpolate`` globally and notes the heights the stand-in
+    and the interpolation ask for under tracing."""
+    case = {"size": (50, 29), "padding": UNEVEN, "post": True, "input": (43, 33)}
+    world = 4 if shape else 2
+    for errors, breaks, graphs in run_on_ranks(_compiled_worker, world, shape, case, timeout=400):
+        _assert_exact(errors, ("compiled", shape))
+        assert breaks == 0 and graphs == 1, (breaks, graphs)

@@ -39,6 +39,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..layers.resample import DomainParallelInterpolate
@@ -48,6 +49,7 @@ from .fuxi import INTERP_MODELS, _swapped, credit_model_decision
 from .tensor_padding import (
     PADDING_MODES,
     _Key,
+    _RecordingPadding,
     _ShardedPadding,
     is_tensor_padding,
     padded_model_decision,
@@ -117,19 +119,38 @@ class DomainInterpModel(DomainWrapper):
             built = self._layers["bilinear"] = (mgr, layer)
         return built[1]
 
+    def twin_forward(self, real, probe, x, *args, **kwargs):
+        """The forward of the shape twin (global shapes, ``traced_heights``): the model's own
+        padding, ``F.interpolate``; the heights noted for ``real``'s stand-in and layer."""
+        layer = real._layer(probe.manager)
+
+        def recorded(y):
+            probe.sink(layer, y.shape[-2], y.shape[-1])
+            return F.interpolate(y, size=self._size, mode="bilinear")
+
+        padding = _padding(self.wrapped)
+        stand_in = None if padding is None else _RecordingPadding(padding, probe, real._keys)
+        return self._run(recorded, stand_in, x, *args, **kwargs)
+
     def forward(self, x, *args, **kwargs):
-        model = self.wrapped
-        model.training = self.training
-        mgr = resolve_manager(self.manager, type(model).__name__)
+        self.wrapped.training = self.training
+        if "_twin_of" in self.__dict__:
+            return self.twin_forward(*self._twin_of, x, *args, **kwargs)
+        mgr = resolve_manager(self.manager, type(self.wrapped).__name__)
         if mgr.domain_world_size == 1:
-            return model(x, *args, **kwargs)
-        layer = self._layer(mgr)
+            return self.wrapped(x, *args, **kwargs)
+        padding = _padding(self.wrapped)
+        stand_in = None if padding is None else _ShardedPadding(padding, mgr, self._keys)
+        return self._run(self._layer(mgr), stand_in, x, *args, **kwargs)
+
+    def _run(self, layer, stand_in, x, *args, **kwargs):
+        """The model's forward with ``use_interp`` off, ``stand_in`` as its padding (None: as
+        it is), ``layer`` interpolating its output (or the post block's ``y_pred``)."""
+        model = self.wrapped
         post = bool(getattr(model, "use_post_block", False))
         with ExitStack() as stack:
             stack.enter_context(_swapped(model, "use_interp", False))
-            padding = _padding(model)
-            if padding is not None:
-                stand_in = _ShardedPadding(padding, mgr, self._keys)
+            if stand_in is not None:
                 stack.enter_context(_swapped(model, "padding_opt", stand_in))
             if post:
 

@@ -121,6 +121,22 @@ class _ShardedPadding:
         )
 
 
+class _RecordingPadding:
+    """In the shape twin (``traced_heights``): the model's own global padding, the heights its
+    sharded stand-in asks for noted under the real wrapper's keys."""
+
+    def __init__(self, original, probe, keys):
+        self.original, self.probe, self.keys = original, probe, keys
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        self.probe.sink(self.keys[0], x.shape[-2], x.shape[-1])
+        return self.original.pad(x)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        self.probe.sink(self.keys[1], x.shape[-2], x.shape[-1])
+        return self.original.unpad(x)
+
+
 class DomainPaddedModel(DomainWrapper):
     """Run a model whose forward calls ``self.padding_opt.pad`` / ``unpad`` (CREDIT's
     ``TensorPadding``) with a sharded stand-in; see the module docstring.  Its layers are
@@ -142,9 +158,18 @@ class DomainPaddedModel(DomainWrapper):
         self.manager = manager
         self._keys = (_Key(), _Key())
 
+    def twin_forward(self, real, probe, x, *args, **kwargs):
+        """The forward of the shape twin (global shapes, ``traced_heights``): the model's own,
+        the heights noted for ``real``'s stand-in."""
+        stand_in = _RecordingPadding(self.wrapped.padding_opt, probe, real._keys)
+        with _swapped(self.wrapped, "padding_opt", stand_in):
+            return self.wrapped(x, *args, **kwargs)
+
     def forward(self, x, *args, **kwargs):
         model = self.wrapped
         model.training = self.training
+        if "_twin_of" in self.__dict__:
+            return self.twin_forward(*self._twin_of, x, *args, **kwargs)
         mgr = resolve_manager(self.manager, type(model).__name__)
         if mgr.domain_world_size == 1:
             return model(x, *args, **kwargs)
