@@ -257,12 +257,13 @@ def _compiled_worker(rank, world, shape, case):
     return errors, explained.graph_break_count, explained.graph_count
 
 
-@pytest.mark.slow  # 3-4 minutes each on the shared 2-core machine (aot_eager, with backward)
-@pytest.mark.parametrize("shape", [None, (2, 2)], ids=["domain2", "tiles2x2"])
+@pytest.mark.slow  # ~4 minutes on the shared 2-core machine (aot_eager, with backward)
+@pytest.mark.parametrize("shape", [None], ids=["domain2"])
 def test_crossformer_interp_compiled_whole_exact_in_one_graph(shape):
     """``torch.compile`` of the whole converted model: the shape twin (``traced_heights``) runs
     the model's own padding and ``F.interpolate`` globally and notes the heights the stand-in
-    and the interpolation ask for under tracing."""
+    and the interpolation ask for under tracing.  (``shape=(2, 2)``, tiles, passes as well: 3
+    minutes more, left out of the suite.)"""
     case = {"size": (50, 29), "padding": UNEVEN, "post": True, "input": (43, 33)}
     world = 4 if shape else 2
     for errors, breaks, graphs in run_on_ranks(_compiled_worker, world, shape, case, timeout=400):
