@@ -266,3 +266,17 @@ def test_ema_keys_are_parsed_and_a_credit_gen2_use_ema_is_accepted():
     out = _trainer_section({"trainer": {"use_ema": True, "ema_decay": 0.99}}, {}, problems, dropped)
     assert not problems and not dropped
     assert out["use_ema"] is True and out["ema_decay"] == 0.99
+
+
+def test_preflight_names_an_ema_tracker_that_cannot_be_imported(store, monkeypatch):
+    import sys
+
+    from credit_parallel.train.preflight import validate_run
+
+    assert validate_run(_conf(store), 1) == []
+    # what a miles-credit without cftime gives: its base_trainer's import chain fails
+    monkeypatch.setitem(sys.modules, "credit.trainers.base_trainer", None)
+    (problem,) = validate_run(_conf(store), 1)
+    for words in ("trainer.use_ema", "EMATracker", "cftime", "trainer.use_ema: false"):
+        assert words in problem, (words, problem)
+    assert validate_run(_conf(store, ema=False), 1) == []

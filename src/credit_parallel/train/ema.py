@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "build_ema",
+    "ema_tracker_class",
     "ema_checkpoint_state",
     "ema_weights",
     "has_ema",
@@ -47,6 +48,12 @@ TOP = "ema"  # the checkpoint's top-level key of the shadow (beside "model" and 
 
 def build_ema(model: torch.nn.Module, decay: float):
     """miles-credit's ``EMATracker(model, decay)``; its shadow starts at the model's weights."""
+    return ema_tracker_class()(model, decay=decay)
+
+
+def ema_tracker_class():
+    """miles-credit's ``EMATracker`` class, or a ``ValueError`` naming what its import lacks
+    (preflight asks before any rank starts)."""
     try:
         from credit.trainers.base_trainer import EMATracker
     except ImportError as err:
@@ -56,7 +63,7 @@ def build_ema(model: torch.nn.Module, decay: float):
             "chain needs miles-credit 2026.2 with cftime installed (pip install cftime), or "
             "set trainer.use_ema: false"
         ) from err
-    return EMATracker(model, decay=decay)
+    return EMATracker
 
 
 def _live_state(model: torch.nn.Module) -> dict:
