@@ -219,10 +219,10 @@ def test_the_example_as_written_is_refused_naming_every_key_it_cannot_honour(sto
         "glob",
         "data.mean_path",
         "data.std_path",
-        "trainer.use_ema",
     ):
         assert key in message, (key, message)
-    assert "6 key(s) cannot be honoured" in message, message
+    assert "trainer.use_ema" not in message, message  # honoured (train/ema.py)
+    assert "5 key(s) cannot be honoured" in message, message
 
 
 def test_the_rewritten_example_reads_as_credit_parallel_keys(store):
@@ -314,10 +314,10 @@ def test_timestep_and_level_coord_are_honoured_by_the_dataset(store):
         ERA5Dataset(store, **kwargs, level_coord="plev")
 
 
-def test_the_examples_interpolation_is_refused_at_domain_2_before_any_rank(store):
-    """The example's interpolation to the global size would run per latitude shard: refused by
-    name (its earth padding, CREDIT's TensorPadding in the model's forward, is exact:
-    ``tensor_padding.DomainPaddedModel``, tests/test_domain2d_relayout.py)."""
+def test_the_examples_interpolation_and_padding_pass_preflight_at_domain_2(store):
+    """The example's interpolation to the global size and its earth padding (CREDIT's
+    TensorPadding in the model's forward) are exact at domain > 1
+    (``credit_interp.DomainInterpModel``, tests/test_credit_interp.py): no longer refused."""
     from credit_parallel.train.preflight import check_run
 
     conf = _on_sample(store, {"data": "none", "tensor": 1, "domain": 2})
@@ -328,12 +328,5 @@ def test_the_examples_interpolation_is_refused_at_domain_2_before_any_rank(store
         local_window_size=3,
     )
     with pytest.warns(UserWarning):
-        with pytest.raises(ValueError) as refused:
-            check_run(conf, 2)
-    message = str(refused.value)
-    for words in ("(CrossFormer)", "model.interp: true", "domain: 1"):
-        assert words in message, (words, message)
-    assert "padding_conf" not in message
-    conf["trainer"]["parallelism"]["domain"] = 1  # one process: the same model runs as written
-    with pytest.warns(UserWarning):
-        check_run(conf, 1)
+        run, dims = check_run(conf, 2)
+    assert dims.domain == 2 and run.trainer.steps == 2

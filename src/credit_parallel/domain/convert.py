@@ -4,7 +4,8 @@
 :class:`~credit_parallel.domain.plan.ConversionPlan`, replacing nothing and needing no process
 group), then APPLIES (:func:`apply_conversion_plan`).  The plan is decided in stages, each on
 the tree the earlier ones decided: whole CREDIT models whose forwards read the global grid
-(FuXi: ``fuxi.credit_model_decision``; CREDIT's boundary padding: ``tensor_padding.py``), attention of a known structure
+(FuXi: ``fuxi.credit_model_decision``; CREDIT's boundary padding: ``tensor_padding.py``;
+its interpolation to the global size: ``credit_interp.py``), attention of a known structure
 (``attention.recognise.known_attention_decision``), the rule walk (:func:`walk_domain_modules`:
 the caller's ``custom_converters`` first, then the registered rule of each type), the refused
 modules wrapped to run on the whole globe under ``nonlocal_policy="gather"``, and the exchange
@@ -27,10 +28,10 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .adapters.credit_interp import credit_adapter_decision
 from .adapters.fuxi import NONLOCAL_CLASSES
 from .adapters.recognise import known_attention_decision, qualified_name, recognised_attention_form
 from .adapters.swin import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
-from .adapters.tensor_padding import credit_adapter_decision
 from .fusion import apply_fusions, apply_norm_conv, find_fusions, find_norm_conv
 from .layers.conv import conv_needs_domain_wrapper
 from .layers.empty_rows import guard_row_local_convs

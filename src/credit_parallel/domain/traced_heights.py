@@ -244,6 +244,9 @@ def shape_twin(model: nn.Module, probe: HeightProbe) -> nn.Module:
                 slots.append((parent, name, child))
     for parent, name, child in slots:
         parent._modules[name] = _Recorder(child, owner_of[id(child)], probe)
+    for _, copy_ in copied:  # whole-model adapters (CREDIT's padding / interpolation) record
+        if hasattr(copy_, "twin_forward"):  # their own heights: their twin runs globally
+            copy_.__dict__["_twin_of"] = (owner_of[id(copy_)], probe)
     if _is_domain_layer(twin):
         twin = _Recorder(twin, model, probe)
     return twin

@@ -144,7 +144,9 @@ class _Run:
             self.store_path, args.resume, args.overwrite, self.times, self.variables, args.members
         )
         self.model = _build_model(conf, self.dims, self.device, self.dtype)
-        self.manifest = load_forecast_weights(self.model, args.checkpoint)
+        self.manifest = load_forecast_weights(
+            self.model, args.checkpoint, ema=getattr(args, "ema", False)
+        )
         self.manager = get_domain_manager(self.model)
         self.fields = Fields(self.dataset, self.device)
         self.rows, self.columns = self.dataset.rows, self.dataset.columns
@@ -462,6 +464,11 @@ def build_arguments(ap: argparse.ArgumentParser) -> None:
         help="initial times START..END every STEP (hours, 6h, 1d)",
     )
     ap.add_argument("--members", type=int, default=1, help="ensemble members (default 1)")
+    ap.add_argument(
+        "--ema",
+        action="store_true",
+        help="forecast with the checkpoint's moving average of the weights (trainer.use_ema)",
+    )
     ap.add_argument(
         "--parallelism",
         default=None,

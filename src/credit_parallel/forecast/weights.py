@@ -97,6 +97,8 @@ def _load_credit_file(path: Path, model: torch.nn.Module) -> dict:
             f"checkpoint {str(path)!r} could not be read ({type(exc).__name__}: {exc})"
         ) from None
     state = payload.get("model_state_dict", payload) if isinstance(payload, dict) else None
+    if isinstance(state, dict) and isinstance(state.get("shadow"), dict):
+        state = state["shadow"]  # miles-credit's checkpoint_ema.pt (EMATracker.state_dict)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds no model_state_dict (a miles-credit checkpoint) "
@@ -116,14 +118,21 @@ def _load_credit_file(path: Path, model: torch.nn.Module) -> dict:
     return {"checkpoint": str(path), "format": "miles-credit"}
 
 
-def load_forecast_weights(model: torch.nn.Module, path) -> dict:
+def load_forecast_weights(model: torch.nn.Module, path, *, ema: bool = False) -> dict:
     """Load the checkpoint ``path`` names into the parallel ``model`` (every rank calls it);
-    returns its manifest (``{"checkpoint": ..., "format": ...}`` for a miles-credit file)."""
+    returns its manifest (``{"checkpoint": ..., "format": ...}`` for a miles-credit file).
+    ``ema``: then the moving average of the weights a ``trainer.use_ema`` run saved with it
+    (``CheckpointError`` when it holds none).  A miles-credit ``checkpoint_ema.pt`` is a file
+    like any other (its ``shadow`` is read as the state dict)."""
     resolved = resolve_checkpoint(path)
     if resolved.is_file():
         return _load_credit_file(resolved, model)
     manifest = dict(load_checkpoint(resolved, model))
-    manifest.update(checkpoint=str(resolved), format="credit-parallel")
+    if ema:
+        from ..train.ema import load_ema_weights
+
+        load_ema_weights(resolved, model)
+    manifest.update(checkpoint=str(resolved), format="credit-parallel", ema=ema)
     return manifest
 
 

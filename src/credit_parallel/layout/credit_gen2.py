@@ -48,11 +48,9 @@ _TRAINER_DROPPED = (
     "valid_thread_workers",
     "valid_batches_per_epoch",
     "start_epoch",
-    "ema_decay",
     "save_metric_vars",
 )
 _TRAINER_OFF_ONLY = {
-    "use_ema": "credit-parallel keeps no moving average of the weights",
     "cpu_offload": "parameters stay on the device",
     "load_weights": "resume with trainer.resume: true (DCP checkpoints)",
     "load_optimizer": "resume with trainer.resume: true (DCP checkpoints)",

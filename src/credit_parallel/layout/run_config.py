@@ -95,6 +95,12 @@ def _seconds(value):
     return float(value)
 
 
+def _decay(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"trainer.ema_decay must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
 def _optional_path(section: str, key: str) -> Callable[[Any], str | None]:
     def parse(value):
         if value is None:
@@ -194,6 +200,10 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     ),
     # opt-in debug mode: raise at the first functional call over H on a sharded activation
     "domain_guard": (False, _flag("trainer", "domain_guard")),
+    # a moving average of the weights (miles-credit's EMATracker, train/ema.py): updated after
+    # every optimizer step, validated on, checkpointed; the decay is CREDIT's maximum decay
+    "use_ema": (False, _flag("trainer", "use_ema")),
+    "ema_decay": (0.9999, _decay),
 }
 # CREDIT spells the per-rank batch ``train_batch_size``; it is accepted as that same key
 _TRAINER_ALIASES = {"train_batch_size": "batch_size"}
@@ -351,6 +361,8 @@ class TrainerConfig:
     log_every: int = 1
     domain_nonlocal_policy: str = "raise"
     domain_guard: bool = False
+    use_ema: bool = False
+    ema_decay: float = 0.9999
 
     @classmethod
     def from_conf(cls, conf: Mapping) -> TrainerConfig:

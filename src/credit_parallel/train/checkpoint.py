@@ -91,9 +91,17 @@ def latest_checkpoint(directory) -> Path | None:
 
 
 def save_checkpoint(
-    directory, step: int, model, optimizer=None, *, manifest: dict | None = None, keep: int = 3
+    directory,
+    step: int,
+    model,
+    optimizer=None,
+    *,
+    manifest: dict | None = None,
+    keep: int = 3,
+    extra: dict | None = None,
 ) -> Path:
-    """Save model (and optimizer) state atomically; every rank must call it."""
+    """Save model (and optimizer) state atomically; every rank must call it.  ``extra``: more
+    top-level state dicts saved beside them (the EMA shadow: ``train/ema.py``)."""
     directory = Path(directory)
     final = _step_dir(directory, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -107,6 +115,7 @@ def save_checkpoint(
         state = {"model": msd, "optim": osd}
     else:
         state = {"model": get_state_dict(model, [])[0]}
+    state.update(extra or {})
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
@@ -218,9 +227,10 @@ def _flatten(obj, prefix: str) -> dict:
     return {prefix: obj}
 
 
-def load_checkpoint(path, model, optimizer=None) -> dict:
+def load_checkpoint(path, model, optimizer=None, *, extra: dict | None = None) -> dict:
     """Load a checkpoint saved under any layout into ``model`` (and ``optimizer``); returns its
-    manifest.  Every rank must call it."""
+    manifest.  Every rank must call it.  ``extra``: top-level state dicts saved with
+    ``save_checkpoint(extra=)``, filled in place (their tensors' layouts say how to reshard)."""
     path = Path(path)
     manifest = read_manifest(path)
     if optimizer is not None and not manifest.get("has_optimizer", False):
@@ -232,6 +242,7 @@ def load_checkpoint(path, model, optimizer=None) -> dict:
         state = {"model": get_state_dict(model, [])[0]}
     _verify_everywhere(path)
     _check_matches(path, {"model": state["model"]})
+    state.update(extra or {})
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as exc:  # noqa: BLE001 - corrupted/truncated shard files

@@ -220,6 +220,7 @@ def _validate(conf: dict, world_size: int, dataset, model):
     """(violations, the RunConfig or None, the ParallelDims or None): every section and the
     layout parsed once."""
     from ..planner import build_meta_model, make_plan, model_input_shapes
+    from .ema import ema_tracker_class
 
     if not isinstance(conf, dict):
         return [f"config must be a mapping, got {type(conf).__name__}"], None, None
@@ -231,6 +232,11 @@ def _validate(conf: dict, world_size: int, dataset, model):
     # 1. the trainer, data and model sections and the layout block, every bad key at once
     tc, dc, mc, violations = parse_sections(conf)
     block, dims = _parse_layout(conf, world_size, violations)
+    if tc is not None and tc.use_ema:  # miles-credit's EMATracker must import (train/ema.py)
+        try:
+            ema_tracker_class()
+        except ValueError as err:
+            violations.append(str(err))
 
     # 2. the data (its own errors name the missing variables / levels)
     if dataset is None and conf.get("data") is not None:

@@ -49,6 +49,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from .ema import build_ema, ema_checkpoint_state, ema_template, ema_weights, has_ema, restore_ema
 from .model_init import build_parallel_model
 from .preflight import check_run
 from .step import (
@@ -121,6 +122,8 @@ class Trainer:
             self.model.parameters(), lr=self.tc.lr, weight_decay=self.tc.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.tc))
+        # trainer.use_ema: miles-credit's EMATracker, updated after every optimizer step
+        self.ema = build_ema(self.model, self.tc.ema_decay) if self.tc.use_ema else None
         self.history: list[dict] = []
         # this rank's rows of the validation climatology (normalised units): evaluate's ACC
         self.climatology: torch.Tensor | None = None
@@ -266,13 +269,14 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update(self.model)
         self.scheduler.step()
         self.step += 1
         self.history.append(record)
         return record
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
     def evaluate(self) -> dict:
         """Scores of every forecast step of ``forecast_len`` over ``val_batches`` validation
         batches, per output channel (per variable and level for 5-D models), exact under any
@@ -282,7 +286,14 @@ class Trainer:
         Keys: ``rmse/<channel>`` (step 1) and ``rmse@t+<k>/<channel>`` (step k >= 2): the
         latitude-weighted RMSE in the data's (normalised) units; with a ``climatology`` set
         (:meth:`use_training_climatology`), ``acc/<channel>`` and ``acc@t+<k>/<channel>`` too.
+        Under ``trainer.use_ema`` on the EMA weights (as CREDIT validates), the training
+        weights restored exactly afterwards.
         """
+        with ema_weights(self.ema, self.model):
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict:
         loader = self._loader_for("valid")
         batches = iter(loader)
         self.model.eval()
@@ -375,11 +386,22 @@ class Trainer:
                 "layout": self.block,
                 "world_size": self.world,
                 "config_hash": config_hash(self.conf),
+                "ema": self.ema is not None,
             },
+            extra=None if self.ema is None else ema_checkpoint_state(self.ema, self.model),
         )
 
     def load(self, path) -> dict:
-        manifest = load_checkpoint(path, self.model, self.optimizer)
+        """Model, optimizer, step (and the EMA shadow: from the checkpoint when it holds one,
+        else started afresh at the loaded weights); the data stream continues at the step."""
+        extra = None
+        if self.ema is not None and has_ema(path):
+            extra = ema_template(self.ema, self.model)
+        manifest = load_checkpoint(path, self.model, self.optimizer, extra=extra)
+        if extra is not None:
+            restore_ema(self.ema, extra)
+        elif self.ema is not None:
+            self.ema = build_ema(self.model, self.tc.ema_decay)
         self.step = int(manifest["step"])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _lr_lambda(self.tc), last_epoch=-1

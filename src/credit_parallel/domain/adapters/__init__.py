@@ -5,5 +5,8 @@ imports none of them) and made exact under latitude sharding.
   (miles-credit's and timm's classes by name, or a user's ``_domain_attention`` declaration);
 * :mod:`.swin` — timm's and miles-credit's Swin-V2 blocks and patch merging on (B, H, W, C)
   shards, the cyclic shift over H as a row exchange;
-* :mod:`.fuxi` — miles-credit's FuXi, its forward run unmodified on the rank's rows.
+* :mod:`.fuxi` — miles-credit's FuXi, its forward run unmodified on the rank's rows;
+* :mod:`.tensor_padding` — CREDIT's ``TensorPadding`` inside a model's forward;
+* :mod:`.credit_interp` — the CrossFormer family's interpolation to the global image size
+  (``model.interp: true``), and the converter's CREDIT-model step.
 """

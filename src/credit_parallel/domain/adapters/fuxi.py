@@ -56,6 +56,7 @@ from ..wrap import DomainWrapper, replace_outermost
 
 __all__ = [
     "FUXI_MODELS",
+    "INTERP_MODELS",
     "NONLOCAL_CLASSES",
     "DomainFuxi",
     "FuxiGeometry",
@@ -418,19 +419,35 @@ _WHOLE_MODEL_REASONS = {
 }
 
 
+# miles-credit models whose interpolation to the global image size (after the unpad, before
+# the post block) is made exact by credit_interp.DomainInterpModel
+INTERP_MODELS = frozenset(
+    {
+        "credit.models.crossformer.CrossFormer",
+        "credit.models.wxformer.crossformer.CrossFormer",
+        "credit.models.camulator.Camulator",
+    }
+)
+
+
 def _global_grid_reason(module: nn.Module) -> str | None:
     """Why a miles-credit model's own forward needs the whole grid: it interpolates to its
-    stored global image size; None otherwise.  (Its ``TensorPadding``, a plain object the
-    converter cannot see as a module, is made exact by ``tensor_padding.DomainPaddedModel``.)"""
+    stored global image size in a way no adapter makes exact; None otherwise.  (Its
+    ``TensorPadding``, a plain object the converter cannot see as a module, is made exact by
+    ``tensor_padding.DomainPaddedModel``; the interpolation of :data:`INTERP_MODELS` by
+    ``credit_interp.DomainInterpModel``.)"""
     if not type(module).__module__.startswith("credit.models") or is_fuxi(module):
         return None  # FuXi: made exact whole (DomainFuxi), its interpolation included
     if not getattr(module, "use_interp", False):
         return None
+    if f"{type(module).__module__}.{type(module).__qualname__}" in INTERP_MODELS:
+        return None
     return (
         f"miles-credit's {type(module).__name__} cannot be domain parallel: its forward "
-        "interpolates to the stored global image_height x image_width (model.interp: true); "
-        "set model.interp: false, use domain: 1, or trainer.domain_nonlocal_policy: gather to "
-        "run it whole on every domain rank"
+        "interpolates to the stored global image_height x image_width (model.interp: true), "
+        "and only the CrossFormer family's forward (crossformer, wxformer, camulator) is "
+        "known to the interpolation adapter; set model.interp: false, use domain: 1, or "
+        "trainer.domain_nonlocal_policy: gather to run it whole on every domain rank"
     )
 
 

@@ -31,12 +31,11 @@ from ..manager import resolve_manager
 from ..rows import shard_range
 from ..tiles_relayout import move_blocks, strip_rects, tile_rects
 from ..wrap import DomainWrapper
-from .fuxi import _swapped, credit_model_decision, tensor_padding_rows, tensor_unpadding_rows
+from .fuxi import _swapped, tensor_padding_rows, tensor_unpadding_rows
 
 __all__ = [
     "DomainPaddedModel",
     "PaddingCall",
-    "credit_adapter_decision",
     "is_tensor_padding",
     "padded_model_decision",
 ]
@@ -151,6 +150,22 @@ class _ShardedPadding:
         )
 
 
+class _RecordingPadding:
+    """In the shape twin (``traced_heights``): the model's own global padding, the heights its
+    sharded stand-in asks for noted under the real wrapper's keys."""
+
+    def __init__(self, original, probe, keys):
+        self.original, self.probe, self.keys = original, probe, keys
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        self.probe.sink(self.keys[0], x.shape[-2], x.shape[-1])
+        return self.original.pad(x)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        self.probe.sink(self.keys[1], x.shape[-2], x.shape[-1])
+        return self.original.unpad(x)
+
+
 class DomainPaddedModel(DomainWrapper):
     """Run a model whose forward calls ``self.padding_opt.pad`` / ``unpad`` (CREDIT's
     ``TensorPadding``) with a sharded stand-in; see the module docstring.  Its layers are
@@ -177,9 +192,18 @@ class DomainPaddedModel(DomainWrapper):
         original = self.wrapped.padding_opt
         return PaddingCall(original, unpad=False), PaddingCall(original, unpad=True)
 
+    def twin_forward(self, real, probe, x, *args, **kwargs):
+        """The forward of the shape twin (global shapes, ``traced_heights``): the model's own,
+        the heights noted for ``real``'s stand-in."""
+        stand_in = _RecordingPadding(self.wrapped.padding_opt, probe, real._keys)
+        with _swapped(self.wrapped, "padding_opt", stand_in):
+            return self.wrapped(x, *args, **kwargs)
+
     def forward(self, x, *args, **kwargs):
         model = self.wrapped
         model.training = self.training
+        if "_twin_of" in self.__dict__:
+            return self.twin_forward(*self._twin_of, x, *args, **kwargs)
         mgr = resolve_manager(self.manager, type(model).__name__)
         if mgr.domain_world_size == 1:
             return model(x, *args, **kwargs)
@@ -201,12 +225,3 @@ def padded_model_decision(module: nn.Module, path: str, manager):
     except ValueError as err:
         raise ValueError(f"convert_to_domain_parallel: {where}: {err}") from None
     return replacement.configure(module_path=where)
-
-
-def credit_adapter_decision(module: nn.Module, path: str, manager, *args, **kwargs):
-    """The converter's CREDIT-model step: FuXi (``fuxi.credit_model_decision``, same
-    arguments), else a model padded by ``TensorPadding`` (:func:`padded_model_decision`)."""
-    decided = credit_model_decision(module, path, manager, *args, **kwargs)
-    if decided is not None:
-        return decided
-    return padded_model_decision(module, path, manager)
