@@ -182,6 +182,10 @@ def relayout_on_tiles(model: nn.Module, tiled: ConversionPlan, strips: Conversio
     out = ConversionPlan(tiled.shard_dim, tiled.nonlocal_policy)
     out.unsafe, out.gathered = list(tiled.unsafe), list(tiled.gathered)
     out.modules = [m for m in tiled.modules if not any(_under(m.path, t) for t in tops)]
+    outside = lambda *paths: not any(_under(p, t) for p in paths for t in tops)  # noqa: E731
+    # the exchange fusions of the tile layers left (inside a relayout the strips' plan runs)
+    out.pad_conv = [f for f in tiled.pad_conv if outside(f.pad_path, f.conv_path)]
+    out.norm_conv = [f for f in tiled.norm_conv if outside(f.norm_path, f.conv_path)]
     for top in tops:
         inner = _strip_inner(model, top, tiled, strips)
         dim = getattr(inner, "shard_dim", tiled.shard_dim)

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 
 from ..exchange.tiles import TilePlan, exchange_tile, tile_plan
 from ..manager2d import tiles_unsupported
-from ..rows import pure_cached, shard_range
+from ..rows import compose_windows, pure_cached, shard_range
 from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
+from .padding import checked_pad_windows
 
 __all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward", "tile_conv_windows"]
 
@@ -66,19 +67,43 @@ def _windows(geo, i_h: int, nd: int, height: int, width: int, shape) -> tuple[tu
     return windows_of(geo, i_h, height, shape[0])[0], windows_of(geo_w, i_w, width, shape[1])[0]
 
 
+def _pad_key(pad) -> tuple | None:
+    """The geometry of a padding layer fused into a conv (``fusion.py``): hashable, or None."""
+    if pad is None:
+        return None
+    return (tuple(pad.padding), pad.mode, f"{type(pad.wrapped).__name__}{tuple(pad.padding)}")
+
+
+def fused_tile_windows(pad_key, geo, i_h: int, nd: int, height: int, width: int, shape):
+    """(row windows, column windows) over the pad's ``height`` x ``width`` input of a padding
+    layer (``pad_key``: its padding, mode and name) followed by the conv of ``geo``: the row
+    maps of the two composed along each axis (``rows.compose_windows``), so ONE tile exchange
+    of the pad's input gives the conv's window."""
+    (left, right, top, bottom), mode, what = pad_key
+    p, q = shape
+    pad_rows = checked_pad_windows(height, p, top, bottom, mode, what)
+    pad_cols = checked_pad_windows(width, q, left, right, mode, what)
+    padded_h, padded_w = height + top + bottom, width + left + right
+    rows, cols = _windows(geo, i_h, nd, padded_h, padded_w, shape)
+    return compose_windows(pad_rows, padded_h, rows), compose_windows(pad_cols, padded_w, cols)
+
+
 def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCall:
     """The :class:`TileConvCall` of ``layer`` (a ``_DomainParallelConvNd``) for a global
     ``height`` x ``width`` input on the tile ``coords`` of a ``shape`` domain: planned once per
     argument set, then a dict lookup (under ``torch.compile``: a constant of the graph, made
-    while Dynamo traces, nothing written on the layer)."""
+    while Dynamo traces, nothing written on the layer).  With a fused pad (``fusion.py``) the
+    input is the pad's and the windows are the composed ones."""
+    pad_key = _pad_key(layer.options.fused_pad)
     args = (layer.geometry, layer.spatial_index, layer.nd, height, width, tuple(shape))
+    args += (tuple(coords), pad_key)
     if torch.compiler.is_compiling():
-        return _plan_call.__wrapped__(*args, tuple(coords))  # no lru_cache wrapper traced
-    key = (height, width, tuple(shape), tuple(coords))
+        return _plan_call.__wrapped__(*args)  # no lru_cache wrapper traced
+    key = (height, width, tuple(shape), tuple(coords), pad_key)
     calls = layer.__dict__.setdefault("_tile_calls", {})
     call = calls.get(key)
     if call is None:
-        call = _plan_call(*args, tuple(coords))
+        call = _plan_call(*args)
         if len(calls) > 64:
             calls.clear()
         calls[key] = call
@@ -86,12 +111,20 @@ def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCal
 
 
 @pure_cached(maxsize=1024)
-def _plan_call(geo, i_h: int, nd: int, height: int, width: int, shape, coords) -> TileConvCall:
+def _plan_call(
+    geo, i_h: int, nd: int, height: int, width: int, shape, coords, pad_key=None
+) -> TileConvCall:
     i_w = nd - 1
     (lat, lon), (p, q) = coords, shape
-    rows, cols = _windows(geo, i_h, nd, height, width, shape)
-    out_h = shard_range(geo.output_length(height, i_h), p, lat)
-    out_w = shard_range(geo.output_length(width, i_w), q, lon)
+    if pad_key is None:
+        rows, cols = _windows(geo, i_h, nd, height, width, shape)
+        out_h = shard_range(geo.output_length(height, i_h), p, lat)
+        out_w = shard_range(geo.output_length(width, i_w), q, lon)
+    else:
+        rows, cols = fused_tile_windows(pad_key, geo, i_h, nd, height, width, shape)
+        (left, right, top, bottom) = pad_key[0]
+        out_h = shard_range(geo.output_length(height + top + bottom, i_h), p, lat)
+        out_w = shard_range(geo.output_length(width + left + right, i_w), q, lon)
     first_h = rows[lat][0] if rows[lat] else None  # the first input row / column of the window
     first_w = cols[lon][0] if cols[lon] else None
     plan = tile_plan(height, width, shape, coords, rows, cols)
@@ -111,7 +144,9 @@ def _check_supported(layer) -> None:
             "the last dim (longitude)"
         )
     options = layer.options
-    for name in ("fused_pad", "shared_input", "fused_norm"):
+    if options.fused_pad is not None and (layer.geometry.transposed or layer.nd != 2):
+        raise ValueError(tiles_unsupported(layer, options.module_path) + " (option fused_pad)")
+    for name in ("shared_input", "fused_norm"):
         if getattr(options, name) is not None:
             raise ValueError(tiles_unsupported(layer, options.module_path) + f" (option {name})")
     if layer.side_stream:
@@ -127,7 +162,9 @@ def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Te
     width = manager.global_width(layer, x.shape[dim_w])
     call = tile_conv_call(layer, height, width, manager.domain_shape, manager.domain_coords)
     # along H, then along W of the H-extended tensor (the corners come with it)
-    window = exchange_tile(x, call.plan, (dim_h, dim_w), manager)
+    pad = layer.options.fused_pad  # a pad fused into this conv: its fill (fusion.py)
+    fill = 0.0 if pad is None else pad.value
+    window = exchange_tile(x, call.plan, (dim_h, dim_w), manager, fill)
     rows, cols = call.out_h[1] - call.out_h[0], call.out_w[1] - call.out_w[0]
     if layer.geometry.transposed:
         if call.first_h is None or call.first_w is None or rows == 0 or cols == 0:
