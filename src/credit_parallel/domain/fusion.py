@@ -28,7 +28,7 @@ from .layers.norm import DomainParallelGroupNorm
 from .layers.norm_halo import ELEMENTWISE_ACTIVATIONS, NormConvLink
 from .layers.padding import DomainParallelPad
 
-TILE_NORM_CONV = False  # the norm + conv link on lat x lon tiles
+TILE_NORM_CONV = True  # the norm + conv link on lat x lon tiles
 
 __all__ = ["apply_fusions", "apply_norm_conv", "find_fusions", "find_norm_conv", "fuse_exchanges"]
 

@@ -27,7 +27,14 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..exchange.tiles import TilePlan, exchange_tile, tile_plan
+from ..exchange.tiles import (
+    TilePlan,
+    exchange_tile,
+    exchange_tile_columns,
+    expand_rows,
+    tile_plan,
+)
+from ..exchange.windows import assemble_window
 from ..manager2d import tiles_unsupported
 from ..rows import compose_windows, pure_cached, shard_range
 from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
@@ -146,7 +153,7 @@ def _check_supported(layer) -> None:
     options = layer.options
     if options.fused_pad is not None and (layer.geometry.transposed or layer.nd != 2):
         raise ValueError(tiles_unsupported(layer, options.module_path) + " (option fused_pad)")
-    for name in ("shared_input", "fused_norm"):
+    for name in ("shared_input",):
         if getattr(options, name) is not None:
             raise ValueError(tiles_unsupported(layer, options.module_path) + f" (option {name})")
     if layer.side_stream:
@@ -164,7 +171,9 @@ def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Te
     # along H, then along W of the H-extended tensor (the corners come with it)
     pad = layer.options.fused_pad  # a pad fused into this conv: its fill (fusion.py)
     fill = 0.0 if pad is None else pad.value
-    window = exchange_tile(x, call.plan, (dim_h, dim_w), manager, fill)
+    window = _linked_window(layer, x, call, (dim_h, dim_w), manager)
+    if window is None:
+        window = exchange_tile(x, call.plan, (dim_h, dim_w), manager, fill)
     rows, cols = call.out_h[1] - call.out_h[0], call.out_w[1] - call.out_w[0]
     if layer.geometry.transposed:
         if call.first_h is None or call.first_w is None or rows == 0 or cols == 0:
@@ -173,6 +182,24 @@ def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Te
     if rows == 0 or cols == 0:  # a tile that owns no output (its windows are empty)
         return _bias_only(layer, x, window, weight, bias, rows, cols)
     return _run_op(call.op, window, weight, bias)
+
+
+def _linked_window(layer, x, call: TileConvCall, dims, manager):
+    """The window when the GroupNorm before this conv sent its rows with its statistics
+    (``norm_halo.NormConvLink``): those rows assembled, then the columns; else None."""
+    link = layer.options.fused_norm
+    if link is None or torch.compiler.is_compiling():
+        return None
+    halos = link.take_halos(x)
+    if halos is None:
+        return None
+    if link.tile_axis == "rows":
+        rows = assemble_window(x, halos, call.plan.rows, dims[0], 0.0)
+        return exchange_tile_columns(rows, call.plan, dims, manager)
+    # P = 1: the rows are the tile's own (assembled locally), the columns came with the norm
+    rows = assemble_window(x, [], call.plan.rows, dims[0], 0.0)
+    window = assemble_window(rows, halos, call.plan.cols, dims[1], 0.0)
+    return expand_rows(window, call.plan, dims[0])
 
 
 def _run_op(op: ConvOp, window, weight, bias) -> torch.Tensor:
