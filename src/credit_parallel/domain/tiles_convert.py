@@ -28,6 +28,7 @@ import warnings
 
 from torch import nn
 
+from .fusion import find_fusions, find_norm_conv
 from .layers.conv_geometry import conv_needs_domain_wrapper
 from .plan import ConversionPlan, PlannedModule
 from .tiles_relayout import TileStripRelayout
@@ -39,6 +40,7 @@ __all__ = [
     "relayout_on_tiles",
     "tile_refusals",
     "tile_refusal_message",
+    "tile_fusions",
 ]
 
 _PADS = (
@@ -207,3 +209,13 @@ def gathered_paths(plan: ConversionPlan) -> list[str]:
         if m.stage == "gather"
         or (m.stage == "strips" and getattr(m.replacement.wrapped, "domain_form", "") == "gather")
     ]
+
+
+def tile_fusions(model: nn.Module, decided: dict) -> tuple[list, list]:
+    """(``(pad, conv)`` pairs, ``(norm, activation, conv)`` triples) of the domain layers
+    ``decided`` (path -> replacement) puts in ``model`` that share their exchanges on lat x lon
+    tiles (``fusion.py``, ``tiles=True``): what the layout planner counts (``planner/tiles.py``)."""
+    tree = list(converted_tree(model, lambda path, module: decided.get(path, module)))
+    pairs, _ = find_fusions(None, tree=tree, tiles=True)
+    taken = {id(conv) for _, conv in pairs}
+    return pairs, find_norm_conv(None, tree=tree, taken=taken, tiles=True)

@@ -40,7 +40,14 @@ from ..rows import compose_windows, pure_cached, shard_range
 from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
 from .padding import checked_pad_windows
 
-__all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward", "tile_conv_windows"]
+__all__ = [
+    "TileConvCall",
+    "fused_pad_key",
+    "fused_tile_windows",
+    "tile_conv_call",
+    "tile_conv_forward",
+    "tile_conv_windows",
+]
 
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
@@ -74,7 +81,7 @@ def _windows(geo, i_h: int, nd: int, height: int, width: int, shape) -> tuple[tu
     return windows_of(geo, i_h, height, shape[0])[0], windows_of(geo_w, i_w, width, shape[1])[0]
 
 
-def _pad_key(pad) -> tuple | None:
+def fused_pad_key(pad) -> tuple | None:
     """The geometry of a padding layer fused into a conv (``fusion.py``): hashable, or None."""
     if pad is None:
         return None
@@ -101,7 +108,7 @@ def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCal
     argument set, then a dict lookup (under ``torch.compile``: a constant of the graph, made
     while Dynamo traces, nothing written on the layer).  With a fused pad (``fusion.py``) the
     input is the pad's and the windows are the composed ones."""
-    pad_key = _pad_key(layer.options.fused_pad)
+    pad_key = fused_pad_key(layer.options.fused_pad)
     args = (layer.geometry, layer.spatial_index, layer.nd, height, width, tuple(shape))
     args += (tuple(coords), pad_key)
     if torch.compiler.is_compiling():
