@@ -16,6 +16,10 @@
   exchange, one call per direction for both (``norm_halo.NormConvLink``).  Fused only where the
   norm module is used once, no hook sits on the norm or the activation, and the conv is a plain
   (non-transposed, not pad-fused, not shared, no side stream) conv on the same manager.
+
+On lat x lon tiles (``tiles=True``; docs/tiles.md) the pad + conv pairs (the fill agreeing
+along longitude too: ``conv_tiles.fused_tile_windows``) and the norm + conv links
+(``norm_halo.NormConvLink._norm_forward_tile``) are fused; sibling convs are not.
 """
 
 from __future__ import annotations

@@ -118,9 +118,8 @@ def tile_refusal_message(refusals: list[tuple[str, str]]) -> str:
         "trainer.parallelism.domain):\n  " + listing + "\nUse an int domain (latitude only), "
         "or replace them (exact on tiles today: Conv2d/Conv3d, ConvTranspose2d/3d, "
         "PeriodicConv2d, the 2-D padding modules, GroupNorm, interpolation, pixel shuffle, "
-        "point-wise / channel-wise modules, and on latitude strips what a 1-D domain makes "
-        "exact, except a bare nn.MultiheadAttention: declare {'form': 'tokens'} on the module "
-        "that flattens the tile to tokens)."
+        "point-wise / channel-wise modules, a bare nn.MultiheadAttention on the tile's tokens, "
+        "and on latitude strips what a 1-D domain makes exact)."
     )
 
 

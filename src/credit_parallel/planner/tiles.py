@@ -20,7 +20,9 @@ policy: the converter runs them on latitude strips, ``domain/tiles_relayout.py``
 two all-to-alls around it instead: rank r sends the elements of its input tile that other strips
 hold and the elements of its output strip that other tiles hold (``strips_sent[r]``, forward;
 ``strips_returned[r]``, backward, the same moves inverted).  What the layer then exchanges on the
-strips (its 1-D exchange over P x Q ranks) and the layers inside it are not counted here.
+strips (its 1-D exchange over P x Q ranks) and the layers inside it are not counted here; nor
+are the all-to-alls of a bare ``nn.MultiheadAttention`` run on the tile's tokens
+(``domain/attention/token_tiles.py``).
 """
 
 from __future__ import annotations
@@ -195,6 +197,8 @@ def tile_layer_plan(
     )  # fmt: skip
     if form in _NO_EXCHANGE or not form:
         return TileLayerPlan(**base)
+    if form == "sequence" and getattr(layer, "tile_exact", False):
+        return TileLayerPlan(**base)  # token attention on the tile's tokens: not counted here
     windows = windows or getattr(layer, "tile_windows", None)
     if windows is None and dim != len(in_shape) - 1:
         return TileLayerPlan(**base, **_strips(in_shape, out_shape, dim, shape))
