@@ -19,7 +19,8 @@
 
 On lat x lon tiles (``tiles=True``; docs/tiles.md) the pad + conv pairs (the fill agreeing
 along longitude too: ``conv_tiles.fused_tile_windows``) and the norm + conv links
-(``norm_halo.NormConvLink._norm_forward_tile``) are fused; sibling convs are not.
+(``norm_halo.NormConvLink._norm_forward_tile``) are fused, and sibling 2-D convs with one
+longitude rule share one tile exchange (``shared_input.SharedInputExchange.tile_window_for``).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def _declared_triples(tree: list, uses: dict, layer_of) -> list:
     return found
 
 
-def _sibling_groups(modules: list, layer_of) -> list[list]:
+def _sibling_groups(modules: list, layer_of, tiles: bool = False) -> list[list]:
     groups: dict = {}
     for child in modules:
         m = layer_of(child)
@@ -136,6 +137,10 @@ def _sibling_groups(modules: list, layer_of) -> list[list]:
             continue
         key = (m.nd, m.shard_dim % (m.nd + 2), m.geometry.edge_mode, id(m.manager))
         key += (m.conv.in_channels,)
+        if tiles:  # the longitude rule too, and 2-D convs only (shared_input.tile_window_for)
+            if m.nd != 2:
+                continue
+            key += (m.geometry.other_mode,)
         groups.setdefault(key, []).append(child)
     return [g for g in groups.values() if len(g) >= 2]
 
@@ -169,8 +174,8 @@ def find_fusions(
     module itself (a converted model).  ``tree``: the ``(path, module)`` of every module,
     duplicates included, to look at instead of ``model``'s (the converter's plan passes the
     converted tree it decided, before anything is replaced: ``convert.plan_conversion``).
-    ``tiles``: for lat x lon tiles (the fill agrees along both axes; no sibling groups: a shared
-    input exchange has no tile form)."""
+    ``tiles``: for lat x lon tiles (the fill agrees along both axes; siblings share the
+    longitude rule too)."""
     layer_of = layer_of or (lambda m: m)
     if tree is None:
         tree = list(model.named_modules(remove_duplicate=False))
@@ -178,8 +183,8 @@ def find_fusions(
     for module, children, uses in _sequences(tree):
         if isinstance(module, nn.Sequential):
             pairs += _pad_conv_pairs(children, uses, layer_of, tiles)
-        if isinstance(module, nn.ModuleList) and not tiles:
-            groups += _sibling_groups(children, layer_of)
+        if isinstance(module, nn.ModuleList):
+            groups += _sibling_groups(children, layer_of, tiles)
     # a conv that exchanges for its pad does not also share its input
     paired = {id(conv) for _, conv in pairs}
     groups = [g for g in ((c for c in g if id(c) not in paired) for g in groups)]

@@ -187,6 +187,7 @@ def relayout_on_tiles(model: nn.Module, tiled: ConversionPlan, strips: Conversio
     # the exchange fusions of the tile layers left (inside a relayout the strips' plan runs)
     out.pad_conv = [f for f in tiled.pad_conv if outside(f.pad_path, f.conv_path)]
     out.norm_conv = [f for f in tiled.norm_conv if outside(f.norm_path, f.conv_path)]
+    out.shared_inputs = [g for g in tiled.shared_inputs if outside(*g.paths)]
     for top in tops:
         inner = _strip_inner(model, top, tiled, strips)
         dim = getattr(inner, "shard_dim", tiled.shard_dim)
@@ -210,11 +211,12 @@ def gathered_paths(plan: ConversionPlan) -> list[str]:
     ]
 
 
-def tile_fusions(model: nn.Module, decided: dict) -> tuple[list, list]:
-    """(``(pad, conv)`` pairs, ``(norm, activation, conv)`` triples) of the domain layers
-    ``decided`` (path -> replacement) puts in ``model`` that share their exchanges on lat x lon
-    tiles (``fusion.py``, ``tiles=True``): what the layout planner counts (``planner/tiles.py``)."""
+def tile_fusions(model: nn.Module, decided: dict) -> tuple[list, list, list]:
+    """(``(pad, conv)`` pairs, sibling conv groups, ``(norm, activation, conv)`` triples) of the
+    domain layers ``decided`` (path -> replacement) puts in ``model`` that share their exchanges
+    on lat x lon tiles (``fusion.py``, ``tiles=True``): what the layout planner counts
+    (``planner/tile_fusions.py``)."""
     tree = list(converted_tree(model, lambda path, module: decided.get(path, module)))
-    pairs, _ = find_fusions(None, tree=tree, tiles=True)
-    taken = {id(conv) for _, conv in pairs}
-    return pairs, find_norm_conv(None, tree=tree, taken=taken, tiles=True)
+    pairs, groups = find_fusions(None, tree=tree, tiles=True)
+    taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g}
+    return pairs, groups, find_norm_conv(None, tree=tree, taken=taken, tiles=True)

@@ -10,12 +10,16 @@ the converter fuses on tiles (``domain/fusion.py`` with ``tiles=True``) counted 
   (``stats_pass``: one message to each, one call even where no halo row moves).  The halo
   bytes are the unfused conv's (the statistics are not halo bytes, as ``record_exchange_stats``
   counts them).
+* Sibling 2-D convs called on one tile: the first call exchanges the union of their windows
+  (``shared_input.tile_union_windows``), the others nothing, by the run-time rule
+  (``shared_input.sharing_step``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from ..domain.exchange.shared_input import sharing_step, tile_union_windows
 from ..domain.layers.conv_tiles import fused_pad_key, fused_tile_windows
 from ..domain.tiles_convert import tile_fusions
 from .tiles import TileLayerPlan, tile_layer_plan
@@ -32,7 +36,8 @@ def fuse_tile_plans(model, trace, layers: list[TileLayerPlan], shape, double: bo
     """``layers`` (``tiles.tile_layer_plans`` of ``trace``, the trace of the meta ``model``)
     with the exchange fusions the converter makes on a ``shape`` = (P, Q) domain."""
     decided = {path: replacement for path, _, replacement, *_ in trace.calls}
-    pairs, triples = tile_fusions(model, decided)
+    pairs, groups, triples = tile_fusions(model, decided)
+    shared = _shared_calls(trace, groups, shape)
     pad_of = {id(conv): pad for pad, conv in pairs}
     fused_pads = {id(pad) for pad, _ in pairs}
     linked_norms = {id(norm) for norm, _, _ in triples}
@@ -40,13 +45,16 @@ def fuse_tile_plans(model, trace, layers: list[TileLayerPlan], shape, double: bo
     stats_pass = "rows" if shape[0] > 1 else "cols"
     tops = [lay.path for lay in layers if lay.strips_sent]  # run on strips: no tile fusion
     out = []
-    for lay, (_, _, layer, in_shape, out_shape, _) in zip(layers, trace.calls):
+    for index, (lay, call) in enumerate(zip(layers, trace.calls)):
+        _, _, layer, in_shape, out_shape, _ = call
         if any(lay.path == top or lay.path.startswith(top + ".") for top in tops):
             out.append(lay)
         elif id(layer) in fused_pads:
             out.append(dataclasses.replace(lay, **{key: () for key in _EXCHANGE_FIELDS}))
         elif id(layer) in pad_of:
             out.append(_fused_conv(lay, layer, pad_of[id(layer)], in_shape, out_shape, shape))
+        elif index in shared:
+            out.append(_with_windows(lay, layer, shared[index], in_shape, out_shape, shape))
         elif id(layer) in linked_convs:
             out.append(dataclasses.replace(lay, stats_pass=stats_pass))
         elif id(layer) in linked_norms:
@@ -54,6 +62,44 @@ def fuse_tile_plans(model, trace, layers: list[TileLayerPlan], shape, double: bo
         else:
             out.append(lay)
     return out
+
+
+def _shared_calls(trace, groups, shape) -> dict:
+    """``{call index: (row windows, column windows) or None}`` of the calls of sibling convs:
+    the union windows where the run-time rule (``shared_input.sharing_step``) exchanges, None
+    where the call takes its window from a sibling's exchange."""
+    group_of = {id(layer): tuple(g) for g in groups for layer in g}
+    out, served_by, inactive = {}, {}, set()
+    for index, (_, _, layer, in_shape, _, x) in enumerate(trace.calls):
+        group = group_of.get(id(layer))
+        if group is None or id(group) in inactive:
+            continue
+        entry = served_by.get(id(group))  # (input, siblings served) of the last exchange
+        member = group.index(layer)
+        same = entry is not None and entry[0] is x
+        exchanges, active = sharing_step(None if entry is None else entry[1], member, same)
+        if not exchanges:
+            entry[1].add(member)
+            out[index] = None
+            if len(entry[1]) == len(group):
+                served_by[id(group)] = None  # all served: the next call exchanges afresh
+            continue
+        if not active:
+            inactive.add(id(group))  # a stack, not siblings: every later call alone
+        geometries = tuple(m.geometry for m in group)
+        height, width = in_shape[-2], in_shape[-1]
+        rows, cols, _ = tile_union_windows(geometries, layer.spatial_index, 2, height, width, shape)
+        out[index] = (rows, cols)
+        served_by[id(group)] = (x, {member})
+    return out
+
+
+def _with_windows(lay, conv, windows, in_shape, out_shape, shape) -> TileLayerPlan:
+    """The plan of a sibling conv's call: the union windows' exchange, or none."""
+    if windows is None:
+        return dataclasses.replace(lay, **{key: () for key in _EXCHANGE_FIELDS})
+    union = lambda height, width, tile_shape, double=False: windows  # noqa: E731
+    return tile_layer_plan(lay.path, conv, tuple(in_shape), out_shape, shape, windows=union)
 
 
 def _fused_conv(lay, conv, pad, in_shape, out_shape, shape) -> TileLayerPlan:

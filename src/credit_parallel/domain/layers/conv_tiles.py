@@ -160,9 +160,8 @@ def _check_supported(layer) -> None:
     options = layer.options
     if options.fused_pad is not None and (layer.geometry.transposed or layer.nd != 2):
         raise ValueError(tiles_unsupported(layer, options.module_path) + " (option fused_pad)")
-    for name in ("shared_input",):
-        if getattr(options, name) is not None:
-            raise ValueError(tiles_unsupported(layer, options.module_path) + f" (option {name})")
+    if options.shared_input is not None and (layer.geometry.transposed or layer.nd != 2):
+        raise ValueError(tiles_unsupported(layer, options.module_path) + " (option shared_input)")
     if layer.side_stream:
         raise ValueError(tiles_unsupported(layer, options.module_path) + " (option side_stream)")
 
@@ -179,6 +178,10 @@ def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Te
     pad = layer.options.fused_pad  # a pad fused into this conv: its fill (fusion.py)
     fill = 0.0 if pad is None else pad.value
     window = _linked_window(layer, x, call, (dim_h, dim_w), manager)
+    shared = layer.options.shared_input  # siblings on one tile: one exchange (fusion.py)
+    if window is None and shared is not None and shared.active:
+        if not torch.compiler.is_compiling():
+            window = shared.tile_window_for(layer, x, height, width, (dim_h, dim_w), manager)
     if window is None:
         window = exchange_tile(x, call.plan, (dim_h, dim_w), manager, fill)
     rows, cols = call.out_h[1] - call.out_h[0], call.out_w[1] - call.out_w[0]
