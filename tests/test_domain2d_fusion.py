@@ -17,6 +17,7 @@ from credit_parallel.domain.exchange.traffic import record_exchange_stats
 from credit_parallel.domain.manager2d import TiledDomainManager
 from credit_parallel.layout.small_collectives import record_small_collectives
 from credit_parallel.models import PeriodicConv2d, UNet
+from credit_parallel.models.crossformer import CrossScaleEmbedding
 from credit_parallel.testing import domain_parity_errors, run_on_ranks
 
 TOL = 1e-10
@@ -44,6 +45,32 @@ def _stack() -> nn.Module:
         nn.Conv2d(4, 3, 3),  # 13: pad + conv, reflect at the poles and in longitude
         nn.Softmax(dim=1),
         PeriodicConv2d(3, 2, 3, padding=1),  # 15: alone
+    ).double()
+
+
+class _Stack(nn.Module):
+    """Same-shaped convs in a ModuleList applied one after the other (not siblings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.convs = nn.ModuleList(
+            nn.Conv2d(2, 2, k, padding=k // 2, padding_mode="circular") for k in (3, 5, 3)
+        )
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = conv(x)
+        return x
+
+
+def _cross() -> nn.Module:
+    """CREDIT's cross-scale embedding (sibling convs on one input), then a linked norm."""
+    torch.manual_seed(5)
+    return nn.Sequential(
+        CrossScaleEmbedding(2, 8, kernel_sizes=(2, 4, 8), stride=2),
+        nn.GroupNorm(2, 8),
+        nn.SiLU(),
+        nn.Conv2d(8, 2, 3, padding=1),
     ).double()
 
 
@@ -145,13 +172,51 @@ def test_fused_circular_pad_wraps_without_swapping_at_q2_and_locally_at_q1(shape
         assert messages == (1 if shape[1] == 2 else 0)  # one message: both halos, one peer
 
 
+def _siblings_worker(rank, world, shape, hw):
+    m = TiledDomainManager(world, shape)
+    x = torch.randn(2, 2, *hw, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    out = {}
+    for name, build in (("cross", _cross), ("stack", lambda: _Stack().double())):
+        for fuse in (True, False):
+            with record_exchange_stats() as stats:
+                errors = domain_parity_errors(build, x, m, convert=_convert(fuse))
+            out[name, fuse] = (errors, stats.p2p_calls, stats.bytes_sent)
+        model = convert_to_domain_parallel(build(), m)
+        out[name, "shared"] = sum(
+            getattr(mod.options, "shared_input", None) is not None
+            for mod in model.modules()
+            if hasattr(mod, "geometry")
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    "shape, hw", [((1, 2), (10, 14)), ((2, 2), (18, 22)), ((3, 2), (20, 14)), ((2, 3), (14, 20))]
+)
+def test_sibling_convs_share_one_tile_exchange_and_a_stack_stops_sharing(shape, hw):
+    """CrossEmbed's three convs on one tile: ONE exchange of the union windows (rows, then
+    columns of the row-extended tile), fewer calls and bytes; the same-shaped convs of a
+    ModuleList applied one after the other are grouped too but stop sharing (still exact)."""
+    for out in run_on_ranks(_siblings_worker, shape[0] * shape[1], shape, hw, timeout=300):
+        for name in ("cross", "stack"):
+            for fuse in (True, False):
+                for key, (err, ref) in out[name, fuse][0].items():
+                    assert err <= TOL and ref > 0, (shape, name, fuse, key, err, ref)
+        assert out["cross", "shared"] == 3 and out["stack", "shared"] == 3
+        (_, f_calls, f_bytes), (_, u_calls, u_bytes) = out["cross", True], out["cross", False]
+        assert f_calls < u_calls and f_bytes < u_bytes, (f_calls, u_calls, f_bytes, u_bytes)
+
+
 # --------------------------------------------------------------------------- plan's counts
-def _plan_step_worker(rank, world, shape, hw):
+_PLANNED = {"stack": _stack, "cross": _cross}
+
+
+def _plan_step_worker(rank, world, shape, hw, name):
     from credit_parallel.domain.sharding import shard_tensor
 
     torch.set_default_dtype(torch.float64)
     m = TiledDomainManager(world, shape)
-    model = convert_to_domain_parallel(_stack(), m)
+    model = convert_to_domain_parallel(_PLANNED[name](), m)
     x = shard_tensor(torch.randn(2, 2, *hw, generator=torch.Generator().manual_seed(0)), 2, m)
     model(x)  # learns the global sizes
     with record_exchange_stats() as stats, record_small_collectives() as small:
@@ -159,11 +224,20 @@ def _plan_step_worker(rank, world, shape, hw):
     return stats.bytes_sent, stats.p2p_calls, stats.messages, dict(small)
 
 
-@pytest.mark.parametrize("shape, hw", [((2, 2), (9, 11)), ((1, 3), (8, 13)), ((3, 2), (11, 9))])
-def test_plan_counts_the_fused_tile_exchanges(shape, hw):
-    """``make_plan`` at {lat: P, lon: Q} on the fused stack: per rank the halo bytes, the
-    batched P2P calls and the messages of a real converted step; the statistics collectives
-    of the three linked norms are gone."""
+@pytest.mark.parametrize(
+    "shape, hw, name",
+    [
+        ((2, 2), (9, 11), "stack"),
+        ((1, 3), (8, 13), "stack"),
+        ((3, 2), (11, 9), "stack"),
+        ((2, 2), (14, 18), "cross"),
+        ((2, 3), (16, 14), "cross"),
+    ],
+)
+def test_plan_counts_the_fused_tile_exchanges(shape, hw, name):
+    """``make_plan`` at {lat: P, lon: Q}: per rank the halo bytes, the batched P2P calls and
+    the messages of a real converted step (pads fused into their convs, siblings sharing one
+    exchange, norms linked); the statistics collectives of the linked norms are gone."""
     from credit_parallel.planner import make_plan
 
     p, q = shape
@@ -173,9 +247,9 @@ def test_plan_counts_the_fused_tile_exchanges(shape, hw):
             "batch_size": 2,
         }
     }
-    plan = make_plan(conf, p * q, model=_stack(), input_shapes=[(2, *hw)])
+    plan = make_plan(conf, p * q, model=_PLANNED[name](), input_shapes=[(2, *hw)])
     assert plan.violations == []
-    measured = run_on_ranks(_plan_step_worker, p * q, shape, hw)
+    measured = run_on_ranks(_plan_step_worker, p * q, shape, hw, name)
     assert plan.halo_bytes_per_rank == tuple(b for b, *_ in measured)
     assert plan.collectives["domain_p2p"] == max(c for _, c, _, _ in measured)
     for r, (_, calls, messages, small) in enumerate(measured):
@@ -184,7 +258,11 @@ def test_plan_counts_the_fused_tile_exchanges(shape, hw):
         assert 2 * sum(lay.rank_calls(r) for lay in plan.tile_layers) == calls, r
         assert sum(small.values()) == 0, small  # every norm linked: no statistics collective
     assert plan.collectives["domain_all_gather"] == 0
-    pads = [lay for lay in plan.tile_layers if lay.kind == "pad"]
-    assert len(pads) == 3 and not any(lay.exchanges for lay in pads)
     linked = [lay for lay in plan.tile_layers if lay.stats_pass]
-    assert len(linked) == 3 and {lay.stats_pass for lay in linked} == {"rows" if p > 1 else "cols"}
+    assert {lay.stats_pass for lay in linked} == {"rows" if p > 1 else "cols"}
+    if name == "stack":
+        pads = [lay for lay in plan.tile_layers if lay.kind == "pad"]
+        assert len(pads) == 3 and not any(lay.exchanges for lay in pads) and len(linked) == 3
+    else:  # one of the three sibling convs exchanges for all
+        convs = [lay for lay in plan.tile_layers if ".convs." in lay.path]
+        assert [lay.exchanges for lay in convs] == [True, False, False], convs

@@ -68,7 +68,7 @@ def _shared_calls(trace, groups, shape) -> dict:
     """``{call index: (row windows, column windows) or None}`` of the calls of sibling convs:
     the union windows where the run-time rule (``shared_input.sharing_step``) exchanges, None
     where the call takes its window from a sibling's exchange."""
-    group_of = {id(layer): tuple(g) for g in groups for layer in g}
+    group_of = {id(layer): g for g in map(tuple, groups) for layer in g}
     out, served_by, inactive = {}, {}, set()
     for index, (_, _, layer, in_shape, _, x) in enumerate(trace.calls):
         group = group_of.get(id(layer))
