@@ -88,8 +88,7 @@ _Pool.__name__ = "MyPool"
     "module, path, words",
     [
         (nn.ConstantPad3d(1, 0.5), "1", "ConstantPad3d pads longitude"),
-        # its input is tokens (B, L, C), not a tile: no relayout to strips
-        (nn.MultiheadAttention(4, 2, batch_first=True), "1", "MultiheadAttention"),
+        # (a bare nn.MultiheadAttention runs on the tile's tokens: test_domain2d_fusion.py)
     ],
 )
 def test_modules_not_exact_on_tiles_are_refused_naming_them(module, path, words):

@@ -203,7 +203,7 @@ def _tile_model() -> nn.Module:
         nn.Upsample(size=(19, 14), mode="bilinear"),
         nn.ConvTranspose2d(4, 2, 3, stride=1, padding=1),
         nn.GroupNorm(1, 2),
-        nn.ZeroPad2d((1, 1, 2, 0)),  # a pad then a conv: not fused on tiles
+        nn.ZeroPad2d((1, 1, 2, 0)),  # a pad then a conv: fused (one exchange)
         nn.Conv2d(2, 2, 3),
     ).double()
 

@@ -331,7 +331,8 @@ def plan_conversion(
             decide(path, "gather", module, wrapper.configure(module_path=path))
         plan.unsafe = []
     if fuse_exchanges:
-        _plan_fusions(plan, list(converted_tree(model, occupant)))
+        tiles = getattr(manager, "is_tiled", False)
+        _plan_fusions(plan, list(converted_tree(model, occupant)), tiles)
     return plan
 
 
@@ -339,11 +340,12 @@ def _append_to(found: list):
     return lambda *item: found.append(tuple(item))
 
 
-def _plan_fusions(plan: ConversionPlan, tree: list) -> None:
+def _plan_fusions(plan: ConversionPlan, tree: list, tiles: bool = False) -> None:
+    """The exchange fusions of ``tree`` (on lat x lon tiles: those with a tile form)."""
     path_of: dict[int, str] = {}
     for path, module in tree:
         path_of.setdefault(id(module), path or "<root>")
-    pairs, groups = find_fusions(None, tree=tree)
+    pairs, groups = find_fusions(None, tree=tree, tiles=tiles)
     for pad, conv in pairs:
         plan.pad_conv.append(PadConvFusion(path_of[id(pad)], path_of[id(conv)], pad, conv))
     for group in groups:
@@ -351,7 +353,7 @@ def _plan_fusions(plan: ConversionPlan, tree: list) -> None:
             SharedInputGroup(tuple(path_of[id(c)] for c in group), tuple(group))
         )
     taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g}
-    for norm, act, conv in find_norm_conv(None, tree=tree, taken=taken):
+    for norm, act, conv in find_norm_conv(None, tree=tree, taken=taken, tiles=tiles):
         paths = (path_of[id(norm)], path_of[id(conv)])
         plan.norm_conv.append(NormConvFusion(*paths, norm, act, conv))
 
@@ -409,9 +411,10 @@ def convert_to_domain_parallel(
     custom = _check_arguments(shard_dim, custom_converters, nonlocal_policy)
     if manager is None:
         raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
-    tiled = getattr(manager, "is_tiled", False)  # lat x lon tiles: no fusion (tiles_convert.py)
-    fuse = fuse_exchanges and not tiled
-    plan = plan_conversion(model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse)
+    tiled = getattr(manager, "is_tiled", False)  # lat x lon tiles (tiles_convert.py)
+    plan = plan_conversion(
+        model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse_exchanges
+    )
     if tiled:  # what is not exact on tiles runs on latitude strips (tiles_relayout.py)
         strips = plan_conversion(
             model, manager.strips, shard_dim, custom, nonlocal_policy, fuse_exchanges=False

@@ -16,6 +16,11 @@
   exchange, one call per direction for both (``norm_halo.NormConvLink``).  Fused only where the
   norm module is used once, no hook sits on the norm or the activation, and the conv is a plain
   (non-transposed, not pad-fused, not shared, no side stream) conv on the same manager.
+
+On lat x lon tiles (``tiles=True``; docs/tiles.md) the pad + conv pairs (the fill agreeing
+along longitude too: ``conv_tiles.fused_tile_windows``) and the norm + conv links
+(``norm_halo.NormConvLink._norm_forward_tile``) are fused, and sibling 2-D convs with one
+longitude rule share one tile exchange (``shared_input.SharedInputExchange.tile_window_for``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from .layers.conv import _DomainParallelConvNd
 from .layers.norm import DomainParallelGroupNorm
 from .layers.norm_halo import ELEMENTWISE_ACTIVATIONS, NormConvLink
 from .layers.padding import DomainParallelPad
+
+TILE_NORM_CONV = True  # the norm + conv link on lat x lon tiles
 
 __all__ = ["apply_fusions", "apply_norm_conv", "find_fusions", "find_norm_conv", "fuse_exchanges"]
 
@@ -40,13 +47,17 @@ def _plain_conv(module) -> bool:
     )
 
 
-def _fill_agrees(pad: DomainParallelPad, conv: _DomainParallelConvNd) -> bool:
+def _fill_agrees(pad: DomainParallelPad, conv: _DomainParallelConvNd, tiles: bool) -> bool:
+    """Whether the pad's fill rows and the conv's zero rows are one fill value; on lat x lon
+    tiles the columns too (the conv's longitude padding, ``other_mode``, is exchanged there)."""
     geo, i = conv.geometry, conv.spatial_index
     conv_fills = geo.edge_mode == "zeros" and geo.pads[i] != (0, 0)
+    if tiles:
+        conv_fills = conv_fills or (geo.other_mode == "zeros" and geo.pads[-1] != (0, 0))
     return pad.mode != "constant" or pad.value == 0.0 or not conv_fills
 
 
-def _pad_conv_pairs(children: list, uses: dict, layer_of) -> list:
+def _pad_conv_pairs(children: list, uses: dict, layer_of, tiles: bool = False) -> list:
     pairs = []
     for first, second in zip(children, children[1:]):
         pad, conv = layer_of(first), layer_of(second)
@@ -58,7 +69,7 @@ def _pad_conv_pairs(children: list, uses: dict, layer_of) -> list:
             and conv.nd == 2
             and conv.spatial_index == 0
             and pad.manager is conv.manager
-            and _fill_agrees(pad, conv)
+            and _fill_agrees(pad, conv, tiles)
             and not pad._forward_hooks
             and not pad._forward_pre_hooks
         ):
@@ -118,7 +129,7 @@ def _declared_triples(tree: list, uses: dict, layer_of) -> list:
     return found
 
 
-def _sibling_groups(modules: list, layer_of) -> list[list]:
+def _sibling_groups(modules: list, layer_of, tiles: bool = False) -> list[list]:
     groups: dict = {}
     for child in modules:
         m = layer_of(child)
@@ -126,6 +137,10 @@ def _sibling_groups(modules: list, layer_of) -> list[list]:
             continue
         key = (m.nd, m.shard_dim % (m.nd + 2), m.geometry.edge_mode, id(m.manager))
         key += (m.conv.in_channels,)
+        if tiles:  # the longitude rule too, and 2-D convs only (shared_input.tile_window_for)
+            if m.nd != 2:
+                continue
+            key += (m.geometry.other_mode,)
         groups.setdefault(key, []).append(child)
     return [g for g in groups.values() if len(g) >= 2]
 
@@ -150,22 +165,26 @@ def _sequences(tree: list):
         yield module, list(children.values()), uses
 
 
-def find_fusions(model: nn.Module | None, layer_of=None, *, tree=None) -> tuple[list, list]:
+def find_fusions(
+    model: nn.Module | None, layer_of=None, *, tree=None, tiles: bool = False
+) -> tuple[list, list]:
     """``(pad_conv_pairs, sibling_groups)`` of ``model``: pairs ``(pad module, conv module)`` and
     lists of sibling conv modules, as modules of ``model``.  ``layer_of(module)`` gives the
     domain layer that module is or will be replaced by (None: not a domain layer); by default the
     module itself (a converted model).  ``tree``: the ``(path, module)`` of every module,
     duplicates included, to look at instead of ``model``'s (the converter's plan passes the
-    converted tree it decided, before anything is replaced: ``convert.plan_conversion``)."""
+    converted tree it decided, before anything is replaced: ``convert.plan_conversion``).
+    ``tiles``: for lat x lon tiles (the fill agrees along both axes; siblings share the
+    longitude rule too)."""
     layer_of = layer_of or (lambda m: m)
     if tree is None:
         tree = list(model.named_modules(remove_duplicate=False))
     pairs, groups = [], []
     for module, children, uses in _sequences(tree):
         if isinstance(module, nn.Sequential):
-            pairs += _pad_conv_pairs(children, uses, layer_of)
+            pairs += _pad_conv_pairs(children, uses, layer_of, tiles)
         if isinstance(module, nn.ModuleList):
-            groups += _sibling_groups(children, layer_of)
+            groups += _sibling_groups(children, layer_of, tiles)
     # a conv that exchanges for its pad does not also share its input
     paired = {id(conv) for _, conv in pairs}
     groups = [g for g in ((c for c in g if id(c) not in paired) for g in groups)]
@@ -173,10 +192,15 @@ def find_fusions(model: nn.Module | None, layer_of=None, *, tree=None) -> tuple[
     return pairs, groups
 
 
-def find_norm_conv(model: nn.Module | None, layer_of=None, *, tree=None, taken=()) -> list:
+def find_norm_conv(
+    model: nn.Module | None, layer_of=None, *, tree=None, taken=(), tiles: bool = False
+) -> list:
     """``(norm, activation or None, conv)`` module triples of ``model`` (or ``tree``, as
     :func:`find_fusions`) whose norm statistics can travel with the conv's exchange; convs in
-    ``taken`` (ids: fused with a pad or sharing their input) are left out."""
+    ``taken`` (ids: fused with a pad or sharing their input) are left out.  ``tiles``: for lat x
+    lon tiles (``norm_halo.py``'s tile form)."""
+    if tiles and not TILE_NORM_CONV:
+        return []
     layer_of = layer_of or (lambda m: m)
     if tree is None:
         tree = list(model.named_modules(remove_duplicate=False))
@@ -220,9 +244,10 @@ def apply_fusions(pairs, groups) -> None:
 def fuse_exchanges(model: nn.Module) -> dict[str, int]:
     """Fuse the exchanges of ``model``'s domain layers in place (see the module docstring);
     returns how many ``pad_conv`` pairs and ``sibling_convs`` groups were fused."""
-    pairs, groups = find_fusions(model)
+    tiles = any(getattr(getattr(m, "manager", None), "is_tiled", False) for m in model.modules())
+    pairs, groups = find_fusions(model, tiles=tiles)
     apply_fusions(pairs, groups)
     taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g}
-    triples = find_norm_conv(model, taken=taken)
+    triples = find_norm_conv(model, taken=taken, tiles=tiles)
     apply_norm_conv(triples)
     return {"pad_conv": len(pairs), "sibling_convs": len(groups), "norm_conv": len(triples)}

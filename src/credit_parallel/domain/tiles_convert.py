@@ -28,6 +28,7 @@ import warnings
 
 from torch import nn
 
+from .fusion import find_fusions, find_norm_conv
 from .layers.conv_geometry import conv_needs_domain_wrapper
 from .plan import ConversionPlan, PlannedModule
 from .tiles_relayout import TileStripRelayout
@@ -39,6 +40,7 @@ __all__ = [
     "relayout_on_tiles",
     "tile_refusals",
     "tile_refusal_message",
+    "tile_fusions",
 ]
 
 _PADS = (
@@ -116,9 +118,8 @@ def tile_refusal_message(refusals: list[tuple[str, str]]) -> str:
         "trainer.parallelism.domain):\n  " + listing + "\nUse an int domain (latitude only), "
         "or replace them (exact on tiles today: Conv2d/Conv3d, ConvTranspose2d/3d, "
         "PeriodicConv2d, the 2-D padding modules, GroupNorm, interpolation, pixel shuffle, "
-        "point-wise / channel-wise modules, and on latitude strips what a 1-D domain makes "
-        "exact, except a bare nn.MultiheadAttention: declare {'form': 'tokens'} on the module "
-        "that flattens the tile to tokens)."
+        "point-wise / channel-wise modules, a bare nn.MultiheadAttention on the tile's tokens, "
+        "and on latitude strips what a 1-D domain makes exact)."
     )
 
 
@@ -182,6 +183,11 @@ def relayout_on_tiles(model: nn.Module, tiled: ConversionPlan, strips: Conversio
     out = ConversionPlan(tiled.shard_dim, tiled.nonlocal_policy)
     out.unsafe, out.gathered = list(tiled.unsafe), list(tiled.gathered)
     out.modules = [m for m in tiled.modules if not any(_under(m.path, t) for t in tops)]
+    outside = lambda *paths: not any(_under(p, t) for p in paths for t in tops)  # noqa: E731
+    # the exchange fusions of the tile layers left (inside a relayout the strips' plan runs)
+    out.pad_conv = [f for f in tiled.pad_conv if outside(f.pad_path, f.conv_path)]
+    out.norm_conv = [f for f in tiled.norm_conv if outside(f.norm_path, f.conv_path)]
+    out.shared_inputs = [g for g in tiled.shared_inputs if outside(*g.paths)]
     for top in tops:
         inner = _strip_inner(model, top, tiled, strips)
         dim = getattr(inner, "shard_dim", tiled.shard_dim)
@@ -203,3 +209,14 @@ def gathered_paths(plan: ConversionPlan) -> list[str]:
         if m.stage == "gather"
         or (m.stage == "strips" and getattr(m.replacement.wrapped, "domain_form", "") == "gather")
     ]
+
+
+def tile_fusions(model: nn.Module, decided: dict) -> tuple[list, list, list]:
+    """(``(pad, conv)`` pairs, sibling conv groups, ``(norm, activation, conv)`` triples) of the
+    domain layers ``decided`` (path -> replacement) puts in ``model`` that share their exchanges
+    on lat x lon tiles (``fusion.py``, ``tiles=True``): what the layout planner counts
+    (``planner/tile_fusions.py``)."""
+    tree = list(converted_tree(model, lambda path, module: decided.get(path, module)))
+    pairs, groups = find_fusions(None, tree=tree, tiles=True)
+    taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g}
+    return pairs, groups, find_norm_conv(None, tree=tree, taken=taken, tiles=True)

@@ -49,6 +49,7 @@ from .cost import (
 )
 from .fsdp_merge import merge_advice
 from .split import project_splits, refusal_reason, split_note
+from .tile_fusions import fuse_tile_plans
 from .tiles import TileLayerPlan, tile_halo_bytes, tile_layer_plans
 from .tiles import tile_levels as tile_levels_of
 from .tp_partial import tp_partial_gradient_findings
@@ -252,7 +253,7 @@ def _tiles(model, trace, shapes, shape, double: bool, violations: list, notes: l
     """(refused modules, ``tiles.TileLayerPlan`` of every layer call, tiles per grid size) of a
     lat x lon domain of ``shape`` (P, Q)."""
     refusals = _tile_limits(model, *shape, violations, notes)
-    layers = tile_layer_plans(trace, shape, double)
+    layers = fuse_tile_plans(model, trace, tile_layer_plans(trace, shape, double), shape, double)
     return refusals, layers, tile_levels_of(shapes, layers, shape)
 
 

@@ -24,7 +24,8 @@ replacement exchanges on the strips: its rows over the P x Q strips (``rows.plan
 its 1-D windows, ``strip_rows_*``; twice for row-group attention, whose output rows go back the
 same way), as do the layers inside it (no tile exchange of their own, only their strips' one).
 CREDIT's ``TensorPadding`` inside a model's forward (``PaddingCall``) is such a call too: a move
-to the strips, one row exchange there, a move back.
+to the strips, one row exchange there, a move back.  The all-to-alls of a bare ``nn.MultiheadAttention`` run on the tile's
+tokens (``domain/attention/token_tiles.py``) are not counted.
 """
 
 from __future__ import annotations
@@ -86,7 +87,10 @@ class TileLayerPlan:
     col_peers_sent: tuple[int, ...] = ()
     col_peers_received: tuple[int, ...] = ()
     error: str | None = None
-    stats_with_exchange: bool = False  # no norm + conv link on tiles (fusions are off)
+    stats_with_exchange: bool = False  # a GroupNorm whose statistics ride with a conv's exchange
+    # a conv after a linked GroupNorm: the pass ("rows", or "cols" at P = 1) that carries the
+    # norm's statistics to (and its gradient sums from) every other rank of the P x Q group
+    stats_pass: str = ""
     # a layer run on latitude strips: per domain rank, elements (batch 1) and messages of the
     # two all-to-alls, forward and backward
     strips_sent: tuple[int, ...] = ()
@@ -173,6 +177,11 @@ class TileLayerPlan:
             return 0, 0
         fwd = self.row_peers_sent[lat] + self.col_peers_sent[lon]
         bwd = self.row_peers_received[lat] + self.col_peers_received[lon]
+        if self.stats_pass:  # that pass sends to every other rank (statistics + halo)
+            others = self.shape[0] * self.shape[1] - 1
+            rows = self.stats_pass == "rows"
+            fwd = others + (self.col_peers_sent[lon] if rows else self.row_peers_sent[lat])
+            bwd = others + (self.col_peers_received[lon] if rows else self.row_peers_received[lat])
         return fwd, bwd
 
     def passes(self, lat: int, lon: int) -> tuple[bool, bool]:
@@ -182,6 +191,7 @@ class TileLayerPlan:
             return False, False
         rows = bool(self.row_peers_sent[lat] or self.row_peers_received[lat])
         cols = bool(self.col_peers_sent[lon] or self.col_peers_received[lon])
+        rows, cols = rows or self.stats_pass == "rows", cols or self.stats_pass == "cols"
         return rows, cols
 
     def rank_calls(self, domain_rank: int) -> int:
@@ -213,12 +223,19 @@ def _axis(length: int, n: int, windows) -> tuple:
 
 
 def tile_layer_plan(
-    path: str, layer, in_shape, out_shape, shape: tuple[int, int], double: bool = False
+    path: str,
+    layer,
+    in_shape,
+    out_shape,
+    shape: tuple[int, int],
+    double: bool = False,
+    windows=None,
 ) -> TileLayerPlan:
     """The :class:`TileLayerPlan` of one call of the domain layer ``layer`` (the converter's
     replacement) on an input of ``in_shape`` (batch 1, rows at ``layer.shard_dim``, columns
     last) giving ``out_shape``, on a ``shape`` = (P, Q) domain.  ``double``: float64
-    activations (interpolation indices)."""
+    activations (interpolation indices).  ``windows``: instead of ``layer.tile_windows``
+    (a conv exchanging for the pad before it, ``tile_fusions.py``; ``in_shape`` the pad's)."""
     p, q = shape
     dim = getattr(layer, "shard_dim", -2) % len(in_shape)
     height, width = in_shape[dim], in_shape[-1]
@@ -232,7 +249,9 @@ def tile_layer_plan(
     )  # fmt: skip
     if form in _NO_EXCHANGE or not form:
         return TileLayerPlan(**base)
-    windows = getattr(layer, "tile_windows", None)
+    if form == "sequence" and getattr(layer, "tile_exact", False):
+        return TileLayerPlan(**base)  # token attention on the tile's tokens: not counted here
+    windows = windows or getattr(layer, "tile_windows", None)
     if windows is None and dim != len(in_shape) - 1:
         moves = _strips(in_shape, out_shape, dim, shape)
         return TileLayerPlan(**base, **moves, **_on_strips(layer, in_shape, dim, p * q, double))
@@ -328,8 +347,8 @@ def _strips(in_shape, out_shape, dim: int, shape: tuple[int, int]) -> dict:
 
 def tile_layer_plans(trace, shape: tuple[int, int], double: bool = False) -> list[TileLayerPlan]:
     """One :class:`TileLayerPlan` per domain-layer call of ``trace`` (``trace.trace_model``),
-    labelled as the 1-D plan labels them (``path (call k)`` from the second call on).  No
-    exchange fusion: the converter does not fuse on tiles."""
+    labelled as the 1-D plan labels them (``path (call k)`` from the second call on).  Without
+    the exchange fusions (``tile_fusions.fuse_tile_plans`` applies them)."""
     out, seen, calls = [], {}, []
     for path, _, replacement, in_shape, out_shape in getattr(trace, "relayouts", ()):
         # an adapter run whole on strips (FuXi): its two moves; every layer inside it below

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..rows import shard_sizes
 from .layouts import head_split
 from .sequence import heads_to_positions, positions_to_heads
+from .token_tiles import tile_grids
 
 __all__ = [
     "checked_counts",
@@ -101,6 +102,14 @@ def checked_counts(manager, name: str, q_len: int, k_len: int, units: int, owner
             "one (check batch_first, and flatten H outermost: x.flatten(2))"
         )
     q_counts = [c[0] for c in counts]
+    if getattr(manager, "is_tiled", False):  # lat x lon tiles: whole tiles (token_tiles.py)
+        if not tile_grids(tuple(q_counts), tuple(manager.domain_shape)):
+            raise ValueError(
+                f"{name}: token counts {q_counts} across the lat x lon tiles are not whole "
+                "balanced tiles of one grid: the tokens must be exactly the local tile "
+                "flattened (no per-rank extra tokens such as a class token)"
+            )
+        return q_counts, [c[1] for c in counts]
     if not _balanced_multiple(q_counts):
         raise ValueError(
             f"{name}: token counts {q_counts} across the domain ranks are not whole rows of the "

@@ -6,8 +6,9 @@ tokens; the (batch x head) units go to the ranks by :func:`~.token_core.core_ove
 ``bias_k`` / ``bias_v`` and ``add_zero_attn`` append their key tokens after the gathered keys (the
 order torch uses: real keys, bias token, zero token); a ``key_padding_mask`` is gathered along the
 tokens in rank order (small: batch x tokens); attention weights (``need_weights=True``) are those
-of each rank's own queries over every key in rank order, returned with the output by the same
-all-to-all; the output projection runs locally.  ``attn_mask``, ``is_causal`` and
+of each rank's own queries over every key in rank order (on lat x lon tiles put in the global
+key order, ``token_tiles.py``), returned with the output by the same all-to-all; the output
+projection runs locally.  ``attn_mask``, ``is_causal`` and
 ``static_k`` / ``static_v`` are refused (they refer to global positions or unsharded keys).
 """
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from .sequence import all_to_all_parts
 from .token_core import checked_counts, core_over_all_tokens, mask_refused, unit_range
+from .token_tiles import global_key_order
 
 __all__ = ["sequence_parallel_mha"]
 
@@ -132,6 +134,10 @@ def sequence_parallel_mha(manager, name: str, args: tuple, kwargs: dict, owner=N
     weights = None
     if a["need_weights"]:
         weights = outs[1].reshape(batch, heads, length, -1)
+        if getattr(manager, "is_tiled", False):  # the keys in global order (token_tiles.py)
+            order = global_key_order(k_counts, manager.domain_shape, name, weights.device)
+            extra = weights[..., sum(k_counts) :]  # bias_k, add_zero_attn: last, as torch's
+            weights = torch.cat([weights.index_select(-1, order), extra], -1)
         if a["average_attn_weights"]:
             weights = weights.mean(dim=1)
         if not batched:

@@ -90,6 +90,13 @@ class DomainTokenAttention(DomainWrapper):
         self.shard_dim, self.manager = shard_dim, manager
         self.heads = _heads(module)
 
+    @property
+    def tile_exact(self) -> bool:
+        """A bare ``nn.MultiheadAttention`` runs on lat x lon tiles as it is: its input is the
+        tokens of the tile (``token_tiles.py``); a declared module flattens a tile itself and
+        runs on latitude strips (``tiles_relayout.py``)."""
+        return isinstance(self.wrapped, nn.MultiheadAttention)
+
     def _name(self) -> str:
         return getattr(self, "module_path", None) or type(self.wrapped).__name__
 

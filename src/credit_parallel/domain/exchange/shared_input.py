@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import copy
 import weakref
+from dataclasses import replace
 
 from ..layers.conv_geometry import ConvGeometry
 from ..rows import conv_window, edge_source_row, pure_cached, shard_range
 from .halo import exchange_rows
 
-__all__ = ["SharedInputExchange", "share_input_exchange", "sharing_step", "union_windows"]
+__all__ = [
+    "SharedInputExchange",
+    "share_input_exchange",
+    "sharing_step",
+    "tile_union_windows",
+    "union_windows",
+]
 
 
 def sharing_step(served, index: int, same_tensor: bool, unchanged: bool = True):
@@ -115,6 +122,54 @@ class SharedInputExchange:
             self._entry = None  # all served: do not keep the window alive
         start, count = offsets[index]
         return window.narrow(dim, start, count)
+
+    def tile_window_for(self, layer, x, height: int, width: int, dims: tuple, mgr):
+        """On a lat x lon tile (SPEC §3b): the window of ``layer`` cut from ONE tile exchange
+        of the union windows of the group along H and along W (``exchange/tiles.py``), shared
+        by the siblings called on the same tile ``x`` (the same rule as :meth:`window_for`)."""
+        from .tiles import exchange_tile, tile_plan
+
+        geometries = tuple(m.geometry for m in self.layers)
+        shape, coords = tuple(mgr.domain_shape), tuple(mgr.domain_coords)
+        rows, cols, offsets = tile_union_windows(
+            geometries, layer.spatial_index, layer.nd, height, width, shape
+        )
+        index = self.layers.index(layer)
+        entry, size = self._entry, (height, width)
+        same = entry is not None and entry[0]() is x
+        unchanged = entry is not None and entry[1] == x._version and entry[2] == size
+        fresh, self.active = sharing_step(
+            None if entry is None else entry[4], index, same, unchanged
+        )
+        if fresh:  # every rank sees the same sequence of calls: all exchange together
+            plan = tile_plan(height, width, shape, coords, rows, cols)
+            window = exchange_tile(x, plan, dims, mgr)
+            entry = self._entry = (weakref.ref(x), x._version, size, window, set())
+        entry[4].add(index)
+        window = entry[3]
+        if len(entry[4]) == len(self.layers):
+            self._entry = None
+        (h0, hn), (w0, wn) = offsets(coords)[index]
+        return window.narrow(dims[0], h0, hn).narrow(dims[1], w0, wn)
+
+
+def tile_union_windows(geometries: tuple, i_h: int, nd: int, height: int, width: int, shape):
+    """``(rows, cols, offsets)`` of convolutions sharing one input on lat x lon tiles of
+    ``shape`` = (P, Q) (rank-independent parts: every rank's union windows along H and along W,
+    the longitude one by the convs' ``other_mode``) and a function ``offsets(coords)`` giving,
+    per conv, ``((start, count) along H, (start, count) along W)`` inside the union window."""
+    p, q = shape
+    geos_w = tuple(replace(g, edge_mode=g.other_mode) for g in geometries)
+    rows = union_windows(geometries, i_h, height, p, 0)[0]
+    cols = union_windows(geos_w, nd - 1, width, q, 0)[0]
+
+    def offsets(coords):
+        lat, lon = coords
+        along_h = union_windows(geometries, i_h, height, p, lat)[1]
+        along_w = union_windows(geos_w, nd - 1, width, q, lon)[1]
+        return tuple(zip(along_h, along_w))
+
+    return rows, cols, offsets
 
 
 def share_input_exchange(*layers) -> None:

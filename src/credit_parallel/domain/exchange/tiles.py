@@ -23,7 +23,14 @@ from ..rows import FILL, RankExchangePlan, plan_exchange
 from .halo import exchange_planned
 from .windows import assemble_window
 
-__all__ = ["TilePlan", "compact_windows", "exchange_tile", "tile_plan"]
+__all__ = [
+    "TilePlan",
+    "compact_windows",
+    "exchange_tile",
+    "exchange_tile_columns",
+    "expand_rows",
+    "tile_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,22 @@ def exchange_tile(
     non-negative) under the tiled ``manager``.  Differentiable."""
     dim_h, dim_w = dims
     (x,) = exchange_planned([x], [(plan.rows, dim_h, fill_value)], manager.lat)
-    (x,) = exchange_planned([x], [(plan.cols, dim_w, fill_value)], manager.lon)
+    return exchange_tile_columns(x, plan, dims, manager, fill_value)
+
+
+def exchange_tile_columns(
+    rows: torch.Tensor, plan: TilePlan, dims: tuple[int, int], manager, fill_value: float = 0.0
+) -> torch.Tensor:
+    """The second half of :func:`exchange_tile`: from ``rows`` (the compact rows of
+    ``plan.rows``, assembled), the columns over the longitude ranks, then the local expansion
+    (e.g. after the rows came with a norm's statistics, ``norm_halo.py``).  Differentiable."""
+    dim_h, dim_w = dims
+    (x,) = exchange_planned([rows], [(plan.cols, dim_w, fill_value)], manager.lon)
+    return expand_rows(x, plan, dim_h, fill_value)
+
+
+def expand_rows(x: torch.Tensor, plan: TilePlan, dim_h: int, fill_value: float = 0.0):
+    """The row window from the compact rows ``x`` (repeats copied, fill rows added)."""
     if plan.expand is not None:
         x = assemble_window(x, [], plan.expand, dim_h, fill_value)
     return x

@@ -27,12 +27,27 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..exchange.tiles import TilePlan, exchange_tile, tile_plan
+from ..exchange.tiles import (
+    TilePlan,
+    exchange_tile,
+    exchange_tile_columns,
+    expand_rows,
+    tile_plan,
+)
+from ..exchange.windows import assemble_window
 from ..manager2d import tiles_unsupported
-from ..rows import pure_cached, shard_range
+from ..rows import compose_windows, pure_cached, shard_range
 from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
+from .padding import checked_pad_windows
 
-__all__ = ["TileConvCall", "tile_conv_call", "tile_conv_forward", "tile_conv_windows"]
+__all__ = [
+    "TileConvCall",
+    "fused_pad_key",
+    "fused_tile_windows",
+    "tile_conv_call",
+    "tile_conv_forward",
+    "tile_conv_windows",
+]
 
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
@@ -66,19 +81,43 @@ def _windows(geo, i_h: int, nd: int, height: int, width: int, shape) -> tuple[tu
     return windows_of(geo, i_h, height, shape[0])[0], windows_of(geo_w, i_w, width, shape[1])[0]
 
 
+def fused_pad_key(pad) -> tuple | None:
+    """The geometry of a padding layer fused into a conv (``fusion.py``): hashable, or None."""
+    if pad is None:
+        return None
+    return (tuple(pad.padding), pad.mode, f"{type(pad.wrapped).__name__}{tuple(pad.padding)}")
+
+
+def fused_tile_windows(pad_key, geo, i_h: int, nd: int, height: int, width: int, shape):
+    """(row windows, column windows) over the pad's ``height`` x ``width`` input of a padding
+    layer (``pad_key``: its padding, mode and name) followed by the conv of ``geo``: the row
+    maps of the two composed along each axis (``rows.compose_windows``), so ONE tile exchange
+    of the pad's input gives the conv's window."""
+    (left, right, top, bottom), mode, what = pad_key
+    p, q = shape
+    pad_rows = checked_pad_windows(height, p, top, bottom, mode, what)
+    pad_cols = checked_pad_windows(width, q, left, right, mode, what)
+    padded_h, padded_w = height + top + bottom, width + left + right
+    rows, cols = _windows(geo, i_h, nd, padded_h, padded_w, shape)
+    return compose_windows(pad_rows, padded_h, rows), compose_windows(pad_cols, padded_w, cols)
+
+
 def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCall:
     """The :class:`TileConvCall` of ``layer`` (a ``_DomainParallelConvNd``) for a global
     ``height`` x ``width`` input on the tile ``coords`` of a ``shape`` domain: planned once per
     argument set, then a dict lookup (under ``torch.compile``: a constant of the graph, made
-    while Dynamo traces, nothing written on the layer)."""
+    while Dynamo traces, nothing written on the layer).  With a fused pad (``fusion.py``) the
+    input is the pad's and the windows are the composed ones."""
+    pad_key = fused_pad_key(layer.options.fused_pad)
     args = (layer.geometry, layer.spatial_index, layer.nd, height, width, tuple(shape))
+    args += (tuple(coords), pad_key)
     if torch.compiler.is_compiling():
-        return _plan_call.__wrapped__(*args, tuple(coords))  # no lru_cache wrapper traced
-    key = (height, width, tuple(shape), tuple(coords))
+        return _plan_call.__wrapped__(*args)  # no lru_cache wrapper traced
+    key = (height, width, tuple(shape), tuple(coords), pad_key)
     calls = layer.__dict__.setdefault("_tile_calls", {})
     call = calls.get(key)
     if call is None:
-        call = _plan_call(*args, tuple(coords))
+        call = _plan_call(*args)
         if len(calls) > 64:
             calls.clear()
         calls[key] = call
@@ -86,12 +125,20 @@ def tile_conv_call(layer, height: int, width: int, shape, coords) -> TileConvCal
 
 
 @pure_cached(maxsize=1024)
-def _plan_call(geo, i_h: int, nd: int, height: int, width: int, shape, coords) -> TileConvCall:
+def _plan_call(
+    geo, i_h: int, nd: int, height: int, width: int, shape, coords, pad_key=None
+) -> TileConvCall:
     i_w = nd - 1
     (lat, lon), (p, q) = coords, shape
-    rows, cols = _windows(geo, i_h, nd, height, width, shape)
-    out_h = shard_range(geo.output_length(height, i_h), p, lat)
-    out_w = shard_range(geo.output_length(width, i_w), q, lon)
+    if pad_key is None:
+        rows, cols = _windows(geo, i_h, nd, height, width, shape)
+        out_h = shard_range(geo.output_length(height, i_h), p, lat)
+        out_w = shard_range(geo.output_length(width, i_w), q, lon)
+    else:
+        rows, cols = fused_tile_windows(pad_key, geo, i_h, nd, height, width, shape)
+        (left, right, top, bottom) = pad_key[0]
+        out_h = shard_range(geo.output_length(height + top + bottom, i_h), p, lat)
+        out_w = shard_range(geo.output_length(width + left + right, i_w), q, lon)
     first_h = rows[lat][0] if rows[lat] else None  # the first input row / column of the window
     first_w = cols[lon][0] if cols[lon] else None
     plan = tile_plan(height, width, shape, coords, rows, cols)
@@ -111,9 +158,10 @@ def _check_supported(layer) -> None:
             "the last dim (longitude)"
         )
     options = layer.options
-    for name in ("fused_pad", "shared_input", "fused_norm"):
-        if getattr(options, name) is not None:
-            raise ValueError(tiles_unsupported(layer, options.module_path) + f" (option {name})")
+    if options.fused_pad is not None and (layer.geometry.transposed or layer.nd != 2):
+        raise ValueError(tiles_unsupported(layer, options.module_path) + " (option fused_pad)")
+    if options.shared_input is not None and (layer.geometry.transposed or layer.nd != 2):
+        raise ValueError(tiles_unsupported(layer, options.module_path) + " (option shared_input)")
     if layer.side_stream:
         raise ValueError(tiles_unsupported(layer, options.module_path) + " (option side_stream)")
 
@@ -127,7 +175,15 @@ def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Te
     width = manager.global_width(layer, x.shape[dim_w])
     call = tile_conv_call(layer, height, width, manager.domain_shape, manager.domain_coords)
     # along H, then along W of the H-extended tensor (the corners come with it)
-    window = exchange_tile(x, call.plan, (dim_h, dim_w), manager)
+    pad = layer.options.fused_pad  # a pad fused into this conv: its fill (fusion.py)
+    fill = 0.0 if pad is None else pad.value
+    window = _linked_window(layer, x, call, (dim_h, dim_w), manager)
+    shared = layer.options.shared_input  # siblings on one tile: one exchange (fusion.py)
+    if window is None and shared is not None and shared.active:
+        if not torch.compiler.is_compiling():
+            window = shared.tile_window_for(layer, x, height, width, (dim_h, dim_w), manager)
+    if window is None:
+        window = exchange_tile(x, call.plan, (dim_h, dim_w), manager, fill)
     rows, cols = call.out_h[1] - call.out_h[0], call.out_w[1] - call.out_w[0]
     if layer.geometry.transposed:
         if call.first_h is None or call.first_w is None or rows == 0 or cols == 0:
@@ -136,6 +192,24 @@ def tile_conv_forward(layer, x: torch.Tensor, weight, bias, manager) -> torch.Te
     if rows == 0 or cols == 0:  # a tile that owns no output (its windows are empty)
         return _bias_only(layer, x, window, weight, bias, rows, cols)
     return _run_op(call.op, window, weight, bias)
+
+
+def _linked_window(layer, x, call: TileConvCall, dims, manager):
+    """The window when the GroupNorm before this conv sent its rows with its statistics
+    (``norm_halo.NormConvLink``): those rows assembled, then the columns; else None."""
+    link = layer.options.fused_norm
+    if link is None or torch.compiler.is_compiling():
+        return None
+    halos = link.take_halos(x)
+    if halos is None:
+        return None
+    if link.tile_axis == "rows":
+        rows = assemble_window(x, halos, call.plan.rows, dims[0], 0.0)
+        return exchange_tile_columns(rows, call.plan, dims, manager)
+    # P = 1: the rows are the tile's own (assembled locally), the columns came with the norm
+    rows = assemble_window(x, [], call.plan.rows, dims[0], 0.0)
+    window = assemble_window(rows, halos, call.plan.cols, dims[1], 0.0)
+    return expand_rows(window, call.plan, dims[0])
 
 
 def _run_op(op: ConvOp, window, weight, bias) -> torch.Tensor:

@@ -32,6 +32,7 @@ instead of two.  Under ``torch.compile`` the norm and the conv take their unfuse
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ from torch import nn
 from ..exchange.p2p import PendingExchange, post_messages, send_buffers
 from ..exchange.traffic import active_recorder
 from ..exchange.windows import shape_with
+from ..rows import RankExchangePlan
 from .norm import (
     _affine_per_channel,
     _centre,
@@ -205,6 +207,19 @@ class _NormWindow(torch.autograd.Function):
         return (grad_x, grad_weight, grad_bias) + (None,) * 8
 
 
+def _on_domain_ranks(plan: RankExchangePlan, mgr, axis: str) -> RankExchangePlan:
+    """``plan`` (over the latitude ranks of this rank's longitude column, ``axis`` "rows", or
+    the longitude ranks of its latitude band, "cols") with its peers named by their index in
+    the flattened P x Q domain group (``lat * Q + lon``)."""
+    q, (lat, lon) = mgr.domain_shape[1], mgr.domain_coords
+    index = (lambda p: p * q + lon) if axis == "rows" else (lambda p: lat * q + p)
+    return replace(
+        plan,
+        sends=tuple((index(p), runs) for p, runs in plan.sends),
+        recvs=tuple((index(p), rows) for p, rows in plan.recvs),
+    )
+
+
 class NormConvLink:
     """A GroupNorm (``norm``), an optional elementwise ``activation`` and the conv after them in
     one ``nn.Sequential``, fused (module docstring).  Plain references (no submodules): held in
@@ -214,14 +229,41 @@ class NormConvLink:
     def __init__(self, norm, activation, conv):
         self.norm, self.activation, self.conv = norm, activation, conv
         self._pending = None  # (expected conv input shape, normalised halos)
+        self.tile_axis = "rows"  # on tiles: the exchange pass the halos came with
 
     def norm_forward(self, x, weight, bias, mgr) -> torch.Tensor:
         """The norm's output ``y`` of the shard ``x``; its halo rows wait here for the conv."""
+        if getattr(mgr, "is_tiled", False):
+            return self._norm_forward_tile(x, weight, bias, mgr)
         conv = self.conv
         dim = conv.spatial_index + 2
         n, rank = mgr.domain_world_size, mgr.domain_rank
         length = mgr.global_length(self.norm, x.shape[dim])
         plan = conv._call_geometry(length, n, rank).plan
+        args = (self.norm.num_groups, self.norm.eps, plan, dim, rank, n)
+        y, *halos = _NormWindow.apply(x, weight, bias, *args, mgr.domain_ranks, mgr.domain_group)
+        self._pending = (tuple(y.shape), halos)
+        return y
+
+    def _norm_forward_tile(self, x, weight, bias, mgr) -> torch.Tensor:
+        """On a lat x lon tile (SPEC §3b): the statistics go to every rank of the P x Q group in
+        ONE call per direction with the first pass of the conv's tile exchange that has peers
+        (``exchange/tiles.py``): the compact rows to the latitude neighbours, or at P = 1 (no
+        latitude neighbour) the columns to the longitude neighbours; the conv then does the
+        rest of its exchange (``conv_tiles._linked_window``)."""
+        from .conv_tiles import tile_conv_call
+
+        conv = self.conv
+        dim_h, dim_w = conv.spatial_index + 2, conv.nd + 1
+        height = mgr.global_height(conv, x.shape[dim_h])
+        width = mgr.global_width(conv, x.shape[dim_w])
+        call = tile_conv_call(conv, height, width, mgr.domain_shape, mgr.domain_coords)
+        self.tile_axis = "rows" if mgr.domain_shape[0] > 1 else "cols"
+        axis_plan, dim = (
+            (call.plan.rows, dim_h) if self.tile_axis == "rows" else (call.plan.cols, dim_w)
+        )
+        plan = _on_domain_ranks(axis_plan, mgr, self.tile_axis)
+        n, rank = mgr.domain_world_size, mgr.domain_rank
         args = (self.norm.num_groups, self.norm.eps, plan, dim, rank, n)
         y, *halos = _NormWindow.apply(x, weight, bias, *args, mgr.domain_ranks, mgr.domain_group)
         self._pending = (tuple(y.shape), halos)
