@@ -24,12 +24,20 @@ import re
 import warnings
 from collections.abc import Mapping
 
+from .credit_gen2_blocks import (
+    BOOKKEEPING_SECTIONS,
+    block_sections,
+    epoch_steps,
+    source_type_problem,
+    validation_section,
+)
+
 __all__ = ["credit_gen2_conf", "is_credit_gen2"]
 
 # data-level keys CREDIT's gen-2 dataset (credit.datasets.gen_2) does not read either, or that
 # do not change what is computed here
 _DATA_IGNORED = ("static_first", "one_shot", "lead_time_periods", "skip_periods", "save_loc")
-_SOURCE_KEYS = ("level_coord", "levels", "variables", "history_len")
+_SOURCE_KEYS = ("level_coord", "levels", "variables", "history_len", "dataset_type")
 _GROUPS = ("prognostic", "diagnostic", "dynamic_forcing", "static")
 
 # trainer keys: CREDIT's name -> ours; dropped bookkeeping; flags honoured only when off
@@ -58,7 +66,7 @@ _TRAINER_OFF_ONLY = {
     "load_scheduler": "resume with trainer.resume: true (DCP checkpoints)",
     "reload_epoch": "resume with trainer.resume: true (DCP checkpoints)",
 }
-_GEN2_TRAINER_TYPES = ("era5-gen2",)
+_GEN2_TRAINER_TYPES = ("era5-gen2", "gen2")
 _LOSS_AS_OURS = {
     "training_loss": "mse",
     "use_power_loss": False,
@@ -102,9 +110,13 @@ def _source(data: dict, problems: list[str]) -> tuple[str, dict]:
             "one zarr store: keep one source"
         )
     name, block = next(iter(sources.items()))
-    block = block if isinstance(block, Mapping) else {}
+    block = dict(block) if isinstance(block, Mapping) else {}
     for key in sorted(set(block) - set(_SOURCE_KEYS)):
         problems.append(f"data.source.{name}.{key} is not read by credit-parallel")
+    problem = source_type_problem(f"data.source.{name}", block)
+    if problem:
+        problems.append(problem)
+    block.pop("dataset_type", None)
     return name, dict(block)
 
 
@@ -163,7 +175,11 @@ def _paths(where: str, variables: Mapping, flat: dict, out: dict, problems: list
 
 
 def _as_glob(path):
-    return re.sub(r"%[A-Za-z]", "*", path) if isinstance(path, str) else path
+    """CREDIT's strftime codes as ``*``, runs of ``*`` as one: ``ERA5_%Y.zarr`` and
+    ``ERA5_%Y*.zarr`` name the same stores (one glob, one time axis)."""
+    if not isinstance(path, str):
+        return path
+    return re.sub(r"\*+", "*", re.sub(r"%[A-Za-z]", "*", path))
 
 
 def _data_section(conf: Mapping, problems: list[str]) -> dict:
@@ -180,9 +196,7 @@ def _data_section(conf: Mapping, problems: list[str]) -> dict:
     start, end = data.get("start_datetime"), data.get("end_datetime")
     if start is not None or end is not None:
         out["time_slice"] = [start, end]
-    valid = conf.get("validation_data")
-    if isinstance(valid, Mapping) and (valid.get("start_datetime") or valid.get("end_datetime")):
-        out["valid_time_slice"] = [valid.get("start_datetime"), valid.get("end_datetime")]
+    validation_section(conf, data, out, problems)
     scaler = data.get("scaler_type")
     if scaler is not None and scaler not in ("std_new", "std"):
         problems.append(
@@ -248,8 +262,11 @@ def _trainer_section(conf: Mapping, data: dict, problems: list[str], dropped: li
     elif norm is not None:
         out["grad_clip"] = norm
     _schedule(t, out, problems)
+    counted = epoch_steps({**t, "grad_accum_every": out.get("grad_accum", 1)})
     epochs = [t.pop(k) for k in ("batches_per_epoch", "num_epoch", "epochs") if k in t]
-    if epochs and "steps" not in out and "steps" not in t:
+    if counted is not None and "steps" not in out and "steps" not in t:
+        out["steps"] = counted
+    elif epochs and "steps" not in out and "steps" not in t:
         problems.append(
             "trainer.batches_per_epoch / num_epoch / epochs: credit-parallel counts optimizer "
             "steps; set trainer.steps (or trainer.scheduler.total_steps)"
@@ -262,6 +279,13 @@ def _trainer_section(conf: Mapping, data: dict, problems: list[str], dropped: li
 
 def _loss_problems(conf: Mapping, problems: list[str]) -> None:
     loss = conf.get("loss") or {}
+    if loss.get("type") is not None:
+        problems.append(
+            f"loss.type = {loss['type']!r} (CREDIT's per-variable loss in physical units, "
+            "args.var_weighting ...): credit-parallel trains on the latitude-weighted MSE of "
+            "the normalised channels (the flat loss keys: training_loss: mse, "
+            "use_latitude_weights: true)"
+        )
     for key, ours in _LOSS_AS_OURS.items():
         if key in loss and loss[key] != ours:
             problems.append(
@@ -280,7 +304,9 @@ def credit_gen2_conf(conf):
     dropped: list[str] = []
     data = _data_section(conf, problems)
     trainer = _trainer_section(conf, data, problems, dropped)
+    block_sections(conf, data, problems)
     _loss_problems(conf, problems)
+    dropped.extend(k for k in BOOKKEEPING_SECTIONS if k in conf)
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
@@ -293,5 +319,6 @@ def credit_gen2_conf(conf):
             UserWarning,
             stacklevel=2,
         )
-    out = {k: v for k, v in conf.items() if k not in ("data", "trainer", "loss", "seed")}
+    taken = ("data", "trainer", "loss", "seed", "validation_data", "preblocks", "postblocks")
+    out = {k: v for k, v in conf.items() if k not in taken + BOOKKEEPING_SECTIONS}
     return {**out, "data": data, "trainer": trainer}
