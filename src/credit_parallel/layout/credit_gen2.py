@@ -281,8 +281,8 @@ def _loss_problems(conf: Mapping, problems: list[str]) -> None:
     loss = conf.get("loss") or {}
     if loss.get("type") is not None:
         problems.append(
-            f"loss.type = {loss['type']!r} (CREDIT's per-variable loss in physical units, "
-            "args.var_weighting ...): credit-parallel trains on the latitude-weighted MSE of "
+            f"loss.type = {loss['type']!r}: CREDIT's per-variable loss in physical units "
+            "(loss.args.var_weighting, ...); credit-parallel trains on the latitude-weighted MSE of "
             "the normalised channels (the flat loss keys: training_loss: mse, "
             "use_latitude_weights: true)"
         )
