@@ -14,7 +14,9 @@ glob of stores split along time such as CREDIT's ``ERA5_plevel_6h_*.zarr``) beco
 ``data.std_path`` (CREDIT's netCDF statistics) are read as they are (``data/multistore.py``,
 ``data/credit_stats.py``).  Every key that cannot be honoured is reported by its full
 path in ONE ``ValueError``; keys that only steer CREDIT's bookkeeping (tensorboard, backup
-weights, validation batch sizes, ...) are dropped with one warning naming them.
+weights, validation batch sizes, ``save_loc``, ``inference``, ``pbs``, ...) are dropped with one
+warning naming them.  ``dataset_type``, ``validation_data``, ``preblocks`` / ``postblocks`` and
+the epoch count are read in :mod:`credit_parallel.layout.credit_gen2_blocks`.
 """
 
 from __future__ import annotations
