@@ -706,6 +706,10 @@ def test_epochs_count_optimizer_steps_as_credits_trainer():
 
 def test_another_dataset_type_and_a_differing_validation_block_are_named():
     conf = _with_normaliser(_v2026(), "/m.nc", "/s.nc")
+    variables = conf["validation_data"]["source"]["ERA5"]["variables"]
+    variables["prognostic"]["path"] = _BASE + "/all_in_one/ERA5_mlevel_1deg_6h_subset_%Y"
+    with pytest.warns(UserWarning):  # %Y and %Y*: the same glob, the same stores
+        assert credit_gen2_conf(copy.deepcopy(conf))["data"]["valid_time_slice"][0] == "2019-01-01"
     conf["data"]["source"]["ERA5"]["dataset_type"] = "weatherbench2_era5"
     conf["validation_data"]["source"]["ERA5"]["variables"]["static"]["path"] = "/other.zarr"
     conf["validation_data"]["history_len"] = 2

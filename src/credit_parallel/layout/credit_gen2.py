@@ -22,12 +22,12 @@ the epoch count are read in :mod:`credit_parallel.layout.credit_gen2_blocks`.
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 from collections.abc import Mapping
 
 from .credit_gen2_blocks import (
     BOOKKEEPING_SECTIONS,
+    as_glob,
     block_sections,
     epoch_steps,
     source_type_problem,
@@ -155,7 +155,7 @@ def _paths(where: str, variables: Mapping, flat: dict, out: dict, problems: list
     time-dependent groups, ``data.static_path`` from the static group when it names another
     store; CREDIT's strftime codes in a path (``era5_%Y.zarr``) read as ``*``, as CREDIT's
     gen-2 dataset globs them."""
-    paths = {g: _as_glob((variables.get(g) or {}).get("path")) for g in _GROUPS if variables.get(g)}
+    paths = {g: as_glob((variables.get(g) or {}).get("path")) for g in _GROUPS if variables.get(g)}
     timed = {g: p for g, p in paths.items() if g != "static"}
     distinct = sorted({p for p in timed.values() if p is not None})
     if not distinct:
@@ -174,14 +174,6 @@ def _paths(where: str, variables: Mapping, flat: dict, out: dict, problems: list
         out["static_path"] = static
     if static is not None and not distinct and out.get("static_variables"):
         problems.append(f"{where}.static.path: the static store needs the data store beside it")
-
-
-def _as_glob(path):
-    """CREDIT's strftime codes as ``*``, runs of ``*`` as one: ``ERA5_%Y.zarr`` and
-    ``ERA5_%Y*.zarr`` name the same stores (one glob, one time axis)."""
-    if not isinstance(path, str):
-        return path
-    return re.sub(r"\*+", "*", re.sub(r"%[A-Za-z]", "*", path))
 
 
 def _data_section(conf: Mapping, problems: list[str]) -> dict:

@@ -23,10 +23,12 @@ split from ``validation_data`` (the ``data`` schema again, another date range). 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 
 __all__ = [
     "BOOKKEEPING_SECTIONS",
+    "as_glob",
     "block_sections",
     "epoch_steps",
     "source_type_problem",
@@ -48,6 +50,30 @@ _VALID_FREE = frozenset(
     {"start_datetime", "end_datetime", "one_shot", "lead_time_periods", "skip_periods"}
     | {"static_first", "save_loc", "source"}
 )
+
+
+def as_glob(path):
+    """CREDIT's strftime codes as ``*``, runs of ``*`` as one: ``ERA5_%Y.zarr`` and
+    ``ERA5_%Y*.zarr`` name the same stores (one glob, one time axis)."""
+    if not isinstance(path, str):
+        return path
+    return re.sub(r"\*+", "*", re.sub(r"%[A-Za-z]", "*", path))
+
+
+def _as_globs(source):
+    """A ``source`` mapping with every group's ``path`` read as its glob (for comparison)."""
+    if not isinstance(source, Mapping):
+        return source
+    out = {}
+    for name, block in source.items():
+        block = dict(block) if isinstance(block, Mapping) else block
+        if isinstance(block, Mapping) and isinstance(block.get("variables"), Mapping):
+            block["variables"] = {
+                g: {**v, "path": as_glob(v.get("path"))} if isinstance(v, Mapping) else v
+                for g, v in block["variables"].items()
+            }
+        out[name] = block
+    return out
 
 
 def source_type_problem(where: str, block: Mapping) -> str | None:
@@ -122,8 +148,8 @@ def validation_section(conf: Mapping, data: Mapping, mapped: dict, problems: lis
                 f"validation_data.{key} = {valid[key]!r} differs from data.{key} = "
                 f"{data.get(key)!r}: credit-parallel validates with the training data keys"
             )
-    if "source" in valid and valid["source"] != data.get("source"):
-        theirs, ours = valid["source"], data.get("source") or {}
+    theirs, ours = _as_globs(valid.get("source")), _as_globs(data.get("source") or {})
+    if "source" in valid and theirs != ours:
         names = sorted(set(theirs) | set(ours)) if isinstance(theirs, Mapping) else ["?"]
         for name in names:
             a = theirs.get(name) if isinstance(theirs, Mapping) else theirs
