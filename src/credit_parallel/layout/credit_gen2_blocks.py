@@ -167,7 +167,9 @@ def epoch_steps(t: Mapping) -> int | None:
     them (``trainers/base_trainer.py``, ``trainer_gen2.py``): epochs ``start_epoch`` up to
     ``min(epochs, start_epoch + num_epoch)``, each ``batches_per_epoch`` batches with an
     optimizer step every ``grad_accum_every`` batches and at the epoch's last batch.  None
-    when ``batches_per_epoch`` is 0 (CREDIT then runs the whole dataset per epoch)."""
+    when ``batches_per_epoch`` is 0 (CREDIT then runs the whole dataset per epoch).  CREDIT also
+    caps ``batches_per_epoch`` at the loader's length, which is not known here: a run whose
+    epoch is longer than its data keeps cycling the data instead."""
     per_epoch = int(t.get("batches_per_epoch") or 0)
     if per_epoch <= 0:
         return None
