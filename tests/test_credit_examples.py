@@ -3,7 +3,7 @@
 its trainer in CREDIT's keys.  A copy rewritten to the sample store (path, the store's variable
 names, no diagnostic group, no netCDF statistics, no EMA) and to a tiny model trains 2 steps
 through the Trainer at domain 2 with the single-process losses, gradient norms and weights
-(float64, 1e-10); the example as written is refused naming every key that cannot be honoured.
+(float64, 1e-10); the example as written maps whole.
 """
 
 from __future__ import annotations
@@ -25,35 +25,47 @@ H, W = 32, 64
 
 _LEVELS = [25.5, 75.0, 125.0, 175.0, 225.0, 275.0, 350.0, 450.0, 550.0, 650.0, 775.0]
 _LEVELS += [887.5, 962.5]
-_STORE = (
-    "/glade/campaign/cisl/aiml/ksha/CREDIT_data/ERA5_plevel_base/all_in_one/ERA5_plevel_6h_*.zarr"
-)
-_STATIC = (
-    "/glade/campaign/cisl/aiml/ksha/CREDIT_data/ERA5_plevel_base/static/ERA5_plevel_6h_static.zarr"
-)
-_DIAGNOSTIC = ["total_precipitation", "evaporation", "top_net_thermal_radiation"]
+_BASE = "/glade/campaign/cisl/aiml/ksha/CREDIT_data/ERA5_plevel_base"
+_PER_YEAR = _BASE + "/all_in_one/ERA5_plevel_6h_%Y.zarr"  # the prognostic group's path
+_PER_YEAR_STAR = _BASE + "/all_in_one/ERA5_plevel_6h_%Y*.zarr"  # the other groups' path
+_STORE = _BASE + "/all_in_one/ERA5_plevel_6h_*.zarr"  # both: one glob of per-year stores
+_STATIC = _BASE + "/static/ERA5_plevel_6h_static.zarr"
+_MEAN = _BASE + "/mean_std/mean_6h_1979_2019_13lev_0.25deg.nc"
+_STD = _BASE + "/mean_std/std_6h_1979_2019_13lev_0.25deg.nc"
+_DIAGNOSTIC = [
+    "total_precipitation",
+    "evaporation",
+    "top_net_thermal_radiation",
+    "top_net_solar_radiation",
+    "surface_latent_heat_flux",
+    "surface_net_solar_radiation",
+    "surface_net_thermal_radiation",
+    "surface_sensible_heat_flux",
+]
 
 
 def _example() -> dict:
-    """The example's blocks as written (data, trainer, model, loss; predict / pbs left out)."""
+    """``wxformer_era5_025deg_6hr.yml`` of miles-credit v2026.2.0 as written (every block:
+    data, validation_data, trainer, preblocks, model, loss, inference, pbs)."""
     return {
         "save_loc": "/glade/derecho/scratch/$USER/CREDIT_runs/wxformer_025deg_6hr_v2",
         "seed": 1000,
         "data": {
             "source": {
                 "ERA5": {
+                    "dataset_type": "local",
                     "level_coord": "level",
                     "levels": list(_LEVELS),
                     "variables": {
                         "prognostic": {
                             "vars_3D": ["U", "V", "T", "specific_total_water"],
                             "vars_2D": ["SP", "VAR_2T", "VAR_10U", "VAR_10V"],
-                            "path": _STORE,
+                            "path": _PER_YEAR,
                         },
-                        "diagnostic": {"vars_2D": list(_DIAGNOSTIC), "path": _STORE},
+                        "diagnostic": {"vars_2D": list(_DIAGNOSTIC), "path": _PER_YEAR_STAR},
                         "dynamic_forcing": {
                             "vars_2D": ["toa_incident_solar_radiation", "land_sea_CI_mask"],
-                            "path": _STORE,
+                            "path": _PER_YEAR_STAR,
                         },
                         "static": {"vars_2D": ["z_norm", "land_sea_mask"], "path": _STATIC},
                     },
@@ -69,13 +81,46 @@ def _example() -> dict:
             "skip_periods": None,
             "static_first": True,
             "scaler_type": "std_new",
-            "mean_path": "/glade/mean_6h_1979_2019_13lev_0.25deg.nc",
-            "std_path": "/glade/std_6h_1979_2019_13lev_0.25deg.nc",
+            "mean_path": _MEAN,
+            "std_path": _STD,
+        },
+        "validation_data": {
+            "source": {
+                "ERA5": {
+                    "dataset_type": "local",
+                    "level_coord": "level",
+                    "levels": list(_LEVELS),
+                    "variables": {
+                        "prognostic": {
+                            "vars_3D": ["U", "V", "T", "specific_total_water"],
+                            "vars_2D": ["SP", "VAR_2T", "VAR_10U", "VAR_10V"],
+                            "path": _PER_YEAR,
+                        },
+                        "diagnostic": {"vars_2D": list(_DIAGNOSTIC), "path": _PER_YEAR_STAR},
+                        "dynamic_forcing": {
+                            "vars_2D": ["toa_incident_solar_radiation", "land_sea_CI_mask"],
+                            "path": _PER_YEAR_STAR,
+                        },
+                        "static": {"vars_2D": ["z_norm", "land_sea_mask"], "path": _STATIC},
+                    },
+                }
+            },
+            "start_datetime": "2018-01-01",
+            "end_datetime": "2019-12-31",
+            "timestep": "6h",
+            "history_len": 1,
+            "forecast_len": 1,
+            "one_shot": True,
+            "lead_time_periods": 6,
+            "skip_periods": None,
+            "static_first": True,
+            "scaler_type": "std_new",
+            "mean_path": _MEAN,
+            "std_path": _STD,
         },
         "trainer": {
-            "type": "era5-gen2",
-            "mode": "ddp",
-            "cpu_offload": False,
+            "type": "gen2",
+            "parallelism": {"data": "ddp", "tensor": 1, "domain": 1},
             "activation_checkpoint": True,
             "load_weights": False,
             "load_optimizer": False,
@@ -85,7 +130,7 @@ def _example() -> dict:
             "update_learning_rate": False,
             "save_backup_weights": True,
             "save_best_weights": True,
-            "learning_rate": 1.0e-03,
+            "learning_rate": 0.001,
             "weight_decay": 0,
             "train_batch_size": 2,
             "valid_batch_size": 2,
@@ -104,7 +149,7 @@ def _example() -> dict:
                 "scheduler_type": "linear-warmup-cosine",
                 "warmup_steps": 1000,
                 "total_steps": 500000,
-                "min_lr": 1.0e-5,
+                "min_lr": 1e-05,
             },
             "amp": False,
             "grad_accum_every": 1,
@@ -112,6 +157,12 @@ def _example() -> dict:
             "thread_workers": 4,
             "valid_thread_workers": 4,
             "prefetch_factor": 4,
+        },
+        "preblocks": {
+            "per_step": {
+                "norm": {"type": "era5_normalizer", "args": {"mean_path": _MEAN, "std_path": _STD}},
+                "concat": {"type": "concat"},
+            }
         },
         "model": {
             "type": "crossformer",
@@ -148,7 +199,7 @@ def _example() -> dict:
                     "activate": True,
                     "denorm": True,
                     "tracer_name": ["specific_total_water"],
-                    "tracer_thres": [1e-8],
+                    "tracer_thres": ["1e-8"],
                 },
             },
         },
@@ -159,6 +210,37 @@ def _example() -> dict:
             "use_latitude_weights": True,
             "latitude_weights": _STATIC,
             "use_variable_weights": False,
+        },
+        "inference": {
+            "run_mode": "batch",
+            "mode": "ddp",
+            "save_forecast": "/glade/derecho/scratch/$USER/CREDIT_runs/wxformer_025deg_6hr_v2",
+            "batch_forecast": {
+                "forecast_length": "1d",
+                "first_init_date": "2020-01-01",
+                "last_init_date": "2020-01-02",
+                "init_interval": "12h",
+            },
+            "single_forecast": {"forecast_length": "10d", "start_datetime": "2020-01-01T00:00Z"},
+            "output": {
+                "format": "netcdf",
+                "output_interval": None,
+                "group_by": None,
+                "variables": None,
+                "metadata": "era5.yaml",
+                "encoding": {"dtype": "float32", "zlib": True, "complevel": 4},
+            },
+        },
+        "pbs": {
+            "conda": "credit-derecho",
+            "project": "NAML0001",
+            "job_name": "wxformer_025deg_6hr_v2",
+            "walltime": "12:00:00",
+            "nodes": 8,
+            "ncpus": 64,
+            "ngpus": 4,
+            "mem": "480GB",
+            "queue": "main",
         },
     }
 
@@ -177,6 +259,11 @@ def _on_sample(store: str, parallelism: dict) -> dict:
     data = conf["data"]
     data.update(start_datetime="2020-01-01", end_datetime="2020-01-02T18")
     del data["mean_path"], data["std_path"]
+    # the validation block reads the same stores (one source object, as YAML anchors give)
+    # over the store's last two days; the normaliser preblock's netCDF files go with data's
+    valid = conf["validation_data"]
+    valid.update(source=data["source"], start_datetime="2020-01-03", end_datetime="2020-01-04T18")
+    del valid["mean_path"], valid["std_path"], conf["preblocks"]["per_step"]["norm"]
     trainer = conf["trainer"]
     trainer.update(use_ema=False, thread_workers=0, parallelism=parallelism, dtype="float64")
     trainer["scheduler"].update(warmup_steps=1, total_steps=2)
@@ -209,16 +296,23 @@ def store(tmp_path_factory):
 
 
 def test_the_example_as_written_maps_whole_to_credit_parallel_keys(store):
-    """Nothing of the example is refused any more: the glob of per-year stores, the static store,
-    the netCDF statistics, the diagnostic group, the EMA and the interpolation are all read
-    (it trains as written, pointed at stores: tests/test_credit_stores.py)."""
+    """Nothing of the example (v2026.2.0's text) is refused: its ``dataset_type: local``, the
+    glob of per-year stores, the static store, the netCDF statistics (data block and
+    ``era5_normalizer`` preblock), the diagnostic group, the validation block, the EMA and the
+    interpolation are all read (it trains as written, pointed at stores:
+    tests/test_credit_stores.py)."""
     with pytest.warns(UserWarning, match=r"bookkeeping"):
         conf = credit_gen2_conf(_example())
     data, trainer = conf["data"], conf["trainer"]
+    # ``..._%Y.zarr`` (prognostic) and ``..._%Y*.zarr`` (the other groups): one glob
     assert data["path"] == _STORE and data["static_path"] == _STATIC
-    assert data["mean_path"].endswith("mean_6h_1979_2019_13lev_0.25deg.nc")
-    assert data["std_path"].endswith("std_6h_1979_2019_13lev_0.25deg.nc")
+    assert (data["mean_path"], data["std_path"]) == (_MEAN, _STD)  # = the normaliser preblock's
     assert data["diagnostic_variables"] == _DIAGNOSTIC
+    assert data["time_slice"] == ["1979-01-01", "2018-12-31"]
+    assert data["valid_time_slice"] == ["2018-01-01", "2019-12-31"]
+    assert trainer["steps"] == 500000 and trainer["warmup_steps"] == 1000
+    for gone in ("save_loc", "inference", "pbs", "preblocks", "validation_data"):
+        assert gone not in conf
     assert trainer["use_ema"] is True and trainer["ema_decay"] == 0.9999
     assert conf["model"]["interp"] is True and conf["model"]["padding_conf"]["activate"]
 

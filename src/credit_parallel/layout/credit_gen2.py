@@ -14,22 +14,32 @@ glob of stores split along time such as CREDIT's ``ERA5_plevel_6h_*.zarr``) beco
 ``data.std_path`` (CREDIT's netCDF statistics) are read as they are (``data/multistore.py``,
 ``data/credit_stats.py``).  Every key that cannot be honoured is reported by its full
 path in ONE ``ValueError``; keys that only steer CREDIT's bookkeeping (tensorboard, backup
-weights, validation batch sizes, ...) are dropped with one warning naming them.
+weights, validation batch sizes, ``save_loc``, ``inference``, ``pbs``, ...) are dropped with one
+warning naming them.  ``dataset_type``, ``validation_data``, ``preblocks`` / ``postblocks`` and
+the epoch count are read in :mod:`credit_parallel.layout.credit_gen2_blocks`.
 """
 
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 from collections.abc import Mapping
+
+from .credit_gen2_blocks import (
+    BOOKKEEPING_SECTIONS,
+    as_glob,
+    block_sections,
+    epoch_steps,
+    source_type_problem,
+    validation_section,
+)
 
 __all__ = ["credit_gen2_conf", "is_credit_gen2"]
 
 # data-level keys CREDIT's gen-2 dataset (credit.datasets.gen_2) does not read either, or that
 # do not change what is computed here
 _DATA_IGNORED = ("static_first", "one_shot", "lead_time_periods", "skip_periods", "save_loc")
-_SOURCE_KEYS = ("level_coord", "levels", "variables", "history_len")
+_SOURCE_KEYS = ("level_coord", "levels", "variables", "history_len", "dataset_type")
 _GROUPS = ("prognostic", "diagnostic", "dynamic_forcing", "static")
 
 # trainer keys: CREDIT's name -> ours; dropped bookkeeping; flags honoured only when off
@@ -58,7 +68,7 @@ _TRAINER_OFF_ONLY = {
     "load_scheduler": "resume with trainer.resume: true (DCP checkpoints)",
     "reload_epoch": "resume with trainer.resume: true (DCP checkpoints)",
 }
-_GEN2_TRAINER_TYPES = ("era5-gen2",)
+_GEN2_TRAINER_TYPES = ("era5-gen2", "gen2")
 _LOSS_AS_OURS = {
     "training_loss": "mse",
     "use_power_loss": False,
@@ -102,9 +112,13 @@ def _source(data: dict, problems: list[str]) -> tuple[str, dict]:
             "one zarr store: keep one source"
         )
     name, block = next(iter(sources.items()))
-    block = block if isinstance(block, Mapping) else {}
+    block = dict(block) if isinstance(block, Mapping) else {}
     for key in sorted(set(block) - set(_SOURCE_KEYS)):
         problems.append(f"data.source.{name}.{key} is not read by credit-parallel")
+    problem = source_type_problem(f"data.source.{name}", block)
+    if problem:
+        problems.append(problem)
+    block.pop("dataset_type", None)
     return name, dict(block)
 
 
@@ -141,7 +155,7 @@ def _paths(where: str, variables: Mapping, flat: dict, out: dict, problems: list
     time-dependent groups, ``data.static_path`` from the static group when it names another
     store; CREDIT's strftime codes in a path (``era5_%Y.zarr``) read as ``*``, as CREDIT's
     gen-2 dataset globs them."""
-    paths = {g: _as_glob((variables.get(g) or {}).get("path")) for g in _GROUPS if variables.get(g)}
+    paths = {g: as_glob((variables.get(g) or {}).get("path")) for g in _GROUPS if variables.get(g)}
     timed = {g: p for g, p in paths.items() if g != "static"}
     distinct = sorted({p for p in timed.values() if p is not None})
     if not distinct:
@@ -162,10 +176,6 @@ def _paths(where: str, variables: Mapping, flat: dict, out: dict, problems: list
         problems.append(f"{where}.static.path: the static store needs the data store beside it")
 
 
-def _as_glob(path):
-    return re.sub(r"%[A-Za-z]", "*", path) if isinstance(path, str) else path
-
-
 def _data_section(conf: Mapping, problems: list[str]) -> dict:
     data = dict(conf["data"])
     name, block = _source(data, problems)
@@ -180,9 +190,7 @@ def _data_section(conf: Mapping, problems: list[str]) -> dict:
     start, end = data.get("start_datetime"), data.get("end_datetime")
     if start is not None or end is not None:
         out["time_slice"] = [start, end]
-    valid = conf.get("validation_data")
-    if isinstance(valid, Mapping) and (valid.get("start_datetime") or valid.get("end_datetime")):
-        out["valid_time_slice"] = [valid.get("start_datetime"), valid.get("end_datetime")]
+    validation_section(conf, data, out, problems)
     scaler = data.get("scaler_type")
     if scaler is not None and scaler not in ("std_new", "std"):
         problems.append(
@@ -248,8 +256,11 @@ def _trainer_section(conf: Mapping, data: dict, problems: list[str], dropped: li
     elif norm is not None:
         out["grad_clip"] = norm
     _schedule(t, out, problems)
+    counted = epoch_steps({**t, "grad_accum_every": out.get("grad_accum", 1)})
     epochs = [t.pop(k) for k in ("batches_per_epoch", "num_epoch", "epochs") if k in t]
-    if epochs and "steps" not in out and "steps" not in t:
+    if counted is not None and "steps" not in out and "steps" not in t:
+        out["steps"] = counted
+    elif epochs and "steps" not in out and "steps" not in t:
         problems.append(
             "trainer.batches_per_epoch / num_epoch / epochs: credit-parallel counts optimizer "
             "steps; set trainer.steps (or trainer.scheduler.total_steps)"
@@ -262,6 +273,13 @@ def _trainer_section(conf: Mapping, data: dict, problems: list[str], dropped: li
 
 def _loss_problems(conf: Mapping, problems: list[str]) -> None:
     loss = conf.get("loss") or {}
+    if loss.get("type") is not None:
+        problems.append(
+            f"loss.type = {loss['type']!r}: CREDIT's per-variable loss in physical units "
+            "(loss.args.var_weighting, ...); credit-parallel trains on the latitude-weighted MSE of "
+            "the normalised channels (the flat loss keys: training_loss: mse, "
+            "use_latitude_weights: true)"
+        )
     for key, ours in _LOSS_AS_OURS.items():
         if key in loss and loss[key] != ours:
             problems.append(
@@ -280,7 +298,9 @@ def credit_gen2_conf(conf):
     dropped: list[str] = []
     data = _data_section(conf, problems)
     trainer = _trainer_section(conf, data, problems, dropped)
+    block_sections(conf, data, problems)
     _loss_problems(conf, problems)
+    dropped.extend(k for k in BOOKKEEPING_SECTIONS if k in conf)
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(
@@ -293,5 +313,6 @@ def credit_gen2_conf(conf):
             UserWarning,
             stacklevel=2,
         )
-    out = {k: v for k, v in conf.items() if k not in ("data", "trainer", "loss", "seed")}
+    taken = ("data", "trainer", "loss", "seed", "validation_data", "preblocks", "postblocks")
+    out = {k: v for k, v in conf.items() if k not in taken + BOOKKEEPING_SECTIONS}
     return {**out, "data": data, "trainer": trainer}

@@ -1,0 +1,180 @@
+"""The parts of a CREDIT 2026.2 gen-2 config beside ``data`` and ``trainer``, read as ours.
+
+miles-credit's gen-2 trainer builds its input pipeline from ``preblocks`` / ``postblocks``
+(``credit.preblock`` registry: ``{phase: {name: {type, args}}}``) and reads its validation
+split from ``validation_data`` (the ``data`` schema again, another date range).  Here:
+
+* a block that says what credit-parallel does anyway is accepted: ``concat`` (the nested
+  variables into one channels-first tensor), ``to_device``, ``reconstruct`` (the flat output
+  split back per variable), and ``era5_normalizer``, whose ``mean_path`` / ``std_path``
+  become ``data.mean_path`` / ``data.std_path`` (CREDIT's netCDF statistics, read by
+  ``data/credit_stats.py``); every other block type (``bridgescaler_transform``,
+  ``log_transform``, ...) is refused by its full key;
+* ``validation_data`` gives ``data.valid_time_slice``; its source must read the training
+  stores with the training variables (credit-parallel validates on the training store):
+  every differing key is named;
+* ``data.source.<S>.dataset_type`` must be ``"local"`` (the zarr stores on disk); the cloud
+  readers (``weatherbench2_era5``, ``arco_era5``) and computed sources (``tisr``) are refused
+  naming the type;
+* ``trainer.batches_per_epoch`` with ``epochs`` / ``num_epoch`` count optimizer steps the way
+  miles-credit's ``Trainer`` does when no ``total_steps`` is given.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+
+__all__ = [
+    "BOOKKEEPING_SECTIONS",
+    "as_glob",
+    "block_sections",
+    "epoch_steps",
+    "source_type_problem",
+    "validation_section",
+]
+
+# top-level sections that only steer CREDIT's own rollout / metrics / job submission
+BOOKKEEPING_SECTIONS = ("save_loc", "metrics", "inference", "predict", "pbs")
+
+_LOCAL = "local"
+_ACCEPTED_BLOCKS = {
+    "concat": (),
+    "to_device": ("device",),
+    "reconstruct": ("detach", "in_key", "out_key"),
+    "era5_normalizer": ("mean_path", "std_path"),
+}
+# data keys a validation block may leave different: CREDIT's dataset bookkeeping
+_VALID_FREE = frozenset(
+    {"start_datetime", "end_datetime", "one_shot", "lead_time_periods", "skip_periods"}
+    | {"static_first", "save_loc", "source"}
+)
+
+
+def as_glob(path):
+    """CREDIT's strftime codes as ``*``, runs of ``*`` as one: ``ERA5_%Y.zarr`` and
+    ``ERA5_%Y*.zarr`` name the same stores (one glob, one time axis)."""
+    if not isinstance(path, str):
+        return path
+    return re.sub(r"\*+", "*", re.sub(r"%[A-Za-z]", "*", path))
+
+
+def _as_globs(source):
+    """A ``source`` mapping with every group's ``path`` read as its glob (for comparison)."""
+    if not isinstance(source, Mapping):
+        return source
+    out = {}
+    for name, block in source.items():
+        block = dict(block) if isinstance(block, Mapping) else block
+        if isinstance(block, Mapping) and isinstance(block.get("variables"), Mapping):
+            block["variables"] = {
+                g: {**v, "path": as_glob(v.get("path"))} if isinstance(v, Mapping) else v
+                for g, v in block["variables"].items()
+            }
+        out[name] = block
+    return out
+
+
+def source_type_problem(where: str, block: Mapping) -> str | None:
+    """The problem of ``<where>.dataset_type`` (None when absent or ``"local"``)."""
+    kind = block.get("dataset_type")
+    if kind is None or kind == _LOCAL:
+        return None
+    return (
+        f"{where}.dataset_type = {kind!r}: credit-parallel reads local zarr stores "
+        f"(dataset_type: {_LOCAL!r}); the {kind!r} reader (cloud store or computed field) "
+        "is not available: write the fields to a local zarr store"
+    )
+
+
+def block_sections(conf: Mapping, data: dict, problems: list[str]) -> None:
+    """Check ``preblocks`` / ``postblocks``; an ``era5_normalizer``'s statistics go to
+    ``data.mean_path`` / ``data.std_path`` (refused when they differ from the data block's)."""
+    for section in ("preblocks", "postblocks"):
+        phases = conf.get(section)
+        if phases is None:
+            continue
+        if not isinstance(phases, Mapping):
+            problems.append(f"{section} must map a phase to its blocks, got {phases!r}")
+            continue
+        for phase, blocks in phases.items():
+            if isinstance(blocks, Mapping) and "type" in blocks:  # a block without a phase
+                _one_block(f"{section}.{phase}", blocks, data, problems)
+                continue
+            for name, block in (blocks or {}).items():
+                _one_block(f"{section}.{phase}.{name}", block, data, problems)
+
+
+def _one_block(where: str, block, data: dict, problems: list[str]) -> None:
+    block = block if isinstance(block, Mapping) else {}
+    kind = block.get("type")
+    if kind not in _ACCEPTED_BLOCKS:
+        problems.append(
+            f"{where}.type = {kind!r}: credit-parallel normalises by a per-channel mean and "
+            "std and concatenates the variables itself; the blocks it honours are "
+            f"{sorted(_ACCEPTED_BLOCKS)} (norm: era5_normalizer with mean_path / std_path)"
+        )
+        return
+    args = dict(block.get("args") or {})
+    for key in sorted(set(args) - set(_ACCEPTED_BLOCKS[kind])):
+        problems.append(f"{where}.args.{key} is not read by credit-parallel ({kind})")
+    if kind == "reconstruct" and args.get("detach"):
+        problems.append(f"{where}.args.detach: true cuts the gradient; set it to false")
+    if kind != "era5_normalizer":
+        return
+    for key in ("mean_path", "std_path"):
+        if key not in args:
+            problems.append(f"{where}.args.{key}: the normaliser needs both statistics files")
+        elif data.setdefault(key, args[key]) != args[key]:
+            problems.append(
+                f"{where}.args.{key} = {args[key]!r} differs from data.{key} = {data[key]!r}"
+            )
+
+
+def validation_section(conf: Mapping, data: Mapping, mapped: dict, problems: list[str]) -> None:
+    """``validation_data``'s date range as ``mapped['valid_time_slice']``; its other keys
+    must repeat the training ``data`` block (credit-parallel validates on the training
+    stores and variables); every differing key is named."""
+    valid = conf.get("validation_data")
+    if not isinstance(valid, Mapping):
+        return
+    start, end = valid.get("start_datetime"), valid.get("end_datetime")
+    if start is not None or end is not None:
+        mapped["valid_time_slice"] = [start, end]
+    for key in sorted(set(valid) - _VALID_FREE):
+        if valid[key] != data.get(key):
+            problems.append(
+                f"validation_data.{key} = {valid[key]!r} differs from data.{key} = "
+                f"{data.get(key)!r}: credit-parallel validates with the training data keys"
+            )
+    theirs, ours = _as_globs(valid.get("source")), _as_globs(data.get("source") or {})
+    if "source" in valid and theirs != ours:
+        names = sorted(set(theirs) | set(ours)) if isinstance(theirs, Mapping) else ["?"]
+        for name in names:
+            a = theirs.get(name) if isinstance(theirs, Mapping) else theirs
+            b = ours.get(name)
+            if a != b:
+                problems.append(
+                    f"validation_data.source.{name} differs from data.source.{name}: "
+                    "credit-parallel validates on the training stores and variables (only "
+                    "the date range may differ)"
+                )
+
+
+def epoch_steps(t: Mapping) -> int | None:
+    """Optimizer steps of one ``credit train`` run as miles-credit's gen-2 ``Trainer`` counts
+    them (``trainers/base_trainer.py``, ``trainer_gen2.py``): epochs ``start_epoch`` up to
+    ``min(epochs, start_epoch + num_epoch)``, each ``batches_per_epoch`` batches with an
+    optimizer step every ``grad_accum_every`` batches and at the epoch's last batch.  None
+    when ``batches_per_epoch`` is 0 (CREDIT then runs the whole dataset per epoch).  CREDIT also
+    caps ``batches_per_epoch`` at the loader's length, which is not known here: a run whose
+    epoch is longer than its data keeps cycling the data instead."""
+    per_epoch = int(t.get("batches_per_epoch") or 0)
+    if per_epoch <= 0:
+        return None
+    start = int(t.get("start_epoch") or 0)
+    epochs = int(t.get("epochs", 1))
+    end = min(epochs, start + int(t.get("num_epoch", 10**8)))
+    accum = max(int(t.get("grad_accum_every") or 1), 1)
+    return max(end - start, 0) * math.ceil(per_epoch / accum)
