@@ -71,27 +71,39 @@ def test_multihead_attention_on_tile_tokens_is_exact(shape, hw, need_weights, ba
 
 
 def _refused_worker(rank, world, class_token):
+    from credit_parallel.domain.attention import token_mha
+
     m = TiledDomainManager(world, (2, 2))
     # equal tiles (several grids give their counts), or uneven ones (a class token shows)
     x = torch.randn(1, 3, *((9, 11) if class_token else (8, 12)), dtype=torch.float64)
     build = lambda: _Tokens(not class_token, True, class_token).double()  # noqa: E731
+    exchanges = []  # the all-to-alls of the attention: none runs before the refusal
+    core = token_mha.core_over_all_tokens
+    token_mha.core_over_all_tokens = lambda *a: exchanges.append(1) or core(*a)
     try:
         domain_parity_errors(build, x, m)
     except ValueError as err:
-        return str(err)
-    return ""
+        return str(err), len(exchanges)
+    finally:
+        token_mha.core_over_all_tokens = core
+    return "", len(exchanges)
 
 
 @pytest.mark.parametrize(
     "class_token, words",
     [
-        (False, "need_weights=True on lat x lon tiles"),  # equal tiles: several grids
+        # equal tiles of an evenly divisible grid, need_weights=True: several grids give the
+        # counts, so the weights' key order is unknown
+        (False, "need_weights=True on lat x lon tiles"),
         (True, "not whole balanced tiles"),  # one extra token per rank (uneven tiles)
     ],
 )
 def test_unknown_key_order_and_tokens_that_are_not_tiles_are_refused(class_token, words):
-    for text in run_on_ranks(_refused_worker, 4, class_token):
+    for text, exchanges in run_on_ranks(_refused_worker, 4, class_token):
         assert words in text and "mha" in text, text
+        assert exchanges == 0, exchanges  # refused before the attention's all-to-all
+        if not class_token:
+            assert "need_weights=False" in text, text
 
 
 def test_tile_grids_from_the_token_counts():

@@ -280,3 +280,37 @@ def test_preflight_names_an_ema_tracker_that_cannot_be_imported(store, monkeypat
     for words in ("trainer.use_ema", "EMATracker", "cftime", "trainer.use_ema: false"):
         assert words in problem, (words, problem)
     assert validate_run(_conf(store, ema=False), 1) == []
+
+
+def test_check_weights_and_ema_flag_read_miles_credit_files_as_credit_writes_them(store, tmp_path):
+    """``checkpoint_ema.pt`` ({"model_state_dict": {"shadow", "decay", "step"}}) passes the
+    CLI's pre-check; ``--ema`` with ``checkpoint.pt`` reads the ``checkpoint_ema.pt`` beside it
+    (the training weights otherwise), and is refused by name without one."""
+    from credit_parallel.forecast.weights import check_weights, load_forecast_weights
+    from credit_parallel.train.checkpoint import CheckpointError
+
+    ref, tracker = _reference(store, 2)
+    conf = _conf(store, ema=False)
+    trained = {k: v.detach().clone() for k, v in ref.model.state_dict().items()}
+    ema_path, plain_path = tmp_path / "checkpoint_ema.pt", tmp_path / "checkpoint.pt"
+    torch.save({"epoch": 0, "model_state_dict": tracker.state_dict()}, ema_path)
+    torch.save({"epoch": 0, "model_state_dict": trained}, plain_path)
+    check_weights(conf["model"], ema_path)
+    check_weights(conf["model"], ema_path, ema=True)
+    check_weights(conf["model"], plain_path, ema=True)
+    model = Trainer(conf).model
+    manifest = load_forecast_weights(model, plain_path, ema=True)
+    assert manifest["ema"] and manifest["checkpoint"] == str(ema_path)
+    got = {k: v.float() for k, v in _params_of(model).items()}
+    assert _max_err(got, tracker.shadow) <= TOL
+    assert _max_err(_params_of(model), trained) > 1e-6
+    manifest = load_forecast_weights(model, plain_path)
+    assert not manifest["ema"] and manifest["checkpoint"] == str(plain_path)
+    assert _max_err(_params_of(model), trained) == 0.0
+    ema_path.unlink()
+    for call in (
+        lambda: load_forecast_weights(model, plain_path, ema=True),
+        lambda: check_weights(conf["model"], plain_path, ema=True),
+    ):
+        with pytest.raises(CheckpointError, match="checkpoint.pt.*pass checkpoint_ema.pt"):
+            call()

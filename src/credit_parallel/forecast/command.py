@@ -428,7 +428,7 @@ def preflight(conf: dict, args) -> None:
     check_existing_store(
         store, args.resume, args.overwrite, times, store_variables(dataset), args.members
     )
-    check_weights(conf["model"], args.checkpoint)
+    check_weights(conf["model"], args.checkpoint, ema=getattr(args, "ema", False))
 
 
 def run_forecast(conf: dict, args, *, stream=None) -> dict:

@@ -27,7 +27,13 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..train.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 
-__all__ = ["check_weights", "load_forecast_weights", "map_credit_keys", "resolve_checkpoint"]
+__all__ = [
+    "check_weights",
+    "credit_state",
+    "load_forecast_weights",
+    "map_credit_keys",
+    "resolve_checkpoint",
+]
 
 _PREFIXES = ("module.", "_orig_mod.")
 
@@ -89,16 +95,45 @@ def map_credit_keys(state: dict, expected) -> dict:
     return out
 
 
-def _load_credit_file(path: Path, model: torch.nn.Module) -> dict:
+def _read(path: Path, **kw):
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, **kw)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported in one line
         raise CheckpointError(
             f"checkpoint {str(path)!r} could not be read ({type(exc).__name__}: {exc})"
         ) from None
+
+
+def credit_state(payload) -> tuple[dict | None, bool]:
+    """The state dict a miles-credit ``torch.save`` payload holds, and whether it is the EMA
+    shadow: ``payload["model_state_dict"]`` (else the payload itself), then its ``shadow`` when
+    it has one (``checkpoint_ema.pt``: ``EMATracker.state_dict()``).  ``None`` when it is no
+    dict."""
     state = payload.get("model_state_dict", payload) if isinstance(payload, dict) else None
     if isinstance(state, dict) and isinstance(state.get("shadow"), dict):
-        state = state["shadow"]  # miles-credit's checkpoint_ema.pt (EMATracker.state_dict)
+        return state["shadow"], True
+    return (state if isinstance(state, dict) else None), False
+
+
+def _credit_file_state(path: Path, ema: bool, **kw) -> tuple[Path, dict | None]:
+    """The file read and its state dict; with ``ema`` the EMA shadow: the file's own, else the
+    sibling ``checkpoint_ema.pt`` miles-credit writes beside ``checkpoint.pt``."""
+    state, is_ema = credit_state(_read(path, **kw))
+    if not ema or is_ema:
+        return path, state
+    sibling = path.with_name("checkpoint_ema.pt")
+    if sibling != path and sibling.is_file():
+        state, is_ema = credit_state(_read(sibling, **kw))
+        if is_ema:
+            return sibling, state
+    raise CheckpointError(
+        f"--ema: checkpoint {str(path)!r} holds no EMA weights (no 'shadow') and no "
+        f"checkpoint_ema.pt with them lies beside it: pass checkpoint_ema.pt"
+    )
+
+
+def _load_credit_file(path: Path, model: torch.nn.Module, ema: bool = False) -> dict:
+    path, state = _credit_file_state(path, ema)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds no model_state_dict (a miles-credit checkpoint) "
@@ -115,7 +150,7 @@ def _load_credit_file(path: Path, model: torch.nn.Module) -> dict:
         )
     mapped = {k: v.to(dtype=own[k].dtype) for k, v in mapped.items()}
     set_model_state_dict(model, mapped, options=StateDictOptions(full_state_dict=True, strict=True))
-    return {"checkpoint": str(path), "format": "miles-credit"}
+    return {"checkpoint": str(path), "format": "miles-credit", "ema": ema}
 
 
 def load_forecast_weights(model: torch.nn.Module, path, *, ema: bool = False) -> dict:
@@ -123,10 +158,11 @@ def load_forecast_weights(model: torch.nn.Module, path, *, ema: bool = False) ->
     returns its manifest (``{"checkpoint": ..., "format": ...}`` for a miles-credit file).
     ``ema``: then the moving average of the weights a ``trainer.use_ema`` run saved with it
     (``CheckpointError`` when it holds none).  A miles-credit ``checkpoint_ema.pt`` is a file
-    like any other (its ``shadow`` is read as the state dict)."""
+    like any other (its ``shadow`` is read as the state dict); with ``ema`` a miles-credit
+    ``checkpoint.pt`` is read through the ``checkpoint_ema.pt`` beside it (refused without)."""
     resolved = resolve_checkpoint(path)
     if resolved.is_file():
-        return _load_credit_file(resolved, model)
+        return _load_credit_file(resolved, model, ema)
     manifest = dict(load_checkpoint(resolved, model))
     if ema:
         from ..train.ema import load_ema_weights
@@ -156,11 +192,11 @@ def _differences(own: dict, stored: dict) -> list[str]:
     return parts
 
 
-def check_weights(model_conf: dict, path) -> None:
+def check_weights(model_conf: dict, path, *, ema: bool = False) -> None:
     """Compare the checkpoint's parameter names and shapes with the model ``model_conf`` builds
     (on the meta device: no memory, no process group), without reading a tensor;
     ``CheckpointError`` naming the first differing keys.  What the CLI checks before any rank
-    starts."""
+    starts.  ``ema``: a miles-credit file is checked as :func:`load_forecast_weights` reads it."""
     import torch.distributed.checkpoint as dcp
 
     from ..models import build_model
@@ -171,13 +207,8 @@ def check_weights(model_conf: dict, path) -> None:
         model = build_model(model_conf)
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if resolved.is_file():
-        try:
-            payload = torch.load(resolved, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported in one line
-            raise CheckpointError(
-                f"checkpoint {str(resolved)!r} could not be read ({type(exc).__name__}: {exc})"
-            ) from None
-        state = payload.get("model_state_dict", payload) if isinstance(payload, dict) else {}
+        resolved, state = _credit_file_state(resolved, ema, mmap=True)
+        state = state or {}
         state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
         stored = {k: tuple(v.shape) for k, v in map_credit_keys(state, own).items()}
     else:

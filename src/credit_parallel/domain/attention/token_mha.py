@@ -124,6 +124,9 @@ def sequence_parallel_mha(manager, name: str, args: tuple, kwargs: dict, owner=N
     # torch's layout: (L, B, E) -> (B * heads, L, head_dim), unit = b * heads + h
     q, k, v = (t.reshape(t.shape[0], batch * heads, -1).transpose(0, 1) for t in (q, k, v))
     q_counts, k_counts = checked_counts(manager, name, length, key.shape[0], batch * heads, owner)
+    order = None  # the weights' keys in global order on lat x lon tiles (token_tiles.py):
+    if a["need_weights"] and getattr(manager, "is_tiled", False):  # refused before any all-to-all
+        order = global_key_order(k_counts, manager.domain_shape, name, q.device)
     key_mask = None if kpm is None else _gathered_key_mask(kpm, k_counts, manager, q.dtype)
     units = unit_range(batch * heads, manager)
     outs = core_over_all_tokens(
@@ -134,8 +137,7 @@ def sequence_parallel_mha(manager, name: str, args: tuple, kwargs: dict, owner=N
     weights = None
     if a["need_weights"]:
         weights = outs[1].reshape(batch, heads, length, -1)
-        if getattr(manager, "is_tiled", False):  # the keys in global order (token_tiles.py)
-            order = global_key_order(k_counts, manager.domain_shape, name, weights.device)
+        if order is not None:
             extra = weights[..., sum(k_counts) :]  # bias_k, add_zero_attn: last, as torch's
             weights = torch.cat([weights.index_select(-1, order), extra], -1)
         if a["average_attn_weights"]:
