@@ -439,3 +439,26 @@ def test_plan_command_names_the_best_split(capsys):
     (line,) = [x for x in out.splitlines() if "split of the 2 domain ranks" in x]
     assert "lat x lon = " in line and "ms (compute" in line
     assert "the configured 2 x 1" in line or "(the configured split)" in line
+
+
+def test_a_layer_not_runnable_on_its_strips_keeps_the_reason_in_the_plan(monkeypatch):
+    """A layer run on latitude strips whose 1-D windows cannot be made on them (the 1-D
+    geometry's ValueError) carries that error in its tile plan instead of dropping the
+    exchange silently."""
+    from credit_parallel.layout.config import load_config
+    from credit_parallel.planner import make_plan
+    from credit_parallel.planner import tiles as planner_tiles
+
+    def refused(layer, height, n, double=False):
+        raise ValueError(f"{height} rows on {n} strips: too few")
+
+    monkeypatch.setattr(planner_tiles, "input_windows_of", refused)
+    cross = copy.deepcopy(load_config("src/credit_parallel/configs/demo_crossformer.yaml"))
+    cross.pop("data", None)
+    cross["trainer"]["parallelism"] = {"data": "none", "domain": {"lat": 2, "lon": 2}}
+    plan = make_plan(cross, 4)
+    stripped = [lay for lay in plan.tile_layers if lay.strips_sent]
+    assert stripped
+    for lay in stripped:
+        assert lay.error is not None and "on 4 latitude strips" in lay.error, lay
+        assert "strips: too few" in lay.error and not lay.strip_rows_sent, lay

@@ -33,8 +33,6 @@ from .layers.norm import DomainParallelGroupNorm
 from .layers.norm_halo import ELEMENTWISE_ACTIVATIONS, NormConvLink
 from .layers.padding import DomainParallelPad
 
-TILE_NORM_CONV = True  # the norm + conv link on lat x lon tiles
-
 __all__ = ["apply_fusions", "apply_norm_conv", "find_fusions", "find_norm_conv", "fuse_exchanges"]
 
 
@@ -199,8 +197,6 @@ def find_norm_conv(
     :func:`find_fusions`) whose norm statistics can travel with the conv's exchange; convs in
     ``taken`` (ids: fused with a pad or sharing their input) are left out.  ``tiles``: for lat x
     lon tiles (``norm_halo.py``'s tile form)."""
-    if tiles and not TILE_NORM_CONV:
-        return []
     layer_of = layer_of or (lambda m: m)
     if tree is None:
         tree = list(model.named_modules(remove_duplicate=False))

@@ -52,9 +52,11 @@ def fuse_tile_plans(model, trace, layers: list[TileLayerPlan], shape, double: bo
         elif id(layer) in fused_pads:
             out.append(dataclasses.replace(lay, **{key: () for key in _EXCHANGE_FIELDS}))
         elif id(layer) in pad_of:
-            out.append(_fused_conv(lay, layer, pad_of[id(layer)], in_shape, out_shape, shape))
+            out.append(
+                _fused_conv(lay, layer, pad_of[id(layer)], in_shape, out_shape, shape, double)
+            )
         elif index in shared:
-            out.append(_with_windows(lay, layer, shared[index], in_shape, out_shape, shape))
+            out.append(_with_windows(lay, layer, shared[index], in_shape, out_shape, shape, double))
         elif id(layer) in linked_convs:
             out.append(dataclasses.replace(lay, stats_pass=stats_pass))
         elif id(layer) in linked_norms:
@@ -88,21 +90,23 @@ def _shared_calls(trace, groups, shape) -> dict:
             inactive.add(id(group))  # a stack, not siblings: every later call alone
         geometries = tuple(m.geometry for m in group)
         height, width = in_shape[-2], in_shape[-1]
-        rows, cols, _ = tile_union_windows(geometries, layer.spatial_index, 2, height, width, shape)
+        rows, cols, _ = tile_union_windows(
+            geometries, layer.spatial_index, layer.nd, height, width, shape
+        )
         out[index] = (rows, cols)
         served_by[id(group)] = (x, {member})
     return out
 
 
-def _with_windows(lay, conv, windows, in_shape, out_shape, shape) -> TileLayerPlan:
+def _with_windows(lay, conv, windows, in_shape, out_shape, shape, double) -> TileLayerPlan:
     """The plan of a sibling conv's call: the union windows' exchange, or none."""
     if windows is None:
         return dataclasses.replace(lay, **{key: () for key in _EXCHANGE_FIELDS})
     union = lambda height, width, tile_shape, double=False: windows  # noqa: E731
-    return tile_layer_plan(lay.path, conv, tuple(in_shape), out_shape, shape, windows=union)
+    return tile_layer_plan(lay.path, conv, tuple(in_shape), out_shape, shape, double, union)
 
 
-def _fused_conv(lay, conv, pad, in_shape, out_shape, shape) -> TileLayerPlan:
+def _fused_conv(lay, conv, pad, in_shape, out_shape, shape, double) -> TileLayerPlan:
     """The plan of ``conv`` exchanging the input of ``pad`` for both."""
     left, right, top, bottom = pad.padding
     pad_in = list(in_shape)
@@ -114,4 +118,4 @@ def _fused_conv(lay, conv, pad, in_shape, out_shape, shape) -> TileLayerPlan:
         geo, i_h, nd = conv.geometry, conv.spatial_index, conv.nd
         return fused_tile_windows(key, geo, i_h, nd, height, width, tuple(tile_shape))
 
-    return tile_layer_plan(lay.path, conv, tuple(pad_in), out_shape, shape, windows=windows)
+    return tile_layer_plan(lay.path, conv, tuple(pad_in), out_shape, shape, double, windows)

@@ -285,8 +285,8 @@ def _on_strips(layer, in_shape, dim: int, n: int, double: bool) -> dict:
         if windows is None:
             return dict(strip_compute_rows=out_rows)
         sent, received, peers_sent, peers_received = _axis(height, n, windows)
-    except ValueError:  # not runnable on these strips: the 1-D checks report it
-        return dict(strip_compute_rows=out_rows)
+    except ValueError as err:  # not runnable on these strips: in the plan, not dropped
+        return dict(strip_compute_rows=out_rows, error=f"on {n} latitude strips: {err}")
     returns = bool(getattr(layer, "returns_rows", False))
     if returns:  # the module runs on whole groups of rows
         out_rows = max(len(w) for w in windows)
