@@ -371,6 +371,35 @@ def test_an_exchange_is_planned_once_per_shape_and_replayed_exactly(mode):
         assert same
 
 
+def test_a_nan_fill_reuses_one_program():
+    """The replay cache keys a fill by its bits: two calls with a NaN fill (a fresh float each,
+    never equal to another NaN) build one program; -0.0 and 0.0 two (they fill differently)."""
+    from credit_parallel.domain.exchange import replay
+
+    built = []
+
+    class Program:
+        def __init__(self, specs, shapes, peers, group, device):
+            built.append(specs[0][2])
+
+    plan = object()
+    try:
+        for fill in (float("nan"), float("nan"), 0.0, -0.0, 0.0):
+            replay._cached(Program, [(plan, -2, fill)], [(1, 2, 3, 4)], (0,), None, "cpu")
+        replay._cached(
+            Program, [(plan, -2, float("nan"))] * 2, [(1, 2, 3, 4)] * 2, (0,), None, "cpu"
+        )
+        replay._cached(
+            Program, [(plan, -2, float("nan"))] * 2, [(1, 2, 3, 4)] * 2, (0,), None, "cpu"
+        )
+    finally:
+        for key in [k for k in replay._CACHE if k[0] == "Program"]:
+            del replay._CACHE[key]
+    assert len(built) == 4, built
+    assert built[0] != built[0] and built[1:3] == [0.0, -0.0] and built[3] != built[3]
+    assert str(built[2]) == "-0.0"
+
+
 def test_exchange_host_benchmark_measures_both_versions_in_the_same_ranks():
     import importlib.util
     import sys

@@ -18,6 +18,7 @@ evicted first.  Pure bookkeeping plus the posts.
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 
 import torch
@@ -57,15 +58,23 @@ def _shapes_key(shapes) -> tuple:
     return tuple(s if isinstance(s, tuple) else tuple(s) for s in shapes)
 
 
+def _fill_key(fill):
+    """``fill`` in a cache key by its bits: a NaN never equals another NaN (every call would
+    build anew), and 0.0 / -0.0 compare equal but fill differently."""
+    return struct.pack("d", fill) if isinstance(fill, float) else fill
+
+
 def _cached(kind: type, specs, shapes, peers, group, device):
     """``kind(specs, shapes, peers, group, device)``, built once per (kind, plans, dims, fills,
     shapes, peers, group, device) (the plans by their ids: the entry holds them, so that their
     ids stay theirs while it lives); at the size limit the least recently used entry goes."""
     if len(specs) == 1:  # the common case, without the generators
         (p, d, f), shape = specs[0], shapes[0]
-        ids, shapes_key = ((id(p), d, f),), (shape if isinstance(shape, tuple) else tuple(shape),)
+        ids = ((id(p), d, _fill_key(f)),)
+        shapes_key = (shape if isinstance(shape, tuple) else tuple(shape),)
     else:
-        ids, shapes_key = tuple((id(p), d, f) for p, d, f in specs), _shapes_key(shapes)
+        ids = tuple((id(p), d, _fill_key(f)) for p, d, f in specs)
+        shapes_key = _shapes_key(shapes)
     key = (kind.__name__, ids, shapes_key, tuple(peers), id(group), device)
     hit = _CACHE.get(key)
     if hit is None:
