@@ -161,6 +161,7 @@ def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup, parallelism
     assert ds["T"].attrs["units"] == "K" and ds["T"].attrs["standard_name"] == "air_temperature"
     assert ds["SP"].attrs["units"] == "Pa" and ds.attrs["Conventions"].startswith("CF")
     assert "tsi" in ds.attrs["config"] and ds.attrs["checkpoint"].endswith("step_00000001")
+    assert ds.attrs["ema"] is False  # the training weights, not their moving average
     assert ds["complete"].values.tolist() == [1, 1, 1]
     # physical units: temperatures in kelvin, surface pressure in pascal
     assert 150 < float(ds["T"].min()) and float(ds["T"].max()) < 350

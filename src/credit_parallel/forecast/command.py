@@ -184,7 +184,11 @@ class _Run:
                 members=args.members,
                 row_chunk=row_chunk_for(ranges),
                 column_chunk=row_chunk_for(columns) if q > 1 else None,
-                attrs=config_attrs(self.conf, self.manifest.get("checkpoint", args.checkpoint)),
+                attrs=config_attrs(
+                    self.conf,
+                    self.manifest.get("checkpoint", args.checkpoint),
+                    {"ema": bool(self.manifest.get("ema", False))},  # the weights' moving average?
+                ),
             )
         _barrier()
         self.store = ForecastStore.open(self.store_path, args.members)
