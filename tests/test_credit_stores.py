@@ -198,6 +198,14 @@ def test_mismatched_stores_are_refused_naming_both(data, tmp_path):
         ERA5Dataset([data["years"][0], str(tmp_path / "overlap.zarr")], UPPER, SURFACE, **kwargs)
     with pytest.raises(ValueError, match=r"ERA5_plevel_6h_b\.zarr.*ERA5_plevel_6h_a\.zarr.*gap"):
         ERA5Dataset([data["years"][0], data["years"][2]], UPPER, SURFACE, **kwargs)
+    # an hourly store right after the 6-hourly one (its first time 6 h on): one axis, two steps
+    hourly = raw.isel(time=slice(5, 11))
+    hourly = hourly.assign_coords(time=raw.time.values[5] + np.arange(6) * np.timedelta64(1, "h"))
+    _write(hourly, tmp_path / "hourly.zarr")
+    with pytest.raises(
+        ValueError, match=r"6h_b\.zarr' \(time step .*hourly\.zarr' .*differ in time"
+    ):
+        ERA5Dataset([data["years"][0], str(tmp_path / "hourly.zarr")], UPPER, SURFACE, **kwargs)
     shifted = raw.isel(time=slice(5, 11)).assign_coords(longitude=raw.longitude + 1.0)
     _write(shifted, tmp_path / "shifted.zarr")
     with pytest.raises(ValueError, match=r"differ in the 'longitude' coordinate values"):

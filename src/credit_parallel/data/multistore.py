@@ -155,12 +155,37 @@ class StoreSet:
         self.parts.sort(key=lambda part: part.ds[self.time_dim].values[0])
         self.ds = self.parts[0].ds
         start = 0
+        step = self._common_step()
         for before, after in zip(self.parts, self.parts[1:]):
             start += before.ds.sizes[self.time_dim]
             after.start = start
-            self._check_boundary(before, after)
+            self._check_boundary(before, after, step)
 
-    def _check_boundary(self, before: _Part, after: _Part) -> None:
+    def _common_step(self):
+        """The one time step of all stores: each store's own spacing constant and the same in
+        every store of more than one time (None when no store has two times)."""
+        step, first = None, None
+        for part in self.parts:
+            times = part.ds[self.time_dim].values
+            if times.size < 2:
+                continue
+            steps = np.unique(np.diff(times))
+            if steps.size != 1:
+                raise ValueError(
+                    f"{self.what}: the store {str(part.path)!r} has uneven time steps "
+                    f"{list(steps)}; the stores of data.path must share one time step"
+                )
+            if step is None:
+                step, first = steps[0], part
+            elif steps[0] != step:
+                raise ValueError(
+                    f"{self.what}: the stores {str(first.path)!r} (time step {step}) and "
+                    f"{str(part.path)!r} (time step {steps[0]}) differ in time step; the "
+                    "stores of data.path must share one time step"
+                )
+        return step
+
+    def _check_boundary(self, before: _Part, after: _Part, step) -> None:
         a, b = before.ds[self.time_dim].values, after.ds[self.time_dim].values
         if not b[0] > a[-1]:
             raise ValueError(
@@ -168,12 +193,11 @@ class StoreSet:
                 f"{str(after.path)!r} (times {b[0]} .. {b[-1]}) overlap in time; each time must "
                 "be in one store only"
             )
-        step = a[1] - a[0] if a.size > 1 else (b[1] - b[0] if b.size > 1 else None)
         if step is not None and b[0] - a[-1] != step:
             raise ValueError(
                 f"{self.what}: between the stores {str(before.path)!r} (last time {a[-1]}) and "
                 f"{str(after.path)!r} (first time {b[0]}) the time step is {b[0] - a[-1]}, not "
-                f"the stores' own {step}: a gap in the time axis (a missing store?)"
+                f"the stores' common {step}: a gap in the time axis (a missing store?)"
             )
 
     def check(self, names, static_names=()) -> None:
