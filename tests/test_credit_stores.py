@@ -314,6 +314,29 @@ def test_variables_absent_from_the_netcdf_files_pass_through_and_levels_match_by
     assert np.array_equal(x[prognostic:].numpy(), raw_static)  # unchanged
 
 
+def test_each_netcdf_file_is_matched_by_its_own_levels_and_foreign_levels_are_refused(
+    data, tmp_path
+):
+    """The std file with its levels the other way from the mean file's gives the same samples;
+    a level coordinate without the selected levels (same count) is refused, not read by position."""
+    stats = default_stats_path(data["single"])
+    mean, std = _netcdf_stats(stats, tmp_path, [*UPPER, *SURFACE, *FORCING])
+    flipped = xr.open_dataset(std).load().sortby("level", ascending=False)
+    flipped.to_netcdf(std, engine="h5netcdf")  # levels 850, 500 in the std file only
+    kwargs = dict(levels=[500, 850], dynamic_forcing_variables=FORCING)
+    ours = ERA5Dataset(data["single"], UPPER, SURFACE, **kwargs, mean_path=mean, std_path=std)
+    single = ERA5Dataset(data["single"], UPPER, SURFACE, **kwargs)
+    assert torch.equal(ours[4]["x"], single[4]["x"])
+    assert torch.equal(ours[4]["y"], single[4]["y"])
+    other = xr.open_dataset(mean).load().assign_coords(level=[300.0, 700.0])
+    other.to_netcdf(tmp_path / "other_levels.nc", engine="h5netcdf")
+    with pytest.raises(
+        ValueError, match=r"data\.mean_path .*selected levels \[500\.0, 850\.0\] are not"
+    ):
+        ERA5Dataset(data["single"], UPPER, SURFACE, **kwargs,
+                    mean_path=str(tmp_path / "other_levels.nc"), std_path=std)  # fmt: skip
+
+
 # --------------------------------------------------------------------------- the gen-2 example
 def _on_stores(data, parallelism: dict) -> dict:
     """The example as ``test_credit_examples._on_sample`` rewrites it, its paths then set as
