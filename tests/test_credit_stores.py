@@ -227,6 +227,50 @@ def test_mismatched_stores_are_refused_naming_both(data, tmp_path):
         ERA5Dataset(data["glob"], UPPER, SURFACE, levels=[500, 850])
 
 
+@pytest.fixture
+def opened(monkeypatch):
+    """The stores the data package opens, each with whether it was closed since."""
+    from credit_parallel.data import multistore
+
+    stores, closed, open_store, close = [], set(), multistore.open_store, xr.Dataset.close
+
+    def recording_open(path, what):
+        ds, counter = open_store(path, what)
+        stores.append(ds)
+        return ds, counter
+
+    def recording_close(self):
+        closed.add(id(self))
+        close(self)
+
+    monkeypatch.setattr(multistore, "open_store", recording_open)
+    monkeypatch.setattr(xr.Dataset, "close", recording_close)
+    return lambda: [id(ds) in closed for ds in stores]
+
+
+def test_a_failure_while_the_dataset_is_built_closes_every_store_it_opened(data, tmp_path, opened):
+    """Missing statistics, an empty time slice, a static store on another grid, overlapping
+    stores: the error comes, and every store opened before it is closed."""
+    coarse = data["raw"][STATIC].isel(latitude=slice(0, 16))
+    _write(coarse, tmp_path / "coarse.zarr")
+    _write(data["raw"].drop_vars(STATIC).isel(time=slice(3, 7)), tmp_path / "overlap.zarr")
+    stats, static = dict(mean_path=data["mean"], std_path=data["std"]), data["static"]
+    cases = [
+        (FileNotFoundError, dict(stats_path=str(tmp_path / "absent.zarr"), static_path=static)),
+        (ValueError, dict(time_slice=("2031-01-01", "2031-02-01"), static_path=static, **stats)),
+        (ValueError, dict(static_path=str(tmp_path / "coarse.zarr"), **stats)),
+    ]
+    for error, kwargs in cases:
+        with pytest.raises(error):
+            ERA5Dataset(
+                data["glob"], UPPER, SURFACE, levels=[500, 850], static_variables=STATIC, **kwargs
+            )
+    with pytest.raises(ValueError, match="overlap in time"):
+        ERA5Dataset([data["years"][0], str(tmp_path / "overlap.zarr")], UPPER, SURFACE, **stats)
+    closed = opened()
+    assert len(closed) == 4 + 3 + 4 + 2 and all(closed), closed
+
+
 def test_a_static_store_on_another_grid_and_incomplete_statistics_are_refused(data, tmp_path):
     coarse = data["raw"][STATIC].isel(latitude=slice(0, 16))
     _write(coarse, tmp_path / "coarse.zarr")
