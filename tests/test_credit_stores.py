@@ -276,6 +276,8 @@ def test_a_static_store_on_another_grid_and_incomplete_statistics_are_refused(da
     _write(coarse, tmp_path / "coarse.zarr")
     common = dict(levels=[500, 850], static_variables=STATIC, mean_path=data["mean"])
     common["std_path"] = data["std"]
+    with pytest.raises(ValueError, match=r"data\.static_path .*static_variables is empty"):
+        ERA5Dataset(data["glob"], UPPER, SURFACE, static_path=data["static"], **common | {"static_variables": []})  # fmt: skip
     with pytest.raises(ValueError, match=r"static store .*coarse\.zarr' is on another grid"):
         ERA5Dataset(
             data["glob"], UPPER, SURFACE, static_path=str(tmp_path / "coarse.zarr"), **common

@@ -220,7 +220,12 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
     def _set_statistics(self, static_path, stats_path, mean_path, std_path) -> None:
         """The static store (``static_path``) and the per-channel mean / std."""
         self._static_store = None
-        if static_path is not None and self.static_variables:
+        if static_path is not None and not self.static_variables:
+            raise ValueError(
+                f"ERA5Dataset: data.static_path {str(static_path)!r} is given but "
+                "data.static_variables is empty; name the static variables or drop the key"
+            )
+        if static_path is not None:
             self._static_store = StaticStore(
                 static_path, self.static_variables, self.latitude, self.longitude
             )
