@@ -17,6 +17,7 @@ interpolation and post block on), only its names and sizes changed.
 from __future__ import annotations
 
 import copy
+import glob
 
 import numpy as np
 import pytest
@@ -35,9 +36,9 @@ from test_credit_examples import TOL, H, W, _on_sample, _train
 UPPER, SURFACE, FORCING = ["T", "U", "V"], ["SP", "t2m"], ["tsi"]
 STATIC = ["orography", "land_sea_mask"]
 # name -> times of the sample store it holds: the glob's name order is not the time order
-YEARS = {"ERA5_plevel_6h_b.zarr": (0, 5), "ERA5_plevel_6h_c.zarr": (5, 11)}
-YEARS["ERA5_plevel_6h_a.zarr"] = (11, 16)
-IN_TIME_ORDER = ["ERA5_plevel_6h_b.zarr", "ERA5_plevel_6h_c.zarr", "ERA5_plevel_6h_a.zarr"]
+YEARS = {"ERA5_plevel_6h_2020.zarr": (0, 5), "ERA5_plevel_6h_2021.zarr": (5, 11)}
+YEARS["ERA5_plevel_6h_2019.zarr"] = (11, 16)
+IN_TIME_ORDER = ["ERA5_plevel_6h_2020.zarr", "ERA5_plevel_6h_2021.zarr", "ERA5_plevel_6h_2019.zarr"]
 READERS = ["zarr", "tensorstore"] if tensorstore_available() else ["zarr"]
 
 
@@ -194,16 +195,20 @@ def test_mismatched_stores_are_refused_naming_both(data, tmp_path):
     raw = data["raw"].drop_vars(STATIC)
     _write(raw.isel(time=slice(3, 7)), tmp_path / "overlap.zarr")
     kwargs = dict(levels=[500, 850], stats_path=str(default_stats_path(data["single"])))
-    with pytest.raises(ValueError, match=r"ERA5_plevel_6h_b\.zarr.*overlap\.zarr.*overlap in time"):
+    with pytest.raises(
+        ValueError, match=r"ERA5_plevel_6h_2020\.zarr.*overlap\.zarr.*overlap in time"
+    ):
         ERA5Dataset([data["years"][0], str(tmp_path / "overlap.zarr")], UPPER, SURFACE, **kwargs)
-    with pytest.raises(ValueError, match=r"ERA5_plevel_6h_b\.zarr.*ERA5_plevel_6h_a\.zarr.*gap"):
+    with pytest.raises(
+        ValueError, match=r"ERA5_plevel_6h_2020\.zarr.*ERA5_plevel_6h_2019\.zarr.*gap"
+    ):
         ERA5Dataset([data["years"][0], data["years"][2]], UPPER, SURFACE, **kwargs)
     # an hourly store right after the 6-hourly one (its first time 6 h on): one axis, two steps
     hourly = raw.isel(time=slice(5, 11))
     hourly = hourly.assign_coords(time=raw.time.values[5] + np.arange(6) * np.timedelta64(1, "h"))
     _write(hourly, tmp_path / "hourly.zarr")
     with pytest.raises(
-        ValueError, match=r"6h_b\.zarr' \(time step .*hourly\.zarr' .*differ in time"
+        ValueError, match=r"6h_2020\.zarr' \(time step .*hourly\.zarr' .*differ in time"
     ):
         ERA5Dataset([data["years"][0], str(tmp_path / "hourly.zarr")], UPPER, SURFACE, **kwargs)
     shifted = raw.isel(time=slice(5, 11)).assign_coords(longitude=raw.longitude + 1.0)
@@ -406,7 +411,7 @@ def test_the_examples_paths_map_to_the_data_keys(data):
     conf["data"]["source"]["ERA5"]["variables"]["prognostic"]["path"] = "/x/era5_%Y.zarr"
     conf["data"]["source"]["ERA5"]["variables"]["dynamic_forcing"]["path"] = "/x/era5_%Y.zarr"
     with pytest.warns(UserWarning):
-        assert credit_gen2_conf(conf)["data"]["path"] == "/x/era5_*.zarr"  # CREDIT's template
+        assert credit_gen2_conf(conf)["data"]["path"] == "/x/era5_[0-9][0-9][0-9][0-9].zarr"
     # credit-parallel's own keys: a list of stores, the static store, the netCDF files
     mine = {"path": data["years"], "static_path": data["static"], "mean_path": data["mean"]}
     mine["std_path"] = data["std"]
@@ -415,6 +420,23 @@ def test_the_examples_paths_map_to_the_data_keys(data):
     assert (run.data.mean_path, run.data.std_path) == (data["mean"], data["std"])
     with pytest.raises(ValueError, match=r"data.path must be a path, a glob or a list"):
         RunConfig.from_conf({"trainer": {"parallelism": {}}, "data": {"path": [data["glob"], 3]}})
+
+
+def test_a_year_template_reads_the_year_stores_not_a_stats_store_beside_them(tmp_path):
+    """As CREDIT's gen-2 loader filters its glob by ``\\d{4}``: ``ERA5_%Y.zarr`` reads
+    ERA5_2020.zarr and ERA5_2021.zarr, not our ERA5_2020_stats.zarr beside them; ``%Y*`` (which
+    CREDIT reads as ``\\d{4}[^/]*``) does take it, so the two templates then differ."""
+    from credit_parallel.layout.credit_gen2_blocks import as_glob, store_key
+
+    for name in ("ERA5_2020.zarr", "ERA5_2021.zarr", "ERA5_2020_stats.zarr", "ERA5_20.zarr"):
+        (tmp_path / name).mkdir()
+    years = sorted(glob.glob(as_glob(str(tmp_path / "ERA5_%Y.zarr"))))
+    assert years == [str(tmp_path / "ERA5_2020.zarr"), str(tmp_path / "ERA5_2021.zarr")]
+    star = sorted(glob.glob(as_glob(str(tmp_path / "ERA5_%Y*.zarr"))))
+    assert star == [*years[:1], str(tmp_path / "ERA5_2020_stats.zarr"), years[1]]
+    assert store_key(str(tmp_path / "ERA5_%Y.zarr")) != store_key(str(tmp_path / "ERA5_%Y*.zarr"))
+    (tmp_path / "ERA5_2020_stats.zarr").rmdir()  # the year stores only: the same store set
+    assert store_key(str(tmp_path / "ERA5_%Y.zarr")) == store_key(str(tmp_path / "ERA5_%Y*.zarr"))
 
 
 def _domain2_worker(rank, world, data):
