@@ -124,6 +124,12 @@ def test_train_with_missing_data_store_names_data_path(tiny_config, tmp_path, ca
     assert cli.main(["train", "--config", str(path), "--nproc", "2"]) != 0
     err = _error_line(capsys)
     assert "data.path" in err and "absent.zarr" in err and "sample-data" in err
+    for many in (str(tmp_path / "absent_*.zarr"), [str(tmp_path / "absent.zarr")]):
+        conf["data"]["path"] = many  # a glob or a list: no demo data to offer
+        path.write_text(yaml.safe_dump(conf))
+        assert cli.main(["train", "--config", str(path), "--nproc", "2"]) != 0
+        err = _error_line(capsys)
+        assert "absent" in err and "sample-data" not in err
 
 
 # --------------------------------------------------------------------------- plan, sample-data

@@ -677,7 +677,7 @@ def test_each_local_example_maps_whole_with_the_era5_normaliser(name):
     with pytest.warns(UserWarning, match=r"save_loc.*inference.*pbs.*bookkeeping"):
         mapped = credit_gen2_conf(conf)
     d, trainer = mapped["data"], mapped["trainer"]
-    assert d["path"] == _BASE + "/all_in_one/ERA5_mlevel_1deg_6h_subset_*"  # %Y* -> one glob
+    assert d["path"] == _BASE + "/all_in_one/ERA5_mlevel_1deg_6h_subset_[0-9][0-9][0-9][0-9]*"
     assert d["static_path"] == _STATIC and d["levels"] == _LEVELS
     assert (d["mean_path"], d["std_path"]) == ("/m.nc", "/s.nc")
     assert d["diagnostic_variables"] == _DIAGNOSTIC
@@ -797,7 +797,8 @@ def test_example_v2026_on_per_year_stores_trains_at_domain_2_as_on_one_process(d
     one = {"data": "none", "tensor": 1, "domain": 1}
     with pytest.warns(UserWarning, match="bookkeeping"):
         run = RunConfig.from_conf(_on_stores(data, one))
-    assert run.data.path == data["glob"][: -len("*.zarr")] + "*" and run.trainer.steps == 2
+    assert run.data.path == data["glob"][: -len("*.zarr")] + "[0-9][0-9][0-9][0-9]*"
+    assert run.trainer.steps == 2
     assert run.data.static_path == data["static"] and run.data.diagnostic_variables == ("t2m",)
     assert run.data.valid_time_slice == ("2020-01-03", "2020-01-04T18")
     ref_records, ref_params = _train(_on_stores(data, one))

@@ -17,6 +17,7 @@ interpolation and post block on), only its names and sizes changed.
 from __future__ import annotations
 
 import copy
+import glob
 
 import numpy as np
 import pytest
@@ -35,9 +36,9 @@ from test_credit_examples import TOL, H, W, _on_sample, _train
 UPPER, SURFACE, FORCING = ["T", "U", "V"], ["SP", "t2m"], ["tsi"]
 STATIC = ["orography", "land_sea_mask"]
 # name -> times of the sample store it holds: the glob's name order is not the time order
-YEARS = {"ERA5_plevel_6h_b.zarr": (0, 5), "ERA5_plevel_6h_c.zarr": (5, 11)}
-YEARS["ERA5_plevel_6h_a.zarr"] = (11, 16)
-IN_TIME_ORDER = ["ERA5_plevel_6h_b.zarr", "ERA5_plevel_6h_c.zarr", "ERA5_plevel_6h_a.zarr"]
+YEARS = {"ERA5_plevel_6h_2020.zarr": (0, 5), "ERA5_plevel_6h_2021.zarr": (5, 11)}
+YEARS["ERA5_plevel_6h_2019.zarr"] = (11, 16)
+IN_TIME_ORDER = ["ERA5_plevel_6h_2020.zarr", "ERA5_plevel_6h_2021.zarr", "ERA5_plevel_6h_2019.zarr"]
 READERS = ["zarr", "tensorstore"] if tensorstore_available() else ["zarr"]
 
 
@@ -194,10 +195,22 @@ def test_mismatched_stores_are_refused_naming_both(data, tmp_path):
     raw = data["raw"].drop_vars(STATIC)
     _write(raw.isel(time=slice(3, 7)), tmp_path / "overlap.zarr")
     kwargs = dict(levels=[500, 850], stats_path=str(default_stats_path(data["single"])))
-    with pytest.raises(ValueError, match=r"ERA5_plevel_6h_b\.zarr.*overlap\.zarr.*overlap in time"):
+    with pytest.raises(
+        ValueError, match=r"ERA5_plevel_6h_2020\.zarr.*overlap\.zarr.*overlap in time"
+    ):
         ERA5Dataset([data["years"][0], str(tmp_path / "overlap.zarr")], UPPER, SURFACE, **kwargs)
-    with pytest.raises(ValueError, match=r"ERA5_plevel_6h_b\.zarr.*ERA5_plevel_6h_a\.zarr.*gap"):
+    with pytest.raises(
+        ValueError, match=r"ERA5_plevel_6h_2020\.zarr.*ERA5_plevel_6h_2019\.zarr.*gap"
+    ):
         ERA5Dataset([data["years"][0], data["years"][2]], UPPER, SURFACE, **kwargs)
+    # an hourly store right after the 6-hourly one (its first time 6 h on): one axis, two steps
+    hourly = raw.isel(time=slice(5, 11))
+    hourly = hourly.assign_coords(time=raw.time.values[5] + np.arange(6) * np.timedelta64(1, "h"))
+    _write(hourly, tmp_path / "hourly.zarr")
+    with pytest.raises(
+        ValueError, match=r"6h_2020\.zarr' \(time step .*hourly\.zarr' .*differ in time"
+    ):
+        ERA5Dataset([data["years"][0], str(tmp_path / "hourly.zarr")], UPPER, SURFACE, **kwargs)
     shifted = raw.isel(time=slice(5, 11)).assign_coords(longitude=raw.longitude + 1.0)
     _write(shifted, tmp_path / "shifted.zarr")
     with pytest.raises(ValueError, match=r"differ in the 'longitude' coordinate values"):
@@ -219,11 +232,57 @@ def test_mismatched_stores_are_refused_naming_both(data, tmp_path):
         ERA5Dataset(data["glob"], UPPER, SURFACE, levels=[500, 850])
 
 
+@pytest.fixture
+def opened(monkeypatch):
+    """The stores the data package opens, each with whether it was closed since."""
+    from credit_parallel.data import multistore
+
+    stores, closed, open_store, close = [], set(), multistore.open_store, xr.Dataset.close
+
+    def recording_open(path, what):
+        ds, counter = open_store(path, what)
+        stores.append(ds)
+        return ds, counter
+
+    def recording_close(self):
+        closed.add(id(self))
+        close(self)
+
+    monkeypatch.setattr(multistore, "open_store", recording_open)
+    monkeypatch.setattr(xr.Dataset, "close", recording_close)
+    return lambda: [id(ds) in closed for ds in stores]
+
+
+def test_a_failure_while_the_dataset_is_built_closes_every_store_it_opened(data, tmp_path, opened):
+    """Missing statistics, an empty time slice, a static store on another grid, overlapping
+    stores: the error comes, and every store opened before it is closed."""
+    coarse = data["raw"][STATIC].isel(latitude=slice(0, 16))
+    _write(coarse, tmp_path / "coarse.zarr")
+    _write(data["raw"].drop_vars(STATIC).isel(time=slice(3, 7)), tmp_path / "overlap.zarr")
+    stats, static = dict(mean_path=data["mean"], std_path=data["std"]), data["static"]
+    cases = [
+        (FileNotFoundError, dict(stats_path=str(tmp_path / "absent.zarr"), static_path=static)),
+        (ValueError, dict(time_slice=("2031-01-01", "2031-02-01"), static_path=static, **stats)),
+        (ValueError, dict(static_path=str(tmp_path / "coarse.zarr"), **stats)),
+    ]
+    for error, kwargs in cases:
+        with pytest.raises(error):
+            ERA5Dataset(
+                data["glob"], UPPER, SURFACE, levels=[500, 850], static_variables=STATIC, **kwargs
+            )
+    with pytest.raises(ValueError, match="overlap in time"):
+        ERA5Dataset([data["years"][0], str(tmp_path / "overlap.zarr")], UPPER, SURFACE, **stats)
+    closed = opened()
+    assert len(closed) == 4 + 3 + 4 + 2 and all(closed), closed
+
+
 def test_a_static_store_on_another_grid_and_incomplete_statistics_are_refused(data, tmp_path):
     coarse = data["raw"][STATIC].isel(latitude=slice(0, 16))
     _write(coarse, tmp_path / "coarse.zarr")
     common = dict(levels=[500, 850], static_variables=STATIC, mean_path=data["mean"])
     common["std_path"] = data["std"]
+    with pytest.raises(ValueError, match=r"data\.static_path .*static_variables is empty"):
+        ERA5Dataset(data["glob"], UPPER, SURFACE, static_path=data["static"], **common | {"static_variables": []})  # fmt: skip
     with pytest.raises(ValueError, match=r"static store .*coarse\.zarr' is on another grid"):
         ERA5Dataset(
             data["glob"], UPPER, SURFACE, static_path=str(tmp_path / "coarse.zarr"), **common
@@ -306,6 +365,29 @@ def test_variables_absent_from_the_netcdf_files_pass_through_and_levels_match_by
     assert np.array_equal(x[prognostic:].numpy(), raw_static)  # unchanged
 
 
+def test_each_netcdf_file_is_matched_by_its_own_levels_and_foreign_levels_are_refused(
+    data, tmp_path
+):
+    """The std file with its levels the other way from the mean file's gives the same samples;
+    a level coordinate without the selected levels (same count) is refused, not read by position."""
+    stats = default_stats_path(data["single"])
+    mean, std = _netcdf_stats(stats, tmp_path, [*UPPER, *SURFACE, *FORCING])
+    flipped = xr.open_dataset(std).load().sortby("level", ascending=False)
+    flipped.to_netcdf(std, engine="h5netcdf")  # levels 850, 500 in the std file only
+    kwargs = dict(levels=[500, 850], dynamic_forcing_variables=FORCING)
+    ours = ERA5Dataset(data["single"], UPPER, SURFACE, **kwargs, mean_path=mean, std_path=std)
+    single = ERA5Dataset(data["single"], UPPER, SURFACE, **kwargs)
+    assert torch.equal(ours[4]["x"], single[4]["x"])
+    assert torch.equal(ours[4]["y"], single[4]["y"])
+    other = xr.open_dataset(mean).load().assign_coords(level=[300.0, 700.0])
+    other.to_netcdf(tmp_path / "other_levels.nc", engine="h5netcdf")
+    with pytest.raises(
+        ValueError, match=r"data\.mean_path .*selected levels \[500\.0, 850\.0\] are not"
+    ):
+        ERA5Dataset(data["single"], UPPER, SURFACE, **kwargs,
+                    mean_path=str(tmp_path / "other_levels.nc"), std_path=std)  # fmt: skip
+
+
 # --------------------------------------------------------------------------- the gen-2 example
 def _on_stores(data, parallelism: dict) -> dict:
     """The example as ``test_credit_examples._on_sample`` rewrites it, its paths then set as
@@ -329,7 +411,7 @@ def test_the_examples_paths_map_to_the_data_keys(data):
     conf["data"]["source"]["ERA5"]["variables"]["prognostic"]["path"] = "/x/era5_%Y.zarr"
     conf["data"]["source"]["ERA5"]["variables"]["dynamic_forcing"]["path"] = "/x/era5_%Y.zarr"
     with pytest.warns(UserWarning):
-        assert credit_gen2_conf(conf)["data"]["path"] == "/x/era5_*.zarr"  # CREDIT's template
+        assert credit_gen2_conf(conf)["data"]["path"] == "/x/era5_[0-9][0-9][0-9][0-9].zarr"
     # credit-parallel's own keys: a list of stores, the static store, the netCDF files
     mine = {"path": data["years"], "static_path": data["static"], "mean_path": data["mean"]}
     mine["std_path"] = data["std"]
@@ -338,6 +420,23 @@ def test_the_examples_paths_map_to_the_data_keys(data):
     assert (run.data.mean_path, run.data.std_path) == (data["mean"], data["std"])
     with pytest.raises(ValueError, match=r"data.path must be a path, a glob or a list"):
         RunConfig.from_conf({"trainer": {"parallelism": {}}, "data": {"path": [data["glob"], 3]}})
+
+
+def test_a_year_template_reads_the_year_stores_not_a_stats_store_beside_them(tmp_path):
+    """As CREDIT's gen-2 loader filters its glob by ``\\d{4}``: ``ERA5_%Y.zarr`` reads
+    ERA5_2020.zarr and ERA5_2021.zarr, not our ERA5_2020_stats.zarr beside them; ``%Y*`` (which
+    CREDIT reads as ``\\d{4}[^/]*``) does take it, so the two templates then differ."""
+    from credit_parallel.layout.credit_gen2_blocks import as_glob, store_key
+
+    for name in ("ERA5_2020.zarr", "ERA5_2021.zarr", "ERA5_2020_stats.zarr", "ERA5_20.zarr"):
+        (tmp_path / name).mkdir()
+    years = sorted(glob.glob(as_glob(str(tmp_path / "ERA5_%Y.zarr"))))
+    assert years == [str(tmp_path / "ERA5_2020.zarr"), str(tmp_path / "ERA5_2021.zarr")]
+    star = sorted(glob.glob(as_glob(str(tmp_path / "ERA5_%Y*.zarr"))))
+    assert star == [*years[:1], str(tmp_path / "ERA5_2020_stats.zarr"), years[1]]
+    assert store_key(str(tmp_path / "ERA5_%Y.zarr")) != store_key(str(tmp_path / "ERA5_%Y*.zarr"))
+    (tmp_path / "ERA5_2020_stats.zarr").rmdir()  # the year stores only: the same store set
+    assert store_key(str(tmp_path / "ERA5_%Y.zarr")) == store_key(str(tmp_path / "ERA5_%Y*.zarr"))
 
 
 def _domain2_worker(rank, world, data):

@@ -10,6 +10,7 @@ run as the worker directly.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 
@@ -121,8 +122,10 @@ def _cmd_train(args) -> int:
         from .data.multistore import missing_store
 
         missing = missing_store(path)  # a store, a glob of stores or a list
-    if missing:
+    if missing and isinstance(path, str) and not glob.has_magic(path):  # one demo store
         raise CLIError(f"{missing} (create the demo data with `{_sample_data_command(conf)}`)")
+    if missing:  # a list or a glob of stores: no demo data to write
+        raise CLIError(missing)
     _choose_device(args, n)
     from .layout.launch import under_launcher
 

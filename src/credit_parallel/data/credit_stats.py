@@ -9,8 +9,9 @@ one variable per data variable, a 1-D level dim for upper-air variables and a sc
 ones, read as miles-credit reads them (``credit.preblock.norm.ERA5Normalizer``, the gen-2
 normaliser, and ``credit.transforms.transforms_global.Normalize_ERA5_and_Forcing``):
 normalised channel = (raw - mean) / std per variable and level.  The levels of a variable are
-matched by the file's level coordinate values (xarray's alignment in ``Normalize_ERA5_and_
-Forcing``), else by position when the file has exactly the selected number of levels
+matched by each file's own level coordinate values (xarray's alignment in
+``Normalize_ERA5_and_Forcing``; a selected level missing from them is an error naming it), and by
+position only when the level dim has no coordinate and exactly the selected number of levels
 (``ERA5Normalizer``, which indexes positionally).  As ``ERA5Normalizer`` does, a dynamic
 forcing or static variable absent from both files passes through unchanged (mean 0, std 1);
 a prognostic variable absent from them, or a variable in one file only, is an error naming it.
@@ -47,28 +48,41 @@ def _open(path, key: str, what: str) -> xr.Dataset:
         ) from err
 
 
+def _at_levels(values, name: str, key: str, levels, what: str) -> list[float]:
+    """``values`` (one file's 1-D per-level array of ``name``) at each of ``levels``: matched by
+    the file's own level coordinate, else (no coordinate) by position when the counts agree."""
+    dim = values.dims[0]
+    if dim in values.coords:
+        have = values[dim].values.astype(np.float64)
+        at = [np.flatnonzero(np.isclose(have, float(level))) for level in levels]
+        absent = [level for level, match in zip(levels, at) if not match.size]
+        if absent:
+            raise ValueError(
+                f"{what}: the statistics of {name!r} in data.{key} have levels "
+                f"{have.tolist()} along {dim!r}; the selected levels {absent} are not among them"
+            )
+        return values.values[[int(match[0]) for match in at]].tolist()
+    if values.size == len(levels):  # no level coordinate: positional, as ERA5Normalizer indexes
+        return values.values.tolist()
+    raise ValueError(
+        f"{what}: the statistics of {name!r} in data.{key} have {values.size} levels along "
+        f"{dim!r} (no coordinate) and not the {len(levels)} selected levels {list(levels)}"
+    )
+
+
 def _level_values(mean, std, name: str, levels, what: str):
     """The (mean, std) of ``name`` at each of ``levels`` from its 1-D per-level arrays."""
     mean, std = mean.squeeze(), std.squeeze()
-    if mean.ndim == 0 and len(levels) == 1:
+    if mean.ndim == 0 and std.ndim == 0 and len(levels) == 1:
         return [float(mean)], [float(std)]
-    if mean.ndim != 1 or mean.shape != std.shape:
+    if mean.ndim != 1 or std.ndim != 1:
         raise ValueError(
             f"{what}: the statistics of upper-air variable {name!r} have dims {mean.dims} / "
             f"{std.dims}; expected one level dim"
         )
-    dim = mean.dims[0]
-    if dim in mean.coords:
-        have = mean[dim].values.astype(np.float64)
-        at = [np.flatnonzero(np.isclose(have, float(level))) for level in levels]
-        if all(match.size for match in at):
-            picks = [int(match[0]) for match in at]
-            return mean.values[picks].tolist(), std.values[picks].tolist()
-    if mean.size == len(levels):  # positional, as ERA5Normalizer indexes
-        return mean.values.tolist(), std.values.tolist()
-    raise ValueError(
-        f"{what}: the statistics of {name!r} have {mean.size} levels along {dim!r} and match "
-        f"neither the selected levels {list(levels)} by value nor their number"
+    return (
+        _at_levels(mean, name, "mean_path", levels, what),
+        _at_levels(std, name, "std_path", levels, what),
     )
 
 

@@ -158,48 +158,49 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         self.normalize = bool(normalize)
 
         self._stores = StoreSet(path, "ERA5Dataset")  # one store, or several along time
-        self.path, self.store_paths = self._stores.path, [p.path for p in self._stores.parts]
-        ds = self._stores.ds
-        self._find_dims(ds, level_coord)
-        in_store = self.static_variables if static_path is None else []
-        self._check_variables(ds, in_store)
-        self._stores.check(self._read_variables, in_store)
-        self.variable_units = {
-            n: str(ds[n].attrs.get("units", "")) for n in self._read_variables + in_store
-        }
-        store_levels = ds[self._level_dim].values if self.upper_air_variables else None
-        self._level_positions, self.levels = select_levels(
-            store_levels, levels, self.path, self._level_dim
-        )
-        self._time_positions, self.times = self._select_times(time_slice)
-        if timestep is not None:  # every k-th time of the store ("6h" of an hourly store)
-            self._time_positions, self.times = every_timestep(self, timestep)
+        with self._stores.released_on_error():  # a failure below closes the stores
+            self.path, self.store_paths = self._stores.path, [p.path for p in self._stores.parts]
+            ds = self._stores.ds
+            self._find_dims(ds, level_coord)
+            in_store = self.static_variables if static_path is None else []
+            self._check_variables(ds, in_store)
+            self._stores.check(self._read_variables, in_store)
+            self.variable_units = {
+                n: str(ds[n].attrs.get("units", "")) for n in self._read_variables + in_store
+            }
+            store_levels = ds[self._level_dim].values if self.upper_air_variables else None
+            self._level_positions, self.levels = select_levels(
+                store_levels, levels, self.path, self._level_dim
+            )
+            self._time_positions, self.times = self._select_times(time_slice)
+            if timestep is not None:  # every k-th time of the store ("6h" of an hourly store)
+                self._time_positions, self.times = every_timestep(self, timestep)
 
-        n_times = len(self._time_positions)
-        self._window = self.history_len + self.forecast_len
-        self._length = n_times - self._window + 1
-        if self._length < 1:
-            raise ValueError(
-                f"ERA5Dataset: history_len={self.history_len} + forecast_len={self.forecast_len} "
-                f"needs at least {self._window} time steps but the selection has {n_times}; "
-                "shorten history_len/forecast_len or widen time_slice"
+            n_times = len(self._time_positions)
+            self._window = self.history_len + self.forecast_len
+            self._length = n_times - self._window + 1
+            if self._length < 1:
+                raise ValueError(
+                    f"ERA5Dataset: history_len={self.history_len} + forecast_len={self.forecast_len} "
+                    f"needs at least {self._window} time steps but the selection has {n_times}; "
+                    "shorten history_len/forecast_len or widen time_slice"
+                )
+
+            self._set_grid(ds, rows, domain_shard)
+            self._name_channels()
+            self._set_statistics(static_path, stats_path, mean_path, std_path)
+            self._static = self._read_static(ds)
+            self._level_index, self._level_block = level_index(self._level_positions)
+            self.reader = self._stores.open_readers(
+                reader, self._direct_arrays, choose_reader, ChunkReader
             )
 
-        self._set_grid(ds, rows, domain_shard)
-        self._name_channels()
-        self._set_statistics(static_path, stats_path, mean_path, std_path)
-        self._static = self._read_static(ds)
-        self._level_index, self._level_block = level_index(self._level_positions)
-        self.reader = self._stores.open_readers(
-            reader, self._direct_arrays, choose_reader, ChunkReader
-        )
-
-        self.nbytes = n_times * self._channels_read * int(np.prod(self.sample_grid_shape)) * 4
-        self.cached = self.nbytes <= cache_limit_bytes
-        self._cache = None
-        self._cache = self._read(0, n_times) if self.cached else None
-        if self.cached:
-            self._stores.release()
+            self.nbytes = n_times * self._channels_read * int(np.prod(self.sample_grid_shape)) * 4
+            self.cached = self.nbytes <= cache_limit_bytes
+            self._cache = None
+            self._cache = self._read(0, n_times) if self.cached else None
+            if self.cached:
+                self._stores.release()
 
     # ---- construction helpers -------------------------------------------------------------
     def _set_grid(self, ds: xr.Dataset, rows, domain_shard) -> None:
@@ -219,11 +220,16 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
     def _set_statistics(self, static_path, stats_path, mean_path, std_path) -> None:
         """The static store (``static_path``) and the per-channel mean / std."""
         self._static_store = None
-        if static_path is not None and self.static_variables:
+        if static_path is not None and not self.static_variables:
+            raise ValueError(
+                f"ERA5Dataset: data.static_path {str(static_path)!r} is given but "
+                "data.static_variables is empty; name the static variables or drop the key"
+            )
+        if static_path is not None:
             self._static_store = StaticStore(
                 static_path, self.static_variables, self.latitude, self.longitude
             )
-            self._stores.static_counter = self._static_store.counter
+            self._stores.static = self._static_store  # released with the stores
             self.variable_units.update(self._static_store.units)
         if self.normalize:
             self._mean, self._std = dataset_stats(self, stats_path, mean_path, std_path)

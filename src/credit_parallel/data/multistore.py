@@ -20,6 +20,7 @@ does) on the data's grid (its latitude may run either way), each rank reading it
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from pathlib import Path
@@ -129,14 +130,16 @@ class StoreSet:
     def __init__(self, path, what: str = "ERA5Dataset") -> None:
         self.what = what
         self.paths = store_paths(path)
-        self.parts = [_Part(p, what) for p in self.paths]
-        self.ds = self.parts[0].ds  # the metadata (dims, coordinates, attributes) of them all
-        self.time_dim = find_dim(self.ds.dims, TIME_NAMES)
-        if len(self.parts) > 1:
-            self._order()
-        for part in self.parts:
-            part.size = part.ds.sizes.get(self.time_dim, 0)
-        self.static_counter = None
+        self.parts, self.static = [], None  # static: the StaticStore of data.static_path
+        with self.released_on_error():  # the stores opened before a failure are closed
+            for p in self.paths:
+                self.parts.append(_Part(p, what))
+            self.ds = self.parts[0].ds  # the metadata (dims, coordinates, attributes) of them all
+            self.time_dim = find_dim(self.ds.dims, TIME_NAMES)
+            if len(self.parts) > 1:
+                self._order()
+            for part in self.parts:
+                part.size = part.ds.sizes.get(self.time_dim, 0)
 
     @property
     def path(self) -> Path:
@@ -155,12 +158,37 @@ class StoreSet:
         self.parts.sort(key=lambda part: part.ds[self.time_dim].values[0])
         self.ds = self.parts[0].ds
         start = 0
+        step = self._common_step()
         for before, after in zip(self.parts, self.parts[1:]):
             start += before.ds.sizes[self.time_dim]
             after.start = start
-            self._check_boundary(before, after)
+            self._check_boundary(before, after, step)
 
-    def _check_boundary(self, before: _Part, after: _Part) -> None:
+    def _common_step(self):
+        """The one time step of all stores: each store's own spacing constant and the same in
+        every store of more than one time (None when no store has two times)."""
+        step, first = None, None
+        for part in self.parts:
+            times = part.ds[self.time_dim].values
+            if times.size < 2:
+                continue
+            steps = np.unique(np.diff(times))
+            if steps.size != 1:
+                raise ValueError(
+                    f"{self.what}: the store {str(part.path)!r} has uneven time steps "
+                    f"{list(steps)}; the stores of data.path must share one time step"
+                )
+            if step is None:
+                step, first = steps[0], part
+            elif steps[0] != step:
+                raise ValueError(
+                    f"{self.what}: the stores {str(first.path)!r} (time step {step}) and "
+                    f"{str(part.path)!r} (time step {steps[0]}) differ in time step; the "
+                    "stores of data.path must share one time step"
+                )
+        return step
+
+    def _check_boundary(self, before: _Part, after: _Part, step) -> None:
         a, b = before.ds[self.time_dim].values, after.ds[self.time_dim].values
         if not b[0] > a[-1]:
             raise ValueError(
@@ -168,12 +196,11 @@ class StoreSet:
                 f"{str(after.path)!r} (times {b[0]} .. {b[-1]}) overlap in time; each time must "
                 "be in one store only"
             )
-        step = a[1] - a[0] if a.size > 1 else (b[1] - b[0] if b.size > 1 else None)
         if step is not None and b[0] - a[-1] != step:
             raise ValueError(
                 f"{self.what}: between the stores {str(before.path)!r} (last time {a[-1]}) and "
                 f"{str(after.path)!r} (first time {b[0]}) the time step is {b[0] - a[-1]}, not "
-                f"the stores' own {step}: a gap in the time axis (a missing store?)"
+                f"the stores' common {step}: a gap in the time axis (a missing store?)"
             )
 
     def check(self, names, static_names=()) -> None:
@@ -260,14 +287,27 @@ class StoreSet:
         """The byte counter of the store, or the :class:`CountingStores` of several (and of
         the static store)."""
         counters = [part.counter for part in self.parts]
-        if self.static_counter is not None:
-            counters.append(self.static_counter)
+        if self.static is not None:
+            counters.append(self.static.counter)
         return counters[0] if len(counters) == 1 else CountingStores(counters)
 
     def release(self) -> None:
-        """Close every store and drop its readers (after a cached dataset's one read)."""
+        """Close every store (and the static store) and drop its readers (after a cached
+        dataset's one read, or a failure while the dataset is built)."""
         for part in self.parts:
             part.release()
+        if self.static is not None:
+            self.static.release()
+        self.ds = None
+
+    @contextlib.contextmanager
+    def released_on_error(self):
+        """Release every store when the block raises (anything: the error is re-raised)."""
+        try:
+            yield self
+        except BaseException:
+            self.release()
+            raise
 
 
 class StaticStore:
@@ -278,7 +318,14 @@ class StaticStore:
         self.path = Path(path)
         self.names = list(names)
         self.ds, self.counter = open_store(self.path, f"{what} static store (data.static_path)")
-        where = f"{what}: the static store {str(self.path)!r}"
+        try:
+            self._validate(latitude, longitude, f"{what}: the static store {str(self.path)!r}")
+        except BaseException:
+            self.release()
+            raise
+        self.units = {n: str(self.ds[n].attrs.get("units", "")) for n in self.names}
+
+    def _validate(self, latitude, longitude, where: str) -> None:
         self.lat_dim = find_dim(self.ds.dims, LAT_NAMES)
         self.lon_dim = find_dim(self.ds.dims, LON_NAMES)
         if self.lat_dim is None or self.lon_dim is None:
@@ -297,7 +344,12 @@ class StaticStore:
         self.time_dim = find_dim(self.ds.dims, TIME_NAMES)
         for name in self.names:
             self._check(name, where)
-        self.units = {n: str(self.ds[n].attrs.get("units", "")) for n in self.names}
+
+    def release(self) -> None:
+        """Close the store (once)."""
+        if self.ds is not None:
+            self.ds.close()
+            self.ds = None
 
     def _check(self, name: str, where: str) -> None:
         if name not in self.ds.data_vars:
@@ -320,12 +372,14 @@ class StaticStore:
         first, stop = rows
         lat_index = slice(height - stop, height - first) if self.flip else slice(first, stop)
         out = np.empty((len(self.names), stop - first, columns[1] - columns[0]), np.float32)
-        for c, name in enumerate(self.names):
-            variable = self.ds[name]
-            if self.time_dim in variable.dims:
-                variable = variable.isel({self.time_dim: 0}, drop=True)
-            raw = variable.isel({self.lat_dim: lat_index, self.lon_dim: slice(*columns)})
-            raw = raw.transpose(self.lat_dim, self.lon_dim).values
-            out[c] = raw[::-1] if self.flip else raw
-        self.ds.close()
+        try:
+            for c, name in enumerate(self.names):
+                variable = self.ds[name]
+                if self.time_dim in variable.dims:
+                    variable = variable.isel({self.time_dim: 0}, drop=True)
+                raw = variable.isel({self.lat_dim: lat_index, self.lon_dim: slice(*columns)})
+                raw = raw.transpose(self.lat_dim, self.lon_dim).values
+                out[c] = raw[::-1] if self.flip else raw
+        finally:
+            self.release()
         return out

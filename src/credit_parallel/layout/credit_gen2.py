@@ -31,6 +31,7 @@ from .credit_gen2_blocks import (
     block_sections,
     epoch_steps,
     source_type_problem,
+    store_key,
     validation_section,
 )
 
@@ -153,11 +154,12 @@ def _groups(name: str, block: dict, flat: dict, problems: list[str]) -> dict:
 def _paths(where: str, variables: Mapping, flat: dict, out: dict, problems: list[str]) -> None:
     """``data.path`` (a store or a glob of stores, one per year: one time axis) from the
     time-dependent groups, ``data.static_path`` from the static group when it names another
-    store; CREDIT's strftime codes in a path (``era5_%Y.zarr``) read as ``*``, as CREDIT's
-    gen-2 dataset globs them."""
-    paths = {g: as_glob((variables.get(g) or {}).get("path")) for g in _GROUPS if variables.get(g)}
-    timed = {g: p for g, p in paths.items() if g != "static"}
-    distinct = sorted({p for p in timed.values() if p is not None})
+    store; CREDIT's strftime codes in a path (``era5_%Y.zarr``) read as their digits, as CREDIT's
+    gen-2 dataset globs and filters them (``as_glob``); groups compared by ``store_key``."""
+    paths = {g: (variables.get(g) or {}).get("path") for g in _GROUPS if variables.get(g)}
+    timed = {g: p for g, p in paths.items() if g != "static" and p is not None}
+    keys = {g: store_key(p) for g, p in timed.items()}  # %Y and %Y*: the same stores
+    distinct = list(dict.fromkeys(keys.values()))
     if not distinct:
         problems.append(f"{where}.<group>.path: no store path given")
     elif len(distinct) > 1:
@@ -168,10 +170,10 @@ def _paths(where: str, variables: Mapping, flat: dict, out: dict, problems: list
             "glob of stores split along time): write them into one"
         )
     if distinct:
-        out["path"] = distinct[0]
+        out["path"] = as_glob(next(iter(timed.values())))
     static = paths.get("static")
-    if static is not None and static not in distinct and out.get("static_variables"):
-        out["static_path"] = static
+    if static is not None and store_key(static) not in distinct and out.get("static_variables"):
+        out["static_path"] = as_glob(static)
     if static is not None and not distinct and out.get("static_variables"):
         problems.append(f"{where}.static.path: the static store needs the data store beside it")
 

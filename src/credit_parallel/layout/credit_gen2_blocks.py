@@ -22,6 +22,7 @@ split from ``validation_data`` (the ``data`` schema again, another date range). 
 
 from __future__ import annotations
 
+import glob
 import math
 import re
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from collections.abc import Mapping
 __all__ = [
     "BOOKKEEPING_SECTIONS",
     "as_glob",
+    "store_key",
     "block_sections",
     "epoch_steps",
     "source_type_problem",
@@ -52,12 +54,30 @@ _VALID_FREE = frozenset(
 )
 
 
+# CREDIT's strftime codes and their digits (credit/datasets/gen_2/_utils.py _STRFTIME_TO_REGEX)
+_CODE_DIGITS = {"%Y": 4, "%y": 2, "%m": 2, "%d": 2, "%H": 2, "%M": 2, "%S": 2, "%j": 3, "%f": 1}
+
+
 def as_glob(path):
-    """CREDIT's strftime codes as ``*``, runs of ``*`` as one: ``ERA5_%Y.zarr`` and
-    ``ERA5_%Y*.zarr`` name the same stores (one glob, one time axis)."""
+    """CREDIT's path template as a glob of the stores its gen-2 loader reads: each strftime
+    code as its digits (``%Y`` -> ``[0-9][0-9][0-9][0-9]``, as CREDIT filters its glob by
+    ``\\d{4}``), runs of ``*`` as one: ``ERA5_%Y.zarr`` reads ``ERA5_2020.zarr``, not the
+    ``ERA5_2020_stats.zarr`` beside it."""
     if not isinstance(path, str):
         return path
-    return re.sub(r"\*+", "*", re.sub(r"%[A-Za-z]", "*", path))
+    for code, digits in _CODE_DIGITS.items():
+        path = path.replace(code, "[0-9]" * digits)
+    return re.sub(r"\*+", "*", path)
+
+
+def store_key(path):
+    """What a path template names, for comparison: its shape with every code and run of ``*``
+    as one ``*``, and the stores its glob finds now.  ``ERA5_%Y.zarr`` and ``ERA5_%Y*.zarr``
+    compare equal while no other store matches the second (a stats store beside them does)."""
+    if not isinstance(path, str):
+        return path
+    loose = re.sub(r"\*+", "*", re.sub(r"%[A-Za-z]", "*", path))
+    return loose, tuple(sorted(glob.glob(as_glob(path))))
 
 
 def _as_globs(source):
@@ -69,7 +89,7 @@ def _as_globs(source):
         block = dict(block) if isinstance(block, Mapping) else block
         if isinstance(block, Mapping) and isinstance(block.get("variables"), Mapping):
             block["variables"] = {
-                g: {**v, "path": as_glob(v.get("path"))} if isinstance(v, Mapping) else v
+                g: {**v, "path": store_key(v.get("path"))} if isinstance(v, Mapping) else v
                 for g, v in block["variables"].items()
             }
         out[name] = block
