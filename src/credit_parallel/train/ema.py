@@ -134,8 +134,10 @@ def ema_template(ema, model: torch.nn.Module) -> dict:
 def restore_ema(ema, loaded: dict) -> None:
     """Put a loaded :func:`ema_template` into the tracker (its shards, its step count)."""
     state = loaded[TOP]
-    for key in ema.shadow:
-        ema.shadow[key] = _local(state["shadow"][_fqn(key)]).detach().float().cpu().clone()
+    for key, kept in ema.shadow.items():
+        # where and as what the tracker keeps its shadow (miles-credit: float32, on the host)
+        value = _local(state["shadow"][_fqn(key)]).detach()
+        ema.shadow[key] = value.to(device=kept.device, dtype=kept.dtype).clone()
     ema.step = int(state["step"])
 
 
