@@ -32,12 +32,21 @@ from .adapters.credit_interp import credit_adapter_decision
 from .adapters.fuxi import NONLOCAL_CLASSES
 from .adapters.recognise import known_attention_decision, qualified_name, recognised_attention_form
 from .adapters.swin import SWIN_SHARD_DIM, swin_family, swin_unshardable_reason
-from .fusion import apply_fusions, apply_norm_conv, find_fusions, find_norm_conv
+from .fusion import apply_fusions, apply_norm_conv, find_fusions, find_halo_chains, find_norm_conv
 from .layers.conv import conv_needs_domain_wrapper
 from .layers.empty_rows import guard_row_local_convs
 from .layers.gather import NONLOCAL_POLICIES, DomainGatherModule, gather_cost_note
+from .layers.halo_chain import HaloChainRun, install_halo_chains
 from .options import OptionsMixin
-from .plan import ConversionPlan, NormConvFusion, PadConvFusion, PlannedModule, SharedInputGroup
+from .plan import (
+    ConversionPlan,
+    HaloChainFusion,
+    NormConvFusion,
+    PadConvFusion,
+    PlannedModule,
+    SharedInputGroup,
+    halo_chain_mode,
+)
 from .rules import CONV_BASES, DOMAIN_RULES, DomainRule, domain_rule_for, register_domain_rule
 from .tiles_convert import check_tiles, gathered_paths, relayout_on_tiles
 from .traced_heights import install_height_probe
@@ -243,6 +252,7 @@ def plan_conversion(
     *,
     fuse_exchanges: bool = True,
     errors: str = "raise",
+    halo_chains=False,
 ) -> ConversionPlan:
     """DECIDE what :func:`convert_to_domain_parallel` does to ``model``, replacing nothing:
     the :class:`~credit_parallel.domain.plan.ConversionPlan` (see ``plan.py``).  Its stages, in
@@ -254,8 +264,10 @@ def plan_conversion(
 
     ``manager`` may be None (the layout planner: layers resolve their manager only when they
     run).  ``errors="raise"``: a module a rule cannot convert raises ``ValueError``/``TypeError``
-    naming its path; ``"record"``: the plan lists it (:attr:`ConversionPlan.errors`)."""
+    naming its path; ``"record"``: the plan lists it (:attr:`ConversionPlan.errors`).
+    ``halo_chains``: see :func:`convert_to_domain_parallel`."""
     custom = _check_arguments(shard_dim, custom_converters, nonlocal_policy)
+    chains = halo_chain_mode(halo_chains)
     if errors not in ("raise", "record"):
         raise ValueError(f"errors must be 'raise' or 'record', got {errors!r}")
     plan = ConversionPlan(shard_dim, nonlocal_policy)
@@ -332,7 +344,7 @@ def plan_conversion(
         plan.unsafe = []
     if fuse_exchanges:
         tiles = getattr(manager, "is_tiled", False)
-        _plan_fusions(plan, list(converted_tree(model, occupant)), tiles)
+        _plan_fusions(plan, list(converted_tree(model, occupant)), tiles, None if tiles else chains)
     return plan
 
 
@@ -340,19 +352,41 @@ def _append_to(found: list):
     return lambda *item: found.append(tuple(item))
 
 
-def _plan_fusions(plan: ConversionPlan, tree: list, tiles: bool = False) -> None:
-    """The exchange fusions of ``tree`` (on lat x lon tiles: those with a tile form)."""
+def _plan_fusions(plan: ConversionPlan, tree: list, tiles: bool = False, chains=None) -> None:
+    """The exchange fusions of ``tree`` (on lat x lon tiles: those with a tile form).  With
+    ``chains`` ("auto" or a length, 1-D rows only) the halo chains are found first: under
+    "auto" around the norm + conv links (a linked conv already exchanges with its norm), under
+    a fixed length before them; the pad + conv pairs, sibling groups and norm links then take
+    what the chains left."""
     path_of: dict[int, str] = {}
     for path, module in tree:
         path_of.setdefault(id(module), path or "<root>")
+    in_chains: set[int] = set()
+    if chains is not None:
+        linked = set()
+        if chains == "auto":
+            for norm, _, conv in find_norm_conv(None, tree=tree):
+                linked |= {id(norm), id(conv)}
+        for container, first, members in find_halo_chains(
+            None, tree=tree, taken=linked, mode=chains
+        ):
+            run = HaloChainRun(first, members, chains)
+            paths = tuple(path_of[id(m)] for m in members)
+            plan.halo_chains.append(
+                HaloChainFusion(path_of.get(id(container), "<root>"), paths, run, container)
+            )
+            in_chains |= {id(m) for m in members}
     pairs, groups = find_fusions(None, tree=tree, tiles=tiles)
+    pairs = [(p, c) for p, c in pairs if id(p) not in in_chains and id(c) not in in_chains]
+    groups = [[c for c in g if id(c) not in in_chains] for g in groups]
+    groups = [g for g in groups if len(g) >= 2]
     for pad, conv in pairs:
         plan.pad_conv.append(PadConvFusion(path_of[id(pad)], path_of[id(conv)], pad, conv))
     for group in groups:
         plan.shared_inputs.append(
             SharedInputGroup(tuple(path_of[id(c)] for c in group), tuple(group))
         )
-    taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g}
+    taken = {id(conv) for _, conv in pairs} | {id(c) for g in groups for c in g} | in_chains
     for norm, act, conv in find_norm_conv(None, tree=tree, taken=taken, tiles=tiles):
         paths = (path_of[id(norm)], path_of[id(conv)])
         plan.norm_conv.append(NormConvFusion(*paths, norm, act, conv))
@@ -378,6 +412,8 @@ def apply_conversion_plan(model: nn.Module, plan: ConversionPlan) -> nn.Module:
         [(f.pad, f.conv) for f in plan.pad_conv], [list(g.layers) for g in plan.shared_inputs]
     )
     apply_norm_conv([(f.norm, f.activation, f.conv) for f in plan.norm_conv])
+    for fusion in plan.halo_chains:
+        install_halo_chains(fusion.container, [fusion.run])
     guard_row_local_convs(root)  # the convs left alone also run on a rank with 0 rows
     return root
 
@@ -391,6 +427,7 @@ def convert_to_domain_parallel(
     nonlocal_policy: str = "raise",
     *,
     fuse_exchanges: bool = True,
+    halo_chains=False,
 ) -> nn.Module:
     """Replace, in place, the modules of ``model`` that need neighbouring rows by their
     domain-parallel layers; returns the model (also attached as ``model._domain_manager``).
@@ -403,7 +440,10 @@ def convert_to_domain_parallel(
     forwards read the global grid, FuXi: ``domain/adapters/fuxi.py``); ``nonlocal_policy="gather"``
     runs every module that would be reported on the whole globe instead (``domain/layers/gather.py``).
     ``fuse_exchanges``: let a padding layer and the conv after it, and sibling convs on one
-    input, share exchanges (``fusion.py``; the results are the same).
+    input, share exchanges (``fusion.py``; the results are the same).  ``halo_chains``
+    (opt-in; 1-D rows): False (default), True / ``"auto"`` (the cost model cuts each run of
+    stencil layers into chains per call geometry) or an int k >= 2 (chains of at most k
+    stencils): a chain exchanges once for all its stencils (``layers/halo_chain.py``).
 
     Two steps: :func:`plan_conversion` decides everything (the plan the layout planner reads
     too), then, once no refused module is left, :func:`apply_conversion_plan` applies it.
@@ -413,7 +453,13 @@ def convert_to_domain_parallel(
         raise ValueError("convert_to_domain_parallel needs a DomainParallelManager (got None)")
     tiled = getattr(manager, "is_tiled", False)  # lat x lon tiles (tiles_convert.py)
     plan = plan_conversion(
-        model, manager, shard_dim, custom, nonlocal_policy, fuse_exchanges=fuse_exchanges
+        model,
+        manager,
+        shard_dim,
+        custom,
+        nonlocal_policy,
+        fuse_exchanges=fuse_exchanges,
+        halo_chains=halo_chains if fuse_exchanges else False,
     )
     if tiled:  # what is not exact on tiles runs on latitude strips (tiles_relayout.py)
         strips = plan_conversion(

@@ -21,6 +21,10 @@ On lat x lon tiles (``tiles=True``; docs/tiles.md) the pad + conv pairs (the fil
 along longitude too: ``conv_tiles.fused_tile_windows``) and the norm + conv links
 (``norm_halo.NormConvLink._norm_forward_tile``) are fused, and sibling 2-D convs with one
 longitude rule share one tile exchange (``shared_input.SharedInputExchange.tile_window_for``).
+
+* Opt-in (``halo_chains=``): a run of stencil layers in an ``nn.Sequential`` exchanges ONCE for a
+  chain of them, each computing the redundant edge rows the next one reads
+  (``layers/halo_chain.py``; 1-D latitude rows, eager).
 """
 
 from __future__ import annotations
@@ -29,11 +33,19 @@ from torch import nn
 
 from .exchange.shared_input import share_input_exchange
 from .layers.conv import _DomainParallelConvNd
+from .layers.halo_chain import chain_role
 from .layers.norm import DomainParallelGroupNorm
 from .layers.norm_halo import ELEMENTWISE_ACTIVATIONS, NormConvLink
 from .layers.padding import DomainParallelPad
 
-__all__ = ["apply_fusions", "apply_norm_conv", "find_fusions", "find_norm_conv", "fuse_exchanges"]
+__all__ = [
+    "apply_fusions",
+    "apply_norm_conv",
+    "find_fusions",
+    "find_halo_chains",
+    "find_norm_conv",
+    "fuse_exchanges",
+]
 
 
 def _plain_conv(module) -> bool:
@@ -247,3 +259,50 @@ def fuse_exchanges(model: nn.Module) -> dict[str, int]:
     triples = find_norm_conv(model, taken=taken, tiles=tiles)
     apply_norm_conv(triples)
     return {"pad_conv": len(pairs), "sibling_convs": len(groups), "norm_conv": len(triples)}
+
+
+def find_halo_chains(
+    model: nn.Module | None, layer_of=None, *, tree=None, taken=(), mode="auto"
+) -> list[tuple]:
+    """``(sequential, first child index, member modules)`` of every run of halo-chain members
+    (``layers/halo_chain.py``: stencils, norms, elementwise activations, starting and ending
+    with a stencil, at least two stencils) in the plain ``nn.Sequential`` s of ``model`` (or
+    ``tree``, as :func:`find_fusions`).  Members are used once, carry no hooks and are not in
+    ``taken`` (ids of modules other fusions hold).  ``mode``: ``"auto"`` or a chain length."""
+    layer_of = layer_of or (lambda m: m)
+    if tree is None:
+        tree = list(model.named_modules(remove_duplicate=False))
+    taken = set(taken)
+    found = []
+    for module, _, uses in _sequences(tree):
+        if type(module) is not nn.Sequential:
+            continue
+        at = dict(tree)
+        path = next(p for p, m in tree if m is module)
+        children = [
+            at[f"{path}.{name}" if path else name] if child is not None else None
+            for name, child in module._modules.items()
+        ]
+
+        roles = [_chain_member_role(c, taken, uses, layer_of) for c in children]
+        i = 0
+        while i < len(children):
+            if roles[i] is None:
+                i += 1
+                continue
+            j = i
+            while j < len(children) and roles[j] is not None:
+                j += 1
+            stencils = [k for k in range(i, j) if roles[k] == "stencil"]
+            if len(stencils) >= 2:
+                first, last = stencils[0], stencils[-1]
+                found.append((module, first, children[first : last + 1]))
+            i = j
+    return found
+
+
+def _chain_member_role(child, taken: set, uses: dict, layer_of):
+    """``child``'s ``chain_role`` where it may join a chain (used once, no hooks, not taken)."""
+    if child is None or id(child) in taken or uses.get(id(child), 0) != 1:
+        return None
+    return chain_role(layer_of(child)) if _no_hooks(child) else None

@@ -17,7 +17,9 @@ in the order they were decided:
 * the exchange fusions (``fusion.py``): :class:`PadConvFusion` (a padding layer and the conv
   after it exchange once) and :class:`SharedInputGroup` (sibling convs on one input share one
   exchange of the union of their windows); :class:`NormConvFusion` (a GroupNorm's statistics
-  travel with the halo exchange of the conv after it, ``norm_halo.py``).
+  travel with the halo exchange of the conv after it, ``norm_halo.py``);
+  :class:`HaloChainFusion` (opt-in: a run of stencil layers exchanges once per chain of them,
+  ``layers/halo_chain.py``).
 
 ``str(plan)`` prints one line per decision.
 """
@@ -30,10 +32,12 @@ from torch import nn
 
 from .exchange.shared_input import sharing_step, union_windows
 from .layers.conv import fused_pad_windows
+from .layers.halo_chain import HaloChainRun
 
 __all__ = [
     "STAGES",
     "ConversionPlan",
+    "HaloChainFusion",
     "NormConvFusion",
     "PadConvFusion",
     "PlannedModule",
@@ -118,6 +122,34 @@ class NormConvFusion:
         return f"norm {self.norm_path} statistics with the exchange of conv {self.conv_path}"
 
 
+@dataclass(frozen=True)
+class HaloChainFusion:
+    """A run of stencil layers (and the activations / norms between them) in one
+    ``nn.Sequential``: cut into chains per call geometry (``run.pieces``), each chain
+    exchanging once for all its stencils (``layers/halo_chain.py``)."""
+
+    container_path: str
+    paths: tuple[str, ...]
+    run: HaloChainRun = field(repr=False, compare=False)
+    container: nn.Module = field(repr=False, compare=False)
+
+    def __str__(self) -> str:
+        how = "cut by the cost model" if self.run.mode == "auto" else f"<= {self.run.mode} stencils"
+        return f"halo chain ({how}): {', '.join(self.paths)} (one exchange per chain)"
+
+
+def halo_chain_mode(value):
+    """``halo_chains`` as the converter reads it: None (off: False, None, 0), ``"auto"``
+    (True or "auto") or a chain length k >= 2; anything else ``ValueError``."""
+    if value is None or value is False or value == 0:
+        return None
+    if value is True or value == "auto":
+        return "auto"
+    if isinstance(value, int) and value >= 2:
+        return value
+    raise ValueError(f"halo_chains must be False, True, 'auto' or an int >= 2, got {value!r}")
+
+
 @dataclass
 class ConversionPlan:
     """Everything the converter decided for one model (see the module docstring)."""
@@ -130,6 +162,7 @@ class ConversionPlan:
     pad_conv: list[PadConvFusion] = field(default_factory=list)
     shared_inputs: list[SharedInputGroup] = field(default_factory=list)
     norm_conv: list[NormConvFusion] = field(default_factory=list)
+    halo_chains: list[HaloChainFusion] = field(default_factory=list)
 
     @property
     def errors(self) -> list[PlannedModule]:
@@ -154,5 +187,6 @@ class ConversionPlan:
         lines = [f"conversion plan (shard_dim={self.shard_dim}, nonlocal={self.nonlocal_policy})"]
         lines += [f"  {m}" for m in self.modules]
         lines += [f"  {path}: refused: {reason}" for path, reason in self.unsafe]
-        lines += [f"  {f}" for f in (*self.pad_conv, *self.shared_inputs, *self.norm_conv)]
+        fusions = (*self.pad_conv, *self.shared_inputs, *self.norm_conv, *self.halo_chains)
+        lines += [f"  {f}" for f in fusions]
         return "\n".join(lines)

@@ -34,6 +34,7 @@ __all__ = [
     "ConvOp",
     "OverlapSplit",
     "conv_needs_domain_wrapper",
+    "conv_rows",
     "conv_transpose_windows",
     "conv_windows",
     "overlap_split",
@@ -114,22 +115,26 @@ def conv_windows(geo: ConvGeometry, i: int, length: int, n: int) -> tuple:
     ``length``: ``windows[r]`` are the input rows (or FILL, by the boundary rule) of rank r's
     output rows.  A rank that owns no output row has an empty window."""
     out_len = geo.output_length(length, i)
-    windows = []
-    for r in range(n):
-        o0, o1 = shard_range(out_len, n, r)
-        if o0 == o1:
-            windows.append(())
-            continue
-        lo, hi = conv_window(
-            o0,
-            o1,
-            kernel=geo.kernel[i],
-            stride=geo.stride[i],
-            dilation=geo.dilation[i],
-            pad_before=geo.pads[i][0],
-        )
-        windows.append(tuple(edge_source_row(p, length, geo.edge_mode) for p in range(lo, hi)))
-    return tuple(windows), out_len
+    windows = tuple(conv_rows(geo, i, length, *shard_range(out_len, n, r)) for r in range(n))
+    return windows, out_len
+
+
+def conv_rows(geo: ConvGeometry, i: int, length: int, o0: int, o1: int) -> tuple:
+    """The input rows (or FILL, by the boundary rule) that output rows ``[o0, o1)`` of a
+    (non-transposed) conv read along spatial dim ``i`` of a global ``length``; empty for an
+    empty range.  (Any range: the halo chains of ``halo_chain.py`` ask for wider ones than a
+    rank owns.)"""
+    if o0 >= o1:
+        return ()
+    lo, hi = conv_window(
+        o0,
+        o1,
+        kernel=geo.kernel[i],
+        stride=geo.stride[i],
+        dilation=geo.dilation[i],
+        pad_before=geo.pads[i][0],
+    )
+    return tuple(edge_source_row(p, length, geo.edge_mode) for p in range(lo, hi))
 
 
 @pure_cached(maxsize=4096)

@@ -27,7 +27,13 @@ from ..options import LayerOptions
 from ..rows import FILL, edge_source_row, pure_cached, shard_range
 from ..wrap import DomainWrapper
 
-__all__ = ["DomainParallelPad", "checked_pad_windows", "pad_mode_of", "pad_windows"]
+__all__ = [
+    "DomainParallelPad",
+    "checked_pad_windows",
+    "pad_mode_of",
+    "pad_rows",
+    "pad_windows",
+]
 
 # ZeroPad2d is a ConstantPad2d with value 0
 _PAD_MODES = (
@@ -52,19 +58,21 @@ def pad_mode_of(module: nn.Module) -> str:
 def pad_windows(length: int, n: int, top: int, bottom: int, mode: str) -> tuple:
     """For each of ``n`` ranks, the global input rows (or FILL) of the output rows it owns in the
     balanced layout of the padded height ``length + top + bottom``."""
+    out_len = length + top + bottom
+    return tuple(pad_rows(length, top, bottom, mode, *shard_range(out_len, n, r)) for r in range(n))
+
+
+def pad_rows(length: int, top: int, bottom: int, mode: str, o0: int, o1: int) -> tuple:
+    """The input rows (or FILL) of output rows ``[o0, o1)`` of the padded height
+    ``length + top + bottom`` (any range; :func:`pad_windows` asks for each rank's own)."""
     kept_start = max(0, -top)  # negative padding crops first ...
     kept = length - kept_start - max(0, -bottom)
-    out_len = length + top + bottom
-    windows = []
-    for r in range(n):
-        o0, o1 = shard_range(out_len, n, r)
-        rows = []
-        for p in range(o0, o1):
-            # ... and the padding rule then applies relative to the kept rows
-            src = edge_source_row(p - max(0, top), kept, mode)
-            rows.append(FILL if src == FILL else kept_start + src)
-        windows.append(tuple(rows))
-    return tuple(windows)
+    rows = []
+    for p in range(o0, o1):
+        # ... and the padding rule then applies relative to the kept rows
+        src = edge_source_row(p - max(0, top), kept, mode)
+        rows.append(FILL if src == FILL else kept_start + src)
+    return tuple(rows)
 
 
 @pure_cached(maxsize=1024)
