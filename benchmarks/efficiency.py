@@ -94,6 +94,11 @@ class Workload:
     def build(self, height: int) -> nn.Module:
         if self.kind == "conv_stack":
             return build_conv_stack(self.channels, 4, 8)
+        if self.kind == "conv_chain":  # the conv stack without its norms: a chain of stencils
+            c = self.channels
+            return nn.Sequential(
+                *(m for _ in range(4) for m in (nn.Conv2d(c, c, 3, padding=1), nn.SiLU()))
+            )
         if self.kind == "plain_unet":
             return PlainUNet(self.channels)
         if self.kind == "unet":
@@ -116,6 +121,8 @@ def default_workloads() -> list[Workload]:
     return [
         Workload("conv_stack/large", "conv_stack", 64, 192, 384),
         Workload("conv_stack/small", "conv_stack", 32, 96, 192),
+        Workload("conv_chain/large", "conv_chain", 64, 192, 384),
+        Workload("conv_chain/small", "conv_chain", 32, 96, 192),
         Workload("plain_unet", "plain_unet", 32, 192, 384),
         Workload("unet/small", "unet", 8, 33, 64, base=16),
         Workload("unet/large", "unet", 8, 97, 192, base=32),
@@ -160,13 +167,22 @@ def _plain_worker(rank, world, w: Workload, threads: int, steps: int, warmup: in
     return _time_steps(step, steps, warmup, world)
 
 
-def _domain_worker(rank, world, w: Workload, steps: int, warmup: int, overlap: bool = False):
+def domain_conf(w: Workload, world: int, chains=False) -> dict:
+    """The config ``ours`` runs: domain ``world``; ``chains``: ``trainer.domain_halo_chains``."""
+    conf = Layout(domain=world).conf(w.batch)
+    conf["trainer"]["domain_halo_chains"] = chains
+    return conf
+
+
+def _domain_worker(
+    rank, world, w: Workload, steps: int, warmup: int, overlap: bool = False, chains=False
+):
     from credit_parallel.parallel.collectives import sync_domain_gradients
     from credit_parallel.parallel.composition import get_domain_manager, get_raw_model, parallelize
     from credit_parallel.parallel.grad_overlap import enable_overlapped_domain_grad_sync
 
     torch.manual_seed(0)
-    model = parallelize(w.build(w.height), Layout(domain=world).conf(w.batch))
+    model = parallelize(w.build(w.height), domain_conf(w, world, chains))
     manager = get_domain_manager(model)
     if overlap:
         enable_overlapped_domain_grad_sync(get_raw_model(model), manager=manager)
@@ -183,8 +199,9 @@ def _domain_worker(rank, world, w: Workload, steps: int, warmup: int, overlap: b
 
 
 def time_workload(
-    w: Workload, domain: int, *, rounds: int, steps: int, warmup: int, overlap: bool = False
-) -> dict:
+    w: Workload, domain: int, *, rounds: int, steps: int, warmup: int, overlap: bool = False,
+    chains=False,
+) -> dict:  # fmt: skip
     """Seconds per step of each implementation: median over interleaved rounds of the slowest
     rank's median.  A failing implementation (e.g. a model the converter rejects) gives its
     error message instead of a time."""
@@ -198,6 +215,8 @@ def time_workload(
     }
     if overlap:  # the domain gradient all-reduce overlapped with the backward (grad_overlap)
         runs["ours ovl"] = (_domain_worker, domain, (w, steps, warmup, True))
+    if chains:  # communication-avoiding halos (trainer.domain_halo_chains), same rounds
+        runs["ours chains"] = (_domain_worker, domain, (w, steps, warmup, False, chains))
     samples: dict = {name: [] for name in runs}
     errors: dict = {}
     for _ in range(rounds):
@@ -246,7 +265,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also time ours with the domain gradient all-reduce overlapped (grad_overlap)",
     )
+    parser.add_argument(
+        "--halo-chains",
+        default="",
+        help="also time ours with trainer.domain_halo_chains = this ('auto' or a length k)",
+    )
     return parser.parse_args(argv)
+
+
+def halo_chains_arg(value: str):
+    """``--halo-chains`` as the trainer key reads it: '' off, 'auto', or an int."""
+    if not value:
+        return False
+    return value if value == "auto" else int(value)
 
 
 def _cell(value, fmt: str) -> str:
@@ -286,7 +317,7 @@ def main(argv=None) -> list[dict]:
         for domain in (int(d) for d in args.domains.split(",")):
             t = time_workload(
                 w, domain, rounds=args.rounds, steps=args.steps, warmup=args.warmup,
-                overlap=args.overlap_grads,
+                overlap=args.overlap_grads, chains=halo_chains_arg(args.halo_chains),
             )  # fmt: skip
             e = efficiencies(t, domain, cores, loaded)
             rows.append({"workload": name, "domain": domain, "times": t, "efficiency": e})
@@ -302,6 +333,11 @@ def main(argv=None) -> list[dict]:
             )
             if isinstance(t.get("ours ovl"), float):
                 print(f"    ours with overlapped domain gradients: {t['ours ovl'] * 1e3:.1f} ms")
+            if isinstance(t.get("ours chains"), float) and isinstance(t.get("floor"), float):
+                print(
+                    f"    ours with halo chains ({args.halo_chains}): {t['ours chains'] * 1e3:.1f}"
+                    f" ms, ours/floor {t['floor'] / t['ours chains']:.2f}"
+                )
             for impl, message in t["errors"].items():
                 print(f"    {impl}: {message}")
     print(f"load average after: {os.getloadavg()}")

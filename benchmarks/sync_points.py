@@ -18,8 +18,6 @@ import argparse
 
 import torch
 
-from credit_parallel.tools.bench import Layout
-
 __all__ = ["main", "parse_args", "planned_points"]
 
 
@@ -31,6 +29,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--domains", default="2,4,8")
     parser.add_argument("--check", default="conv_stack/large,unet/large")
     parser.add_argument("--check-domain", type=int, default=2)
+    parser.add_argument(
+        "--halo-chains",
+        default="",
+        help="trainer.domain_halo_chains for the plan and the real step ('auto' or a length)",
+    )
     return parser.parse_args(argv)
 
 
@@ -40,15 +43,22 @@ def _workloads() -> dict:
     return {w.name: w for w in default_workloads()}
 
 
-def planned_points(w, domain: int) -> tuple[dict, dict, dict]:
-    """(plan.collectives, points before, points after) of workload ``w`` at ``domain``."""
+def planned_points(w, domain: int, chains=False) -> tuple[dict, dict, dict]:
+    """(plan.collectives, points before, points after) of workload ``w`` at ``domain``
+    (``chains``: ``trainer.domain_halo_chains``; the plan counts for this machine's device)."""
+    from efficiency import domain_conf
+
     from credit_parallel.planner.make import make_plan
     from credit_parallel.planner.sync_points import sync_points_per_step
 
-    conf = Layout(domain=domain).conf(w.batch)
+    conf = domain_conf(w, domain, chains)
     conf["model"] = {"type": w.kind}
     plan = make_plan(
-        conf, domain, model=w.build(w.height), input_shapes=[(w.channels, w.height, w.width)]
+        conf,
+        domain,
+        model=w.build(w.height),
+        input_shapes=[(w.channels, w.height, w.width)],
+        device="cpu",
     )
     if plan.violations:
         raise SystemExit(f"{w.name} at domain {domain}: {plan.violations}")
@@ -59,7 +69,9 @@ def planned_points(w, domain: int) -> tuple[dict, dict, dict]:
     )
 
 
-def _step_worker(rank, world, w, overlap: bool):
+def _step_worker(rank, world, w, overlap: bool, chains=False):
+    from efficiency import domain_conf
+
     from credit_parallel.domain.exchange.traffic import record_exchange_stats
     from credit_parallel.domain.rows import shard_range
     from credit_parallel.layout.small_collectives import record_small_collectives
@@ -69,7 +81,7 @@ def _step_worker(rank, world, w, overlap: bool):
     from credit_parallel.tools.bench.measure import _collective_counter
 
     torch.manual_seed(0)
-    model = parallelize(w.build(w.height), Layout(domain=world).conf(w.batch))
+    model = parallelize(w.build(w.height), domain_conf(w, world, chains))
     manager = get_domain_manager(model)
     raw = get_raw_model(model)
     if overlap:
@@ -107,11 +119,16 @@ def _step_worker(rank, world, w, overlap: bool):
 def main(argv=None) -> None:
     args = parse_args(argv)
     known = _workloads()
+    from efficiency import halo_chains_arg
+
+    chains = halo_chains_arg(args.halo_chains)
+    if chains:
+        print(f"trainer.domain_halo_chains: {chains!r} (planned for the cpu's chain costs)")
     print("planner: synchronisation points per step (halo + norm + domain gradient [+ tp, data])")
     print(f"{'workload':<18}| d | halo | norm | grad before | grad after | total before | after")
     for name in [n.strip() for n in args.workloads.split(",") if n.strip()]:
         for domain in (int(d) for d in args.domains.split(",")):
-            _, before, after = planned_points(known[name], domain)
+            _, before, after = planned_points(known[name], domain, chains)
             print(
                 f"{name:<18}| {domain} | {before['halo']:>4} | {before['norm']:>4} | "
                 f"{before['domain_grad']:>11} | {after['domain_grad']:>10} | "
@@ -122,9 +139,9 @@ def main(argv=None) -> None:
     d = args.check_domain
     print(f"\nreal step at domain {d} (rank 0; collectives counted during fwd+bwd / after bwd)")
     for name in [n.strip() for n in args.check.split(",") if n.strip()]:
-        coll, before, after = planned_points(known[name], d)
+        coll, before, after = planned_points(known[name], d, chains)
         for overlap in (False, True):
-            got = run_on_ranks(_step_worker, d, known[name], overlap, timeout=900)[0]
+            got = run_on_ranks(_step_worker, d, known[name], overlap, chains, timeout=900)[0]
             grad_blocking = got["all_reduce_after"] + (
                 1 if overlap and got["all_reduce_during"] > coll["domain_all_reduce_norm"] else 0
             )

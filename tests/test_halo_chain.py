@@ -21,6 +21,7 @@ from credit_parallel.domain.layers.halo_chain import (
 )
 from credit_parallel.domain.manager import DomainParallelManager
 from credit_parallel.domain.rows import plan_exchange, shard_range
+from credit_parallel.layout.small_collectives import record_small_collectives
 from credit_parallel.models.periodic import PeriodicConv2d
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
 
@@ -137,3 +138,67 @@ def test_auto_chains_where_latency_outweighs_the_redundant_rows():
     assert [geo is not None for *_, geo in chain_pieces(*args, cheap)] == [True]
     assert [geo is not None for *_, geo in chain_pieces(*args, dear)] == [False, False]
     assert "halo chain (cut by the cost model): 0, 1, 2" in str(plan)
+
+
+def _planned_model():
+    return nn.Sequential(
+        nn.Conv2d(4, 4, 3, padding=1), nn.SiLU(), nn.Conv2d(4, 4, 3, padding=1),
+        nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv2d(4, 4, 3, padding=1),
+        nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+    )  # fmt: skip
+
+
+def _conf(world: int, chains) -> dict:
+    parallelism = {"data": "none", "tensor": 1, "domain": world}
+    trainer = {"parallelism": parallelism, "batch_size": 1, "domain_halo_chains": chains}
+    return {"trainer": trainer, "model": {"type": "custom"}}
+
+
+def _counted_step_worker(rank, world, modes):
+    from credit_parallel.parallel.composition import get_domain_manager, parallelize
+    from credit_parallel.tools.bench.measure import _collective_counter
+
+    out = {}
+    for chains in modes:
+        torch.manual_seed(0)
+        model = parallelize(_planned_model(), _conf(world, chains))
+        manager = get_domain_manager(model)
+        a, b = shard_range(12, world, rank)
+        x = torch.randn(1, 4, 12, 8, generator=torch.Generator().manual_seed(1))[:, :, a:b]
+        x = x.contiguous().requires_grad_()
+        for _ in range(2):  # the second call is counted (heights cached)
+            manager.begin_forward(("chains", chains))
+            counter = _collective_counter()
+            with counter, record_exchange_stats() as ex, record_small_collectives() as small:
+                model(x).square().sum().backward()
+        counts = dict(counter.counts + small)
+        out[chains] = (ex.p2p_calls, counts.get("all_gather", 0), counts.get("all_reduce", 0))
+    return out
+
+
+def test_plan_counts_the_exchanges_of_a_real_step_with_chains():
+    """``plan``'s collectives for a model with halo chains (a fixed length, the cost model on
+    this machine's device type, and off) are the ones a real forward + backward issues."""
+    from credit_parallel.planner.make import make_plan
+
+    modes = (2, "auto", False)
+    world = 2
+    counted = run_on_ranks(_counted_step_worker, world, modes)
+    for chains in modes:
+        plan = make_plan(
+            _conf(world, chains), world, model=_planned_model(), input_shapes=[(4, 12, 8)],
+            device="cpu",
+        )  # fmt: skip
+        c = plan.collectives
+        busiest = max(per_rank[chains] for per_rank in counted)
+        assert busiest == (
+            c["domain_p2p"],
+            c["domain_all_gather"],
+            c["domain_all_reduce_norm"],
+        ), chains
+        if chains == 2:  # [0..2] one chain, the norm in [3..5] alone-ish, [5..8] chained
+            assert c["domain_p2p"] < make_plan(
+                _conf(world, False), world, model=_planned_model(), input_shapes=[(4, 12, 8)],
+                device="cpu",
+            ).collectives["domain_p2p"]  # fmt: skip
+            assert any("halo chains of <root>" in note for note in plan.notes), plan.notes

@@ -412,8 +412,11 @@ def apply_conversion_plan(model: nn.Module, plan: ConversionPlan) -> nn.Module:
         [(f.pad, f.conv) for f in plan.pad_conv], [list(g.layers) for g in plan.shared_inputs]
     )
     apply_norm_conv([(f.norm, f.activation, f.conv) for f in plan.norm_conv])
+    runs: dict[int, tuple] = {}  # per Sequential, every run of it
     for fusion in plan.halo_chains:
-        install_halo_chains(fusion.container, [fusion.run])
+        runs.setdefault(id(fusion.container), (fusion.container, []))[1].append(fusion.run)
+    for container, found in runs.values():
+        install_halo_chains(container, found)
     guard_row_local_convs(root)  # the convs left alone also run on a rank with 0 rows
     return root
 

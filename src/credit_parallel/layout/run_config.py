@@ -81,6 +81,14 @@ def _choice(section: str, key: str, choices: tuple[str, ...]) -> Callable[[Any],
     return parse
 
 
+def _halo_chains(value):
+    if value is False or value == "auto" or (type(value) is int and value >= 2):
+        return value
+    raise ValueError(
+        f"trainer.domain_halo_chains must be false, 'auto' or a chain length >= 2, got {value!r}"
+    )
+
+
 def _seconds(value):
     if (
         isinstance(value, bool)
@@ -198,6 +206,9 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
         "raise",
         _choice("trainer", "domain_nonlocal_policy", ("raise", "gather")),
     ),
+    # opt-in: one exchange feeds a chain of stencil layers (domain/layers/halo_chain.py):
+    # false, "auto" (the cost model cuts the chains) or a chain length k >= 2
+    "domain_halo_chains": (False, _halo_chains),
     # opt-in debug mode: raise at the first functional call over H on a sharded activation
     "domain_guard": (False, _flag("trainer", "domain_guard")),
     # a moving average of the weights (miles-credit's EMATracker, train/ema.py): updated after
@@ -360,6 +371,7 @@ class TrainerConfig:
     resume: bool = False
     log_every: int = 1
     domain_nonlocal_policy: str = "raise"
+    domain_halo_chains: bool | str | int = False
     domain_guard: bool = False
     use_ema: bool = False
     ema_decay: float = 0.9999

@@ -57,12 +57,14 @@ __all__ = [
 class RecipeOptions:
     """The ``trainer.*`` settings the recipe reads besides the layout, parsed as the run config
     parses them: ``trainer.amp``, ``trainer.activation_checkpoint``,
-    ``trainer.fsdp2_min_unit_params`` (FSDP2), ``trainer.domain_nonlocal_policy`` (the
-    domain conversion) and ``trainer.compile`` (``compile_blocks`` before FSDP2)."""
+    ``trainer.fsdp2_min_unit_params`` (FSDP2), ``trainer.domain_nonlocal_policy`` and
+    ``trainer.domain_halo_chains`` (the domain conversion) and ``trainer.compile``
+    (``compile_blocks`` before FSDP2)."""
 
     amp: bool = False
     activation_checkpoint: bool = False
     nonlocal_policy: str = "raise"
+    halo_chains: bool | str | int = False
     fsdp2_min_unit_params: int = FSDP2_MIN_UNIT_PARAMS
     compile: bool = False
 
@@ -73,6 +75,7 @@ class RecipeOptions:
             amp=trainer_option(conf, "amp"),
             activation_checkpoint=trainer_option(conf, "activation_checkpoint"),
             nonlocal_policy=trainer_option(conf, "domain_nonlocal_policy"),
+            halo_chains=trainer_option(conf, "domain_halo_chains"),
             fsdp2_min_unit_params=trainer_option(conf, "fsdp2_min_unit_params"),
             compile=trainer_option(conf, "compile"),
         )
@@ -84,6 +87,7 @@ class RecipeOptions:
             amp=trainer.amp,
             activation_checkpoint=trainer.activation_checkpoint,
             nonlocal_policy=trainer.domain_nonlocal_policy,
+            halo_chains=trainer.domain_halo_chains,
             fsdp2_min_unit_params=trainer.fsdp2_min_unit_params,
             compile=trainer.compile,
         )
@@ -134,14 +138,18 @@ def apply_model_parallel(
     *,
     src_data_rank: int | None = 0,
     nonlocal_policy: str = "raise",
+    halo_chains: bool | str | int = False,
 ) -> nn.Module:
     """Steps 2-3 of the recipe: domain conversion, then tensor parallelism; the mesh and the
     manager are attached to the model.  ``src_data_rank=None``: TP takes each rank's own copy
-    (a model on the meta device).  ``nonlocal_policy``: see ``convert_to_domain_parallel``."""
+    (a model on the meta device).  ``nonlocal_policy``, ``halo_chains``: see
+    ``convert_to_domain_parallel``."""
     manager = None
     if dims.domain > 1:
         manager = DomainParallelManager.from_device_mesh(meshes.mesh)
-        model = convert_to_domain_parallel(model, manager, nonlocal_policy=nonlocal_policy)
+        model = convert_to_domain_parallel(
+            model, manager, nonlocal_policy=nonlocal_policy, halo_chains=halo_chains
+        )
     if dims.tp > 1:
         model = apply_tensor_parallel(model, meshes.axis(MeshAxis.TP), src_data_rank=src_data_rank)
     object.__setattr__(model, "_device_mesh", meshes.mesh)
@@ -206,7 +214,13 @@ def parallelize_dims(
         if options.compile:
             compile_blocks(model)
         return model
-    model = apply_model_parallel(model, dims, meshes, nonlocal_policy=options.nonlocal_policy)
+    model = apply_model_parallel(
+        model,
+        dims,
+        meshes,
+        nonlocal_policy=options.nonlocal_policy,
+        halo_chains=options.halo_chains,
+    )
     if options.compile:  # per block, after domain conversion and TP, before FSDP2 (torchtitan)
         compile_blocks(model)
     return apply_data_parallel(

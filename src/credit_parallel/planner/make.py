@@ -48,6 +48,7 @@ from .cost import (
     tp_split_dims,
 )
 from .fsdp_merge import merge_advice
+from .halo_chains import chain_exchanges
 from .split import project_splits, refusal_reason, split_note
 from .tile_fusions import fuse_tile_plans
 from .tiles import TileLayerPlan, tile_halo_bytes, tile_layer_plans
@@ -188,11 +189,11 @@ def _layout(block: Mapping, world_size: int, dims, violations: list, notes: list
     return dims, dims.dp
 
 
-def _run_settings(conf: dict, trainer, violations: list) -> tuple[int, bool, str]:
-    """(samples per data-parallel rank, amp, nonlocal policy), parsed exactly as the trainer
-    parses them (the typed run config): a value the trainer would reject is a violation here too.
-    ``trainer``: the already-parsed section, when the caller has it."""
-    keys = ("batch_size", "amp", "domain_nonlocal_policy")
+def _run_settings(conf: dict, trainer, violations: list) -> tuple:
+    """(samples per data-parallel rank, amp, nonlocal policy, halo chains), parsed exactly as
+    the trainer parses them (the typed run config): a value the trainer would reject is a
+    violation here too.  ``trainer``: the already-parsed section, when the caller has it."""
+    keys = ("batch_size", "amp", "domain_nonlocal_policy", "domain_halo_chains")
     if trainer is not None:
         return tuple(getattr(trainer, key) for key in keys)
     settings = []
@@ -203,7 +204,7 @@ def _run_settings(conf: dict, trainer, violations: list) -> tuple[int, bool, str
             default = TrainerConfig.__dataclass_fields__[key].default
             violations.append(f"{err}; assuming {default!r}")
             settings.append(default)
-    return settings[0], settings[1], settings[2]
+    return tuple(settings)
 
 
 def tile_refusals_of_model(model) -> list[tuple[str, str]]:
@@ -272,13 +273,17 @@ def _splits(model, trace, shape, refusals, notes: list, **kw) -> list:
     return splits
 
 
-def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: list, *, policy):
+def _traced_layers(
+    model, shapes, n: int, amp: bool, violations: list, notes: list, *, policy, chains=False,
+    batch: int = 1, device: str = "cpu",
+):  # fmt: skip
     """(trace, one DomainLayerPlan per domain-layer call) of the meta model, converted as
-    ``convert_to_domain_parallel(..., nonlocal_policy=policy)`` would convert it."""
+    ``convert_to_domain_parallel(..., nonlocal_policy=policy, halo_chains=chains)`` would
+    convert it (the chains cut for ``batch`` samples on ``device``: ``halo_chains.py``)."""
     param_dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     double = param_dtype == torch.float64 and not amp  # float64 interpolation indices
     itemsize = 2 if amp else param_dtype.itemsize
-    plan = conversion_plan(model, policy)
+    plan = conversion_plan(model, policy, chains if n > 1 else False)
     targets, unsafe = plan_targets(plan), plan.unsafe
     runnable = [t for t in targets if not isinstance(t[2], Exception)]
     trace = trace_model(model, shapes, runnable, plan_relayouts(plan))
@@ -294,6 +299,7 @@ def _traced_layers(model, shapes, n: int, amp: bool, violations: list, notes: li
                 "trainer.parallelism.domain: 1)"
             )
     exchanges = _fused_exchanges(plan, trace, n)
+    exchanges.update(chain_exchanges(plan, trace, n, batch, itemsize, device, notes))
     linked_norms = {id(f.norm) for f in plan.norm_conv}  # statistics with the conv's exchange
     layers = []
     seen_calls: dict[str, int] = {}
@@ -528,12 +534,15 @@ def make_plan(
     data, tp = block["data"], block["tensor"]
     n, lon = domain_degrees(block["domain"])
     dims, dp = _layout(block, world_size, dims, violations, notes)
-    batch_size, amp, policy = _run_settings(conf, trainer, violations)
+    batch_size, amp, policy, chains = _run_settings(conf, trainer, violations)
 
     # ---- the model, on meta, traced once
     model, model_type, shapes = _meta_model(conf, model, input_shapes)
     tp_partial_gradient_findings(model, shapes, tp, notes, violations)  # before the domain trace
-    trace, layers = _traced_layers(model, shapes, n, amp, violations, notes, policy=policy)
+    trace, layers = _traced_layers(
+        model, shapes, n, amp, violations, notes, policy=policy, chains=chains if lon == 1 else False,
+        batch=batch_size, device=device,
+    )  # fmt: skip
     double = not amp and next((p.dtype for p in model.parameters()), None) == torch.float64
     tile_layers, tile_levels, refusals = [], [], None
     if lon > 1:

@@ -89,12 +89,21 @@ def build_meta_model(conf: dict) -> tuple[nn.Module, str]:
     return model, str(conf_model.get("type"))
 
 
-def conversion_plan(model: nn.Module, nonlocal_policy: str = "raise") -> ConversionPlan:
+def conversion_plan(
+    model: nn.Module, nonlocal_policy: str = "raise", halo_chains=False
+) -> ConversionPlan:
     """The converter's own plan for ``model`` (``domain.convert.plan_conversion``, no custom
     converters, manager None: the layers need one only when they run), modules it cannot
     convert listed rather than raised.  The root model itself cannot be replaced by an
     attention layer here (the tracer hooks the modules of the plain model in place)."""
-    plan = plan_conversion(model, None, SHARD_DIM, nonlocal_policy=nonlocal_policy, errors="record")
+    plan = plan_conversion(
+        model,
+        None,
+        SHARD_DIM,
+        nonlocal_policy=nonlocal_policy,
+        errors="record",
+        halo_chains=halo_chains,
+    )
     if any(m.path == "<root>" and m.stage == "attention" for m in plan.modules):
         raise ValueError("the planner cannot plan a model whose root is itself an attention module")
     return plan

@@ -315,7 +315,12 @@ def build_parallel_model(
     }
     if meshes is not None:
         model = apply_model_parallel(
-            model, dims, meshes, src_data_rank=None, nonlocal_policy=options.nonlocal_policy
+            model,
+            dims,
+            meshes,
+            src_data_rank=None,
+            nonlocal_policy=options.nonlocal_policy,
+            halo_chains=options.halo_chains,
         )
     if options.compile:  # per block, before FSDP2 (as parallelize does)
         compile_blocks(model)
