@@ -46,6 +46,12 @@ class PlainUNet(nn.Module):
     down, nearest up-sampling + conv up, skip concatenation (the issue's plain U-Net).  The
     height (of the grid and, for the floor, of every shard) must be divisible by 4."""
 
+    # each down-sampling conv reads exactly the activation of its level's last norm (forward):
+    # declared, so that norm's statistics travel with the conv's halo exchange (norm_halo.py)
+    _domain_norm_act_conv = tuple(
+        (f"down_blocks.{i}.4", f"down_blocks.{i}.5", f"downs.{i}") for i in range(8)
+    )
+
     def __init__(self, channels: int = 32, groups: int = 8, levels: int = 3):
         super().__init__()
         c = channels

@@ -59,6 +59,13 @@ track_b() {
         --splits 1x4,2x2,4x1,1x8,2x4,8x1 --rounds 2 --steps 3 --warmup 1
     step loader "${LOADER_LIMIT:-120}" "$B" $PY benchmarks/loader.py --rows-per-chunk 16 \
         --domain 1 8 --workers 0 4 --batches 8
+    # --- issue 35: communication-avoiding halos (trainer.domain_halo_chains) at 8 gloo ranks:
+    # ours without / with chains of <= 4 stencils and the floor in the same interleaved rounds
+    # ("ours with halo chains" line), then the sync points planned and counted at 8 ranks
+    step halo_chains "${CHAIN_LIMIT:-150}" "$B" $PY benchmarks/efficiency.py \
+        --workloads conv_chain/large,conv_stack/large --domains 8 --rounds 2 --steps 2 --warmup 1 --halo-chains 4
+    step sync_points "${SYNC_LIMIT:-90}" "$B" $PY benchmarks/sync_points.py --domains 2,4,8 \
+        --workloads conv_chain/large,conv_stack/large,plain_unet,unet/large --check conv_chain/small --check-domain 8 --halo-chains 4
 }
 
 uptime

@@ -195,8 +195,13 @@ def find_fusions(
             pairs += _pad_conv_pairs(children, uses, layer_of, tiles)
         if isinstance(module, nn.ModuleList):
             groups += _sibling_groups(children, layer_of, tiles)
-    # a conv that exchanges for its pad does not also share its input
+    # a conv that exchanges for its pad does not also share its input; nor does a conv its
+    # model declares fed by a norm (``_domain_norm_act_conv``: that is its input's exchange)
+    uses: dict[int, int] = {}
+    for _, module in tree:
+        uses[id(module)] = uses.get(id(module), 0) + 1
     paired = {id(conv) for _, conv in pairs}
+    paired |= {id(conv) for _, _, conv in _declared_triples(tree, uses, layer_of)}
     groups = [g for g in ((c for c in g if id(c) not in paired) for g in groups)]
     groups = [g for g in (list(g) for g in groups) if len(g) >= 2]
     return pairs, groups

@@ -72,6 +72,10 @@ class UNetBottleneckMLP(nn.Module):
 class UNet(nn.Module):
     """U-Net for (B, in_channels, image_height, image_width) -> (B, out_channels, same).
 
+    The head's conv input is exactly the activation of the head norm's output (``forward``):
+    declared, so the domain converter sends that norm's statistics with the head's halo
+    exchange (``domain/layers/norm_halo.py``).
+
     Args:
         in_channels, out_channels: channel counts of input and output.
         image_height, image_width: the global grid the model is built for.
@@ -80,6 +84,8 @@ class UNet(nn.Module):
         norm_groups: GroupNorm groups; must divide every channel count.
         mlp_ratio: hidden width of the bottleneck feed-forward, in multiples of its channels.
     """
+
+    _domain_norm_act_conv = (("head_norm", "head_act", "head"),)
 
     def __init__(
         self,
