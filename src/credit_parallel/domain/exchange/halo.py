@@ -9,7 +9,8 @@ has cached.  Layers with their own backward (``layers/split_conv.py``) use the t
 directly (``p2p.post_rows``, ``windows.assemble_window``, ``p2p.post_gradient_return``): the
 messages, the arithmetic and the order in which gradient rows are accumulated are the same
 whichever way a layer calls it.  Under ``torch.compile`` the exchange is one traced operator
-(``ops.py``).
+(``ops.py``); selected with ``functional.exchange_path("all_to_all")``, one functional
+``all_to_all_single`` instead (eager and compiled alike).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from ..manager import require_manager, resolve_manager
 from ..rows import edge_source_row, plan_exchange, shard_range
+from .functional import all_to_all_windows, current_exchange_path
 from .ops import EAGER_IMPLS, exchange_traced
 from .p2p import exchange_gradients, exchange_windows, post_backward, post_forward
 from .replay import forward_messages
@@ -125,6 +127,8 @@ def exchange_planned(xs, specs, manager, *, side_stream: bool = False) -> list[t
     :class:`~credit_parallel.domain.rows.RankExchangePlan`, ``dim`` non-negative), for layers
     that cache their per-call geometry.  Differentiable."""
     require_manager(manager, "exchange_planned")
+    if current_exchange_path() == "all_to_all":  # one functional collective (functional.py)
+        return all_to_all_windows(xs, specs, manager)
     if torch.compiler.is_compiling():  # one traced operator (ops.py)
         if all(not p.sends and not p.recvs for p, _, _ in specs):
             return [assemble_window(x, [], p, d, f) for x, (p, d, f) in zip(xs, specs)]
