@@ -11,6 +11,9 @@ per call, forward and backward separately, of:
   then the plain conv runs on it);
 * ``exchange`` — the exchange alone (``exchange.halo.exchange_planned`` of the layer's plan,
   the window returned, no conv);
+* ``a2a``      — the same exchange through one functional ``all_to_all_single``
+  (``exchange/functional.py``, ``exchange_path("all_to_all")``: the compiler-visible path);
+  this version only, not a baseline's;
 * ``plain``    — the plain ``nn.Conv2d`` on the shard alone (no exchange): the floor the two
   layer rows are compared with;
 * ``gloo``     — the transport alone: per direction, one send and one receive of the halo's
@@ -35,6 +38,7 @@ slowest rank reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import re
@@ -52,7 +56,7 @@ from credit_parallel.domain.rows import shard_range
 
 __all__ = ["VARIANTS", "main"]
 
-VARIANTS = ("split", "window", "exchange", "plain", "gloo", "floor")
+VARIANTS = ("split", "window", "exchange", "a2a", "plain", "gloo", "floor")
 
 
 def _build(variant: str, conv: nn.Conv2d, mgr, package: str):
@@ -71,13 +75,21 @@ def _build(variant: str, conv: nn.Conv2d, mgr, package: str):
         return conv, lambda y, x: torch.autograd.grad(y, [x, *params], torch.ones_like(y))
     layer = DomainParallelConv2d(conv, manager=mgr)
     layer.configure(split_halo=variant == "split")
-    if variant != "exchange":
+    if variant not in ("exchange", "a2a"):
         return layer, lambda y, x: torch.autograd.grad(y, [x, *params], torch.ones_like(y))
+    path = "all_to_all" if variant == "a2a" else "p2p"
+    if variant == "a2a":
+        exchange_path = importlib.import_module(
+            f"{package}.domain.exchange.functional"
+        ).exchange_path
+    else:
+        exchange_path = lambda _: contextlib.nullcontext()  # noqa: E731
 
     def exchange(x):
         length = mgr.global_length(layer, x.shape[2])
         call = layer._call_geometry(length, mgr.domain_world_size, mgr.domain_rank)
-        return exchange_planned([x], [(call.plan, 2, 0.0)], mgr)[0]
+        with exchange_path(path):
+            return exchange_planned([x], [(call.plan, 2, 0.0)], mgr)[0]
 
     return exchange, lambda y, x: torch.autograd.grad(y, [x], torch.ones_like(y))
 
@@ -199,6 +211,8 @@ def _worker(rank, world, shape, rounds: int, calls: int, warmup: int, packages: 
         for v in VARIANTS:
             if v in ("plain", "gloo", "floor") and package != packages[0]:
                 continue  # no library code: measured once
+            if v == "a2a" and package != "credit_parallel":
+                continue  # this version's path only
             conv = nn.Conv2d(shape[1], shape[1], 3, padding=1)
             runs[package, v] = (*_build(v, conv, mgr, package), mgr)
     for fwd, bwd, mgr in runs.values():
@@ -281,9 +295,16 @@ def _report(args, shape: tuple, packages: tuple) -> dict:
     )
     for (package, v), (f, b, fmin, bmin) in results.items():
         extra = ""
-        if v not in ("plain", "exchange", "gloo", "floor"):
+        if v not in ("plain", "exchange", "a2a", "gloo", "floor"):
             extra = f"{f - plain[0]:9.1f} | {b - plain[1]:9.1f}"
         print(f"{package:<24}| {v:<9}| {f:6.1f} ({fmin:6.1f}) | {b:6.1f} ({bmin:6.1f}) | {extra}")
+    ex, a2a = results.get(("credit_parallel", "exchange")), results.get(("credit_parallel", "a2a"))
+    if ex and a2a:
+        print(
+            f"a2a / exchange (the functional all-to-all over today's P2P path): fwd "
+            f"{a2a[0] / ex[0]:.2f} ({a2a[2] / ex[2]:.2f}), bwd {a2a[1] / ex[1]:.2f} "
+            f"({a2a[3] / ex[3]:.2f})"
+        )
     if args.baseline:
         print("after / before (this version over the baseline), same ranks, interleaved rounds:")
         print("median (min over rounds); 'over gloo': minus the raw transport's time")
