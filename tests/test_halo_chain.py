@@ -202,3 +202,18 @@ def test_plan_counts_the_exchanges_of_a_real_step_with_chains():
                 device="cpu",
             ).collectives["domain_p2p"]  # fmt: skip
             assert any("halo chains of <root>" in note for note in plan.notes), plan.notes
+
+
+def test_trainer_key_reads_off_auto_and_a_length():
+    from credit_parallel.layout.run_config import TrainerConfig
+
+    def read(value):
+        return TrainerConfig.from_conf(
+            {"trainer": {"domain_halo_chains": value}}
+        ).domain_halo_chains
+
+    assert read(False) is False and read(True) == "auto" and read("auto") == "auto"
+    assert read(3) == 3
+    for bad in (1, "yes", 2.0):
+        with pytest.raises(ValueError, match="domain_halo_chains"):
+            read(bad)

@@ -82,10 +82,13 @@ def _choice(section: str, key: str, choices: tuple[str, ...]) -> Callable[[Any],
 
 
 def _halo_chains(value):
+    if value is True:
+        return "auto"
     if value is False or value == "auto" or (type(value) is int and value >= 2):
         return value
     raise ValueError(
-        f"trainer.domain_halo_chains must be false, 'auto' or a chain length >= 2, got {value!r}"
+        "trainer.domain_halo_chains must be false, true / 'auto' or a chain length >= 2, "
+        f"got {value!r}"
     )
 
 
@@ -207,7 +210,7 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
         _choice("trainer", "domain_nonlocal_policy", ("raise", "gather")),
     ),
     # opt-in: one exchange feeds a chain of stencil layers (domain/layers/halo_chain.py):
-    # false, "auto" (the cost model cuts the chains) or a chain length k >= 2
+    # false, true / "auto" (the cost model cuts the chains) or a chain length k >= 2
     "domain_halo_chains": (False, _halo_chains),
     # opt-in debug mode: raise at the first functional call over H on a sharded activation
     "domain_guard": (False, _flag("trainer", "domain_guard")),

@@ -48,7 +48,7 @@ def _describe(fusion, cut, height: int, n: int, device: str) -> str:
     for a, b, geo in cut:
         if geo is None:
             continue
-        members = [p for p, (role, _) in zip(fusion.paths[a:b], fusion.run.layers[a:b])]
+        members = fusion.paths[a:b]
         stencils = sum(1 for role, _ in fusion.run.layers[a:b] if role == "stencil")
         chains.append(f"[{', '.join(members)}] ({stencils} stencils, 1 exchange)")
     how = "cost model" if fusion.run.mode == "auto" else f"<= {fusion.run.mode} stencils"
