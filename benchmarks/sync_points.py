@@ -34,6 +34,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help="trainer.domain_halo_chains for the plan and the real step ('auto' or a length)",
     )
+    parser.add_argument(
+        "--plan-device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="the device whose chain costs the planner table uses (the --check rows: cpu)",
+    )
     return parser.parse_args(argv)
 
 
@@ -43,9 +49,9 @@ def _workloads() -> dict:
     return {w.name: w for w in default_workloads()}
 
 
-def planned_points(w, domain: int, chains=False) -> tuple[dict, dict, dict]:
+def planned_points(w, domain: int, chains=False, device: str = "cpu") -> tuple[dict, dict, dict]:
     """(plan.collectives, points before, points after) of workload ``w`` at ``domain``
-    (``chains``: ``trainer.domain_halo_chains``; the plan counts for this machine's device)."""
+    (``chains``: ``trainer.domain_halo_chains``, cut for ``device``'s chain costs)."""
     from efficiency import domain_conf
 
     from credit_parallel.planner.make import make_plan
@@ -58,7 +64,7 @@ def planned_points(w, domain: int, chains=False) -> tuple[dict, dict, dict]:
         domain,
         model=w.build(w.height),
         input_shapes=[(w.channels, w.height, w.width)],
-        device="cpu",
+        device=device,
     )
     if plan.violations:
         raise SystemExit(f"{w.name} at domain {domain}: {plan.violations}")
@@ -123,12 +129,12 @@ def main(argv=None) -> None:
 
     chains = halo_chains_arg(args.halo_chains)
     if chains:
-        print(f"trainer.domain_halo_chains: {chains!r} (planned for the cpu's chain costs)")
+        print(f"trainer.domain_halo_chains: {chains!r} (table: {args.plan_device} chain costs)")
     print("planner: synchronisation points per step (halo + norm + domain gradient [+ tp, data])")
     print(f"{'workload':<18}| d | halo | norm | grad before | grad after | total before | after")
     for name in [n.strip() for n in args.workloads.split(",") if n.strip()]:
         for domain in (int(d) for d in args.domains.split(",")):
-            _, before, after = planned_points(known[name], domain, chains)
+            _, before, after = planned_points(known[name], domain, chains, args.plan_device)
             print(
                 f"{name:<18}| {domain} | {before['halo']:>4} | {before['norm']:>4} | "
                 f"{before['domain_grad']:>11} | {after['domain_grad']:>10} | "
