@@ -14,10 +14,12 @@ The package, lowest first (a module imports only its own level or lower ones):
 * ``exchange/`` — where domain ranks talk: ``halo`` (halo rows and their gradients, one batched
   point-to-point call per layer and direction; :class:`HaloExchange`), ``collectives`` (rows
   gathered / scattered), ``ops`` (the same communication as ``torch.library`` custom ops, traced by
-  ``torch.compile``), ``shared_input`` (one exchange for sibling convolutions), ``streams``,
+  ``torch.compile``), ``functional`` (the exchange as one functional all-to-all, selectable:
+  :func:`exchange_path`), ``shared_input`` (one exchange for sibling convolutions), ``streams``,
   ``traffic`` (opt-in counters);
 * ``layers/`` — one file per layer family: ``conv`` (+ ``conv_geometry``, ``split_conv``),
-  ``norm`` (+ ``norm_halo``), ``padding``, ``resample`` (+ ``interp_rows``), ``pixel_shuffle``, ``gather``
+  ``norm`` (+ ``norm_halo``), ``halo_chain`` (opt-in: one exchange for a chain of stencils),
+  ``padding``, ``resample`` (+ ``interp_rows``), ``pixel_shuffle``, ``gather``
   (``nonlocal_policy="gather"``);
 * ``attention/`` — attention made exact under latitude sharding (row groups, sequence parallel,
   token attention);
@@ -59,6 +61,7 @@ _EXPORTS = {
     "TiledDomainManager": "manager2d",
     "initialize_tiled_domain_parallel": "manager2d",
     "HaloExchange": "exchange.halo",
+    "exchange_path": "exchange.functional",
     "DomainParallelConv2d": "layers.conv",
     "DomainParallelConv3d": "layers.conv",
     "DomainParallelConvTranspose2d": "layers.conv",
