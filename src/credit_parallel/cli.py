@@ -210,6 +210,10 @@ def _cmd_plan(args) -> int:
     conf = load_config(resolve_config(args.config))
     plan = make_plan(conf, args.world_size, device=args.device)
     print(format_plan(plan))
+    from .planner.inference import format_layout_fits, layout_fits
+
+    # the smallest domain whose training step and forecast fit an 80 GB GPU (issue 32)
+    print(format_layout_fits(layout_fits(conf, args.world_size), args.world_size))
     if args.compile:
         from .planner.compile_report import compile_breaks, format_compile_breaks
 
