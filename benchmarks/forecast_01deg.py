@@ -38,7 +38,6 @@ import forecast as fb  # noqa: E402 - the 0.25-degree forecast benchmark's store
 
 __all__ = ["main"]
 
-RESULT_PREFIX = "FORECAST01_RESULT "
 MIB = 2**20
 
 
@@ -102,12 +101,16 @@ def _train_rank(bench) -> dict:
     )
     out = {
         "rank": dist.get_rank(),
+        "world": world,
         "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0 - rss_before,
         "cpu_s": time.process_time() - cpu,
     }
-    print(RESULT_PREFIX + json.dumps(out), flush=True)
     dist.destroy_process_group()
     return out
+
+
+def _result_path(out, mode: str, world: int, rank: int) -> Path:
+    return Path(out) / "results" / f"{mode}_d{world}_rank{rank}.json"
 
 
 def _launch(args, mode: str, domain: int) -> list[dict]:
@@ -117,13 +120,11 @@ def _launch(args, mode: str, domain: int) -> list[dict]:
         *[a for a in sys.argv[1:] if a != "--measure-domain1"],
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    paths = [_result_path(args.out, mode, domain, rank) for rank in range(domain)]
+    for path in paths:
+        path.unlink(missing_ok=True)
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
-    prefix = fb.RESULT_PREFIX if mode == "forecast" else RESULT_PREFIX
-    results = [
-        json.loads(line[len(prefix) :])
-        for line in done.stdout.splitlines()
-        if line.startswith(prefix)
-    ]
+    results = [json.loads(path.read_text()) for path in paths if path.exists()]
     if done.returncode != 0 or len(results) != domain:
         raise RuntimeError(
             f"{mode} at {domain} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -152,12 +153,15 @@ def planned(bench, domain: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     bench = _bench_args(args)
-    if args.rank_worker == "forecast":
-        bench.checkpoint = fb._checkpoint(bench)
-        fb._rank(bench)
-        return 0
-    if args.rank_worker == "train":
-        _train_rank(bench)
+    if args.rank_worker is not None:  # one rank: its figures to a file (stdout interleaves)
+        if args.rank_worker == "forecast":
+            bench.checkpoint = fb._checkpoint(bench)
+            result = fb._rank(bench)
+        else:
+            result = _train_rank(bench)
+        path = _result_path(args.out, args.rank_worker, result["world"], result["rank"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result))
         return 0
     from era5_025deg import write_store
 
