@@ -17,7 +17,7 @@ from credit_parallel import cli
 from credit_parallel.data import write_sample_dataset
 from credit_parallel.forecast.command import run_forecast
 from credit_parallel.forecast.inputs import parse_parallelism_flag
-from credit_parallel.forecast.maps import map_figure
+from credit_parallel.forecast.maps import map_figure, map_stride
 from credit_parallel.forecast.store_layout import (
     era5_long_name,
     layout_for_dataset,
@@ -219,12 +219,15 @@ def test_map_figure_draws_forecast_truth_and_error_side_by_side():
     fig, panels = map_figure(forecast, truth, latitude=lat, longitude=lon, title="T 500", units="K")
     assert [ax.get_title() for ax in panels] == ["forecast", "truth", "error (forecast - truth)"]
     assert len(fig.axes) == 6  # three maps, each with its colour bar
-    drawn = [np.asarray(ax.collections[0].get_array()).reshape(5, 8) for ax in panels]
+    drawn = [np.asarray(ax.images[0].get_array()) for ax in panels]
     assert np.array_equal(drawn[2], forecast - truth) and np.array_equal(drawn[1], truth)
-    assert panels[0].collections[0].get_clim() == panels[1].collections[0].get_clim() == (0, 39)
-    lo, hi = panels[2].collections[0].get_clim()
+    assert panels[0].images[0].get_clim() == panels[1].images[0].get_clim() == (0, 39)
+    assert panels[0].images[0].origin == "upper"  # north (row 0) at the top
+    lo, hi = panels[2].images[0].get_clim()
     assert lo == -hi == -np.abs(forecast - truth).max()  # diverging, centred on zero
     fig, panels = map_figure(forecast, latitude=lat, longitude=lon)  # no truth: the forecast
     assert len(panels) == 1 and panels[0].get_title() == "forecast"
     with pytest.raises(ValueError, match="the truth's shape"):
         map_figure(forecast, truth[:2], latitude=lat, longitude=lon)
+    # a 0.1-degree field is drawn from every 3rd point, a 0.25-degree one from all of them
+    assert (map_stride(1801, 3600), map_stride(721, 1440), map_stride(17, 16)) == (3, 1, 1)

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["map_figure", "truth_field"]
+__all__ = ["MAP_POINTS", "map_figure", "map_stride", "truth_field"]
+
+# a panel is drawn from at most this many points along its longer side (every k-th point of a
+# finer grid): the PNG is ~700 pixels per panel, and a 0.1-degree field (1801 x 3600) would
+# otherwise hold rank 0 to three whole-globe images in float64 (docs/forecast.md)
+MAP_POINTS = 1440
+
+
+def map_stride(height: int, width: int) -> int:
+    """Every how many points a ``height x width`` field is drawn (1 up to :data:`MAP_POINTS`)."""
+    return max(1, -(-max(height, width) // MAP_POINTS))
 
 
 def map_figure(
@@ -23,9 +33,9 @@ def map_figure(
     title: str = "",
     units: str = "",
 ):
-    """A matplotlib figure of ``forecast`` ``(latitude, longitude)``, and with ``truth`` (same
-    shape) the truth and the error beside it; returns ``(figure, panels)`` (the map axes, left
-    to right; each has its own colour bar)."""
+    """A matplotlib figure of ``forecast`` ``(latitude, longitude)`` on a regular grid (an image
+    per panel), and with ``truth`` (same shape) the truth and the error beside it; returns
+    ``(figure, panels)`` (the map axes, left to right; each has its own colour bar)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,13 +60,22 @@ def map_figure(
             ("error (forecast - truth)", error, "RdBu_r", (-bound, bound)),
         ]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 3.6), squeeze=False)
-    label = f"{units}" if units else ""
+    latitude, longitude = np.asarray(latitude), np.asarray(longitude)
+    north_first = latitude[0] > latitude[-1]  # row 0 at the top of the image
+    extent = (longitude.min(), longitude.max(), latitude.min(), latitude.max())
     for ax, (name, values, cmap, limits) in zip(axes[0], panels):
         vmin, vmax = limits if limits is not None else (None, None)
-        mesh = ax.pcolormesh(
-            longitude, latitude, values, shading="auto", cmap=cmap, vmin=vmin, vmax=vmax
+        image = ax.imshow(
+            values,
+            extent=extent,
+            origin="upper" if north_first else "lower",
+            aspect="auto",
+            interpolation="nearest",
+            cmap=cmap,
+            vmin=vmin,
+            vmax=vmax,
         )
-        fig.colorbar(mesh, ax=ax, label=label)
+        fig.colorbar(image, ax=ax, label=units)
         ax.set_title(name)
         ax.set_xlabel("longitude")
         ax.set_ylabel("latitude")

@@ -359,11 +359,12 @@ def plot_field_map(
     (1-based) of ``init_time`` (default: the first) read back from the forecast store
     ``store_path`` (``xarray.open_zarr``; either layout), saved as a PNG at ``path``; with
     ``truth`` (the true field, ``(latitude, longitude)`` as the store's), forecast, truth and
-    error side by side (:func:`.maps.map_figure`)."""
+    error side by side (:func:`.maps.map_figure`); a grid finer than :data:`.maps.MAP_POINTS`
+    is drawn from every k-th point (:func:`.maps.map_stride`)."""
     import matplotlib
     import xarray as xr
 
-    from .maps import map_figure
+    from .maps import map_figure, map_stride
     from .store_layout import store_layout
 
     matplotlib.use("Agg")
@@ -389,6 +390,9 @@ def plot_field_map(
         if level is None:
             raise ValueError(f"plot_field_map: {variable!r} has levels; pass level=")
         da = da.sel({level_dim: level})
+    k = map_stride(da.sizes["latitude"], da.sizes["longitude"])
+    da = da.isel(latitude=slice(None, None, k), longitude=slice(None, None, k))
+    truth = None if truth is None else np.asarray(truth)[::k, ::k]
     hours = _hours(ds[layout.lead_dim].values[lead - 1])
     when = str(np.datetime_as_string(da[init].values, unit="h"))
     title = _label(variable, _level_value(level) if level_dim else None)
