@@ -189,6 +189,7 @@ def test_weatherbench2_layout_refuses_model_levels_before_any_output(setup, tmp_
     conf.write_text(yaml.safe_dump(_conf(store)))
     argv = ["forecast", "--config", str(conf), "--checkpoint", str(setup["ckpt"]), "--steps", "1"]
     argv += ["--output", str(tmp_path / "o"), "--init-times", "2020-01-01T06", "--device", "cpu"]
+    capsys.readouterr()  # what writing the store printed (zarr's consolidation notice)
     code = cli.main([*argv, "--layout", "weatherbench2"])
     err = capsys.readouterr().err.strip()
     assert code != 0 and "is not pressure in hPa or Pa" in err and len(err.splitlines()) == 1
