@@ -150,13 +150,14 @@ def _cmd_forecast(args) -> int:
     """Check what can be checked without the model (layout, initial times, store, checkpoint
     path) in this process, then run the forecast worker on ``--nproc`` ranks."""
     from .forecast.command import apply_overrides
-    from .layout.config import load_config, parse_parallelism_conf
+    from .layout.config import domain_degrees, load_config, parse_parallelism_conf
     from .layout.mesh import dp_world_size
 
     args.config = resolve_config(args.config)
     conf = apply_overrides(load_config(args.config), args)  # --parallelism first
     block = parse_parallelism_conf(conf)
-    n = args.nproc if args.nproc is not None else block["tensor"] * block["domain"]
+    lat, lon = domain_degrees(block["domain"])  # domain=PxQ: P * Q ranks
+    n = args.nproc if args.nproc is not None else block["tensor"] * lat * lon
     if n < 1:
         raise CLIError(f"--nproc must be >= 1, got {n}")
     dp_world_size(block, n)  # ValueError naming tensor/domain when the layout does not fit
@@ -185,7 +186,7 @@ def _cmd_forecast(args) -> int:
         extra += ["--init-times", *args.init_times]
     else:
         extra += ["--init-range", *args.init_range]
-    for flag in ("parallelism", "climatology"):
+    for flag in ("parallelism", "climatology", "layout"):
         if getattr(args, flag):
             extra += [f"--{flag}", getattr(args, flag)]
     extra += [f"--{flag}" for flag in ("resume", "overwrite") if getattr(args, flag)]
@@ -209,6 +210,10 @@ def _cmd_plan(args) -> int:
     conf = load_config(resolve_config(args.config))
     plan = make_plan(conf, args.world_size, device=args.device)
     print(format_plan(plan))
+    from .planner.inference import format_layout_fits, layout_fits
+
+    # the smallest domain whose training step and forecast fit an 80 GB GPU (issue 32)
+    print(format_layout_fits(layout_fits(conf, args.world_size), args.world_size))
     if args.compile:
         from .planner.compile_report import compile_breaks, format_compile_breaks
 

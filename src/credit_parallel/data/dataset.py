@@ -108,7 +108,9 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
     (the store's ``units`` attribute per variable), ``variable_names``
     (the prognostic channels of ONE time step, in order), ``channel_names_in`` / ``channel_names_out`` (every
     channel of x / y: ``"T_500@t-1"``, ``"T_500@t"``, ``"T_500@t+1"``, offsets from the last
-    input time), ``latitude``, ``longitude``, ``levels``, ``times``, ``lat_weights``
+    input time), ``latitude``, ``longitude``, ``levels`` (``level_coordinate``: the store's
+    level dim and its ``units`` attribute, None without upper-air variables), ``times``,
+    ``lat_weights``
     (``latitude_weights`` of the GLOBE, shape ``(H,)``); ``rows`` / ``columns`` (``None`` or the
     range read), ``sample_grid_shape`` (rows and columns of a sample), ``row_lat_weights`` (the
     weights of the sample's rows: the loss weights of a domain rank, normalised over the globe).
@@ -169,6 +171,13 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
                 n: str(ds[n].attrs.get("units", "")) for n in self._read_variables + in_store
             }
             store_levels = ds[self._level_dim].values if self.upper_air_variables else None
+            # what the levels are (pressure in hPa / Pa, or model levels): the level
+            # coordinate's name and units, for a store that states them (forecast layouts)
+            self.level_coordinate = (
+                (self._level_dim, str(ds[self._level_dim].attrs.get("units", "")))
+                if self.upper_air_variables
+                else None
+            )
             self._level_positions, self.levels = select_levels(
                 store_levels, levels, self.path, self._level_dim
             )

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .fields import Fields, Progress, store_variables
+from .fields import Fields, Progress, dataset_layout, store_variables
 
 __all__ = ["main", "run_forecast"]
 
@@ -139,9 +139,16 @@ class _Run:
         )
         self.output = Path(args.output)
         self.store_path = self.output / STORE_NAME
-        self.variables = store_variables(self.dataset)
+        self.layout = dataset_layout(self.dataset, getattr(args, "layout", None))
+        self.variables = store_variables(self.dataset, self.layout)
         check_existing_store(
-            self.store_path, args.resume, args.overwrite, self.times, self.variables, args.members
+            self.store_path,
+            args.resume,
+            args.overwrite,
+            self.times,
+            self.variables,
+            args.members,
+            self.layout,
         )
         self.model = _build_model(conf, self.dims, self.device, self.dtype)
         self.manifest = load_forecast_weights(
@@ -189,6 +196,7 @@ class _Run:
                     self.manifest.get("checkpoint", args.checkpoint),
                     {"ema": bool(self.manifest.get("ema", False))},  # the weights' moving average?
                 ),
+                layout=self.layout,
             )
         _barrier()
         self.store = ForecastStore.open(self.store_path, args.members)
@@ -269,6 +277,7 @@ class _Run:
             for n, m in enumerate(self.members if writes else ()):
                 index = (i, m, k - 1) if members > 1 else (i, k - 1)
                 for name, values in self.fields.variables(physical[n]):
+                    name = self.layout.store_name(name)
                     writer.put(name, index, self.rows, values, self.columns)
             if real and k <= self.times.truth_steps[i]:
                 truth = self.fields.truth(
@@ -297,6 +306,7 @@ class _Run:
                         self.rows,
                         self.device,
                         self.columns,
+                        self.layout,
                     )
                     for m in self.members
                 ]
@@ -366,7 +376,7 @@ class _Run:
 def _finish(run: _Run, result: dict, stream) -> None:
     """Rank 0: scores.csv / .json / .png, a map of the first variable at the last scored lead,
     and the summary lines."""
-    from .scores import plot_field_map, write_scores
+    from .scores import forecast_map, write_scores
 
     times, out = run.times, run.output
     steps = len(times.lead_times)
@@ -390,11 +400,15 @@ def _finish(run: _Run, result: dict, stream) -> None:
                 f"{row['rmse']:.5g}{acc}",
                 file=stream,
             )
-    variable = run.variables[0]
-    level = run.dataset.levels[0] if variable.upper else None
     lead = max(1, times.scored_to) if result["computed"] else 1
-    png = plot_field_map(
-        run.store_path, variable.name, lead, out / f"map_{variable.name}.png", level=level
+    png = forecast_map(  # forecast, truth and error of the first variable and initial time
+        run.conf,
+        run.dataset,
+        run.layout,
+        run.store_path,
+        times.positions[0],
+        lead,
+        out / "map_{name}.png",
     )
     share = result["write_blocked_s"] / max(result["elapsed_s"], 1e-9)
     print(
@@ -429,8 +443,15 @@ def preflight(conf: dict, args) -> None:
         needs_forcing=dataset.n_forcing > 0,
     )
     store = Path(args.output) / STORE_NAME
+    layout = dataset_layout(dataset, getattr(args, "layout", None))
     check_existing_store(
-        store, args.resume, args.overwrite, times, store_variables(dataset), args.members
+        store,
+        args.resume,
+        args.overwrite,
+        times,
+        store_variables(dataset, layout),
+        args.members,
+        layout,
     )
     check_weights(conf["model"], args.checkpoint, ema=getattr(args, "ema", False))
 
@@ -476,7 +497,8 @@ def build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--parallelism",
         default=None,
-        help="data=MODE,tensor=T,domain=N (overrides trainer.parallelism)",
+        help="data=MODE,tensor=T,domain=N or domain=PxQ (lat x lon; also lat=P,lon=Q); overrides "
+        "trainer.parallelism",
     )
     ap.add_argument(
         "--climatology",
@@ -487,6 +509,13 @@ def build_arguments(ap: argparse.ArgumentParser) -> None:
         "--resume", action="store_true", help="skip complete initial times of DIR/forecast.zarr"
     )
     ap.add_argument("--overwrite", action="store_true", help="replace DIR/forecast.zarr")
+    ap.add_argument(
+        "--layout",
+        choices=("default", "weatherbench2"),
+        default="default",
+        help="the store's names: the dataset's (default), or WeatherBench 2's (time, "
+        "prediction_timedelta, number; ERA5 long names; levels in hPa)",
+    )
 
 
 def apply_overrides(conf: dict, args) -> dict:

@@ -9,7 +9,7 @@ import torch
 
 from ..train.progress import RankZeroReport
 
-__all__ = ["Fields", "Progress", "store_variables"]
+__all__ = ["Fields", "Progress", "dataset_layout", "store_variables"]
 
 
 class Progress(RankZeroReport):
@@ -56,12 +56,16 @@ class Fields:
         output = torch.from_numpy(step[: self.dataset.channels_out_per_step]).to(device)
         return (output.double() * self.std + self.mean).unsqueeze(0)
 
-    def from_store(self, store, index: tuple, rows: tuple, device, columns=None) -> torch.Tensor:
+    def from_store(
+        self, store, index: tuple, rows: tuple, device, columns=None, layout=None
+    ) -> torch.Tensor:
         """What :meth:`variables` wrote at ``index``, read back as physical channels
-        ``(C, rows, W)`` (float32 values, as the store holds them; ``columns``: a tile's)."""
+        ``(C, rows, W)`` (float32 values, as the store holds them; ``columns``: a tile's;
+        ``layout``: the store's names, None: the dataset's)."""
         parts = []
         for name, _, upper in self.slices:
-            values = torch.from_numpy(store.read(name, index, rows, columns))
+            stored = layout.store_name(name) if layout is not None else name
+            values = torch.from_numpy(store.read(stored, index, rows, columns))
             parts.append(values if upper else values.unsqueeze(0))
         return torch.cat(parts).to(device, torch.float64)
 
@@ -72,11 +76,27 @@ class Fields:
             yield name, host[channels] if upper else host[channels.start]
 
 
-def store_variables(dataset) -> list:
+def store_variables(dataset, layout=None) -> list:
+    """The store's variables of ``dataset``'s outputs, named as ``layout`` names them (a
+    :class:`.store_layout.StoreLayout`; None: the dataset's names)."""
     from .store import StoreVariable
 
     units = dataset.variable_units
+    name = layout.store_name if layout is not None else str
     surface = [*dataset.surface_variables, *dataset.diagnostic_variables]
-    return [StoreVariable(n, True, units.get(n, "")) for n in dataset.upper_air_variables] + [
-        StoreVariable(n, False, units.get(n, "")) for n in surface
+    return [StoreVariable(name(n), True, units.get(n, "")) for n in dataset.upper_air_variables] + [
+        StoreVariable(name(n), False, units.get(n, "")) for n in surface
     ]
+
+
+def dataset_layout(dataset, name: str | None):
+    """The store layout ``name`` (``--layout``) of a forecast of ``dataset``'s outputs."""
+    from .store_layout import layout_for_dataset
+
+    outputs = [
+        *dataset.upper_air_variables,
+        *dataset.surface_variables,
+        *dataset.diagnostic_variables,
+    ]
+    levels = dataset.levels if dataset.upper_air_variables else ()
+    return layout_for_dataset(name, outputs, levels, dataset.level_coordinate)

@@ -123,20 +123,53 @@ def _hours(delta: np.timedelta64) -> float:
     return float(delta / np.timedelta64(1, "h"))
 
 
+def _positive(key: str, value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--parallelism {key}={value!r} must be a positive integer")
+    return int(value)
+
+
+def _domain_pair(value: str) -> dict:
+    """``PxQ`` (``2x4``) as ``{"lat": P, "lon": Q}``."""
+    lat, _, lon = (v.strip() for v in value.lower().partition("x"))
+    if not (lat.isdigit() and lon.isdigit() and int(lat) >= 1 and int(lon) >= 1):
+        raise ValueError(
+            f"--parallelism domain={value!r} must be PxQ with positive integers P (latitude) "
+            "and Q (longitude), e.g. 2x2"
+        )
+    return {"lat": int(lat), "lon": int(lon)}
+
+
 def parse_parallelism_flag(text: str) -> dict:
-    """``--parallelism data=fsdp2,tensor=2,domain=4`` as a ``trainer.parallelism`` block."""
-    block = {}
+    """``--parallelism data=fsdp2,tensor=2,domain=4`` as a ``trainer.parallelism`` block.
+
+    A two-dimensional domain (SPEC §3b) is ``domain=PxQ`` (SPEC §7) or, the same,
+    ``lat=P,lon=Q``; either becomes ``domain: {lat: P, lon: Q}`` (``domain=Px1`` is the
+    latitude-only domain P, as in the config)."""
+    block: dict = {}
+    pair: dict = {}  # lat=P,lon=Q
+    usage = "expected data=MODE,tensor=T,domain=N (or domain=PxQ, or lat=P,lon=Q)"
     for part in str(text).split(","):
         key, sep, value = part.partition("=")
         key, value = key.strip(), value.strip()
-        if not sep or key not in ("data", "tensor", "domain") or not value:
-            raise ValueError(
-                f"--parallelism {text!r}: expected data=MODE,tensor=T,domain=N (got {part!r})"
-            )
+        if not sep or key not in ("data", "tensor", "domain", "lat", "lon") or not value:
+            raise ValueError(f"--parallelism {text!r}: {usage} (got {part!r})")
+        if key in block or key in pair:
+            raise ValueError(f"--parallelism {text!r}: {key} is given twice")
         if key == "data":
             block[key] = value
-            continue
-        if not value.isdigit():
-            raise ValueError(f"--parallelism {key}={value!r} must be a positive integer")
-        block[key] = int(value)
+        elif key in ("lat", "lon"):
+            pair[key] = _positive(key, value)
+        elif key == "domain" and "x" in value.lower():
+            block[key] = _domain_pair(value)
+        else:
+            block[key] = _positive(key, value)
+    if pair:
+        if "domain" in block:
+            raise ValueError(
+                f"--parallelism {text!r}: give domain=N, domain=PxQ or lat=P,lon=Q, not two of them"
+            )
+        if len(pair) != 2:
+            raise ValueError(f"--parallelism {text!r}: lat=P needs lon=Q and lon=Q needs lat=P")
+        block["domain"] = pair
     return block

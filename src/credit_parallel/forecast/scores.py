@@ -50,6 +50,7 @@ __all__ = [
     "channels_of",
     "climatology",
     "flatten_channels",
+    "forecast_map",
     "plot_field_map",
     "write_scores",
 ]
@@ -345,50 +346,92 @@ def _dim_named(da, names: tuple[str, ...]) -> str | None:
 
 
 def plot_field_map(
-    store_path, variable: str, lead: int, path, level=None, init_time=None, member: int = 0
+    store_path,
+    variable: str,
+    lead: int,
+    path,
+    level=None,
+    init_time=None,
+    member: int = 0,
+    truth=None,
 ) -> Path:
     """A map of ``variable`` (at ``level`` for an upper-air variable) at forecast step ``lead``
     (1-based) of ``init_time`` (default: the first) read back from the forecast store
-    ``store_path`` (``xarray.open_zarr``), saved as a PNG at ``path``."""
+    ``store_path`` (``xarray.open_zarr``; either layout), saved as a PNG at ``path``; with
+    ``truth`` (the true field, ``(latitude, longitude)`` as the store's), forecast, truth and
+    error side by side (:func:`.maps.map_figure`); a grid finer than :data:`.maps.MAP_POINTS`
+    is drawn from every k-th point (:func:`.maps.map_stride`)."""
     import matplotlib
     import xarray as xr
+
+    from .maps import map_figure, map_stride
+    from .store_layout import store_layout
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ds = xr.open_zarr(store_path)
+    layout = store_layout(None, ds.attrs)
     if variable not in ds.data_vars:
         raise ValueError(
             f"plot_field_map: {variable!r} is not in {store_path} (has {sorted(ds.data_vars)})"
         )
     da = ds[variable]
-    if not 1 <= lead <= da.sizes["lead_time"]:
-        raise ValueError(f"plot_field_map: lead {lead} outside 1..{da.sizes['lead_time']}")
-    da = da.isel(lead_time=lead - 1)
-    da = da.isel(init_time=0) if init_time is None else da.sel(init_time=np.datetime64(init_time))
-    if "member" in da.dims:
-        da = da.isel(member=member)
+    n_leads = da.sizes[layout.lead_dim]
+    if not 1 <= lead <= n_leads:
+        raise ValueError(f"plot_field_map: lead {lead} outside 1..{n_leads}")
+    da = da.isel({layout.lead_dim: lead - 1})
+    init = layout.init_dim
+    da = da.isel({init: 0}) if init_time is None else da.sel({init: np.datetime64(init_time)})
+    if layout.member_dim in da.dims:
+        da = da.isel({layout.member_dim: member})
     level_dim = _dim_named(da, ("level", "pressure_level", "plev"))
     if level_dim is not None:
         if level is None:
             raise ValueError(f"plot_field_map: {variable!r} has levels; pass level=")
         da = da.sel({level_dim: level})
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    mesh = ax.pcolormesh(da["longitude"], da["latitude"], da.values, shading="auto")
-    units = da.attrs.get("units", "")
-    fig.colorbar(mesh, ax=ax, label=f"{variable} ({units})" if units else variable)
-    hours = _hours(ds["lead_time"].values[lead - 1])
-    when = str(np.datetime_as_string(da["init_time"].values, unit="h"))
+    k = map_stride(da.sizes["latitude"], da.sizes["longitude"])
+    da = da.isel(latitude=slice(None, None, k), longitude=slice(None, None, k))
+    truth = None if truth is None else np.asarray(truth)[::k, ::k]
+    hours = _hours(ds[layout.lead_dim].values[lead - 1])
+    when = str(np.datetime_as_string(da[init].values, unit="h"))
     title = _label(variable, _level_value(level) if level_dim else None)
-    ax.set_title(f"{title}  init {when}  +{hours:g} h")
-    ax.set_xlabel("longitude")
-    ax.set_ylabel("latitude")
-    fig.tight_layout()
+    fig, _ = map_figure(
+        da.values,
+        truth,
+        latitude=da["latitude"].values,
+        longitude=da["longitude"].values,
+        title=f"{title}  init {when}  +{hours:g} h",
+        units=da.attrs.get("units", ""),
+    )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def forecast_map(conf: dict, dataset, layout, store_path, position: int, lead: int, path):
+    """The map the forecast command writes: the first output variable of ``dataset`` (its first
+    level) at ``lead`` of the store's first initial time (dataset position ``position``),
+    forecast, truth and error (the forecast alone where the dataset ends before the valid
+    time), saved at ``path`` (``{name}``: the store's name of the variable); returns the path."""
+    from .maps import truth_field
+
+    name = [*dataset.upper_air_variables, *dataset.surface_variables][0]
+    upper = bool(dataset.upper_air_variables)
+    level = dataset.levels[0] if upper else None
+    store_level = layout.levels[0] if upper and layout.levels is not None else level
+    stored = layout.store_name(name)
+    truth = truth_field(conf, name, level, position + lead)
+    return plot_field_map(
+        store_path,
+        stored,
+        lead,
+        Path(str(path).format(name=stored)),
+        level=store_level,
+        truth=truth,
+    )
 
 
 # ------------------------------------------------------------------ climatology

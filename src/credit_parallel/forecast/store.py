@@ -128,31 +128,40 @@ class ForecastStore:
         row_chunk: int,
         column_chunk: int | None = None,
         attrs: dict | None = None,
+        layout=None,
     ) -> ForecastStore:
         """Write the store's metadata and coordinates (no data chunk) to ``path``;
-        ``column_chunk``: longitudes per chunk (None: all of them)."""
+        ``column_chunk``: longitudes per chunk (None: all of them); ``layout``: the dims' names
+        and the level coordinate (:class:`.store_layout.StoreLayout`; None: the default; the
+        variables come already named as the store names them)."""
+        from .store_layout import StoreLayout
+
         path = Path(path)
+        layout = layout or StoreLayout()
+        init, lead, member = layout.init_dim, layout.lead_dim, layout.member_dim
         coords = {
-            "init_time": ("init_time", np.asarray(init_times, dtype="datetime64[ns]")),
-            "lead_time": ("lead_time", np.asarray(lead_times, dtype="timedelta64[ns]")),
+            init: (init, np.asarray(init_times, dtype="datetime64[ns]")),
+            lead: (lead, np.asarray(lead_times, dtype="timedelta64[ns]")),
             "latitude": ("latitude", np.asarray(latitude, dtype=np.float64)),
             "longitude": ("longitude", np.asarray(longitude, dtype=np.float64)),
         }
-        if levels:
-            coords["level"] = ("level", np.asarray(levels, dtype=np.float64))
+        if len(levels):  # the dataset's values, or the layout's (hPa, int64 when whole)
+            own = layout.levels is None
+            values = np.asarray(levels, dtype=np.float64) if own else np.asarray(layout.levels)
+            coords["level"] = ("level", values)
         if members > 1:
-            coords["member"] = ("member", np.arange(members, dtype=np.int64))
-        n_init = len(coords["init_time"][1])
+            coords[member] = (member, np.arange(members, dtype=np.int64))
+        n_init = len(coords[init][1])
         ds = xr.Dataset(
-            {COMPLETE: ("init_time", np.zeros(n_init, dtype=np.int8))},
+            {COMPLETE: (init, np.zeros(n_init, dtype=np.int8))},
             coords=coords,
-            attrs={"Conventions": "CF-1.8", **(attrs or {})},
+            attrs={"Conventions": "CF-1.8", "layout": layout.name, **(attrs or {})},
         )
         ds["latitude"].attrs.update(units="degrees_north", standard_name="latitude")
         ds["longitude"].attrs.update(units="degrees_east", standard_name="longitude")
-        ds["init_time"].attrs.update(standard_name="forecast_reference_time")
-        ds["lead_time"].attrs.update(standard_name="forecast_period")
-        if levels:
+        ds[init].attrs.update(standard_name="forecast_reference_time")
+        ds[lead].attrs.update(standard_name="forecast_period")
+        if len(levels):
             ds["level"].attrs.update(units="hPa", standard_name="air_pressure", positive="down")
         ds[COMPLETE].attrs["description"] = "1 once every rank has flushed this initial time"
         encoding = {COMPLETE: {"chunks": (1,)}}
@@ -161,9 +170,7 @@ class ForecastStore:
         height, width = len(latitude), len(longitude)
         n_lead = len(lead_times)
         for variable in variables:
-            lead_dims = (
-                ("init_time", "member", "lead_time") if members > 1 else ("init_time", "lead_time")
-            )
+            lead_dims = layout.lead_dims(members)
             lead_shape = (n_init, members, n_lead) if members > 1 else (n_init, n_lead)
             level_dims = ("level",) if variable.upper else ()
             level_shape = (len(levels),) if variable.upper else ()
@@ -238,17 +245,22 @@ class ForecastStore:
             array[int(p)] = 1
 
     def init_times(self) -> np.ndarray:
-        return np.asarray(self._group()["init_time"][:])
+        from .store_layout import store_layout
+
+        return np.asarray(self._group()[store_layout(None, self.attrs()).init_dim][:])
 
     def attrs(self) -> dict:
         return dict(self._group().attrs)
 
 
 def check_existing_store(
-    path: Path, resume: bool, overwrite: bool, times, variables, members
+    path: Path, resume: bool, overwrite: bool, times, variables, members, layout=None
 ) -> None:
     """Refuse an existing store without ``--resume`` / ``--overwrite``, or one ``--resume``
-    cannot continue (other initial times, leads, variables or members)."""
+    cannot continue (other initial times, leads, variables, members or ``layout``: the
+    :class:`.store_layout.StoreLayout` of this run, None: the default)."""
+    from .store_layout import StoreLayout, store_layout
+
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other")
     if not path.exists() or overwrite:
@@ -261,11 +273,18 @@ def check_existing_store(
         ds = xr.open_zarr(path)
     except Exception as exc:  # noqa: BLE001 - any unreadable store is reported in one line
         raise ValueError(f"--resume: {path} is not a readable forecast store ({exc})") from None
+    layout = layout or StoreLayout()
+    held = store_layout(ds.attrs.get("layout", "default"))
+    if held.name != layout.name:
+        raise ValueError(
+            f"--resume: {path} has the {held.name} layout, this run asks for the {layout.name} "
+            "one; pass the same --layout, or --overwrite"
+        )
     same = (
-        np.array_equal(ds["init_time"].values, times.init_times)
-        and ds.sizes.get("lead_time") == len(times.lead_times)
+        np.array_equal(ds[layout.init_dim].values, times.init_times)
+        and ds.sizes.get(layout.lead_dim) == len(times.lead_times)
         and sorted(v.name for v in variables) == sorted(n for n in ds.data_vars if n != "complete")
-        and ds.sizes.get("member", 1) == members
+        and ds.sizes.get(layout.member_dim, 1) == members
     )
     if not same:
         raise ValueError(
