@@ -143,6 +143,20 @@ def _train(conf, steps=2):
     return records, params
 
 
+def _assert_trained_alike(
+    records, params, ref_records, ref_params, keys=("loss", "grad_norm", "lr")
+):
+    """A parallel run's 2 steps (records, final weights) equal one process's (``TOL``), and the
+    first step changed the weights."""
+    assert [r["step"] for r in records] == [1, 2]
+    for par, ref in zip(records, ref_records, strict=True):
+        for key in keys:
+            assert abs(par[key] - ref[key]) <= TOL, (par["step"], key, par[key], ref[key])
+    worst = max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params)
+    assert params.keys() == ref_params.keys() and worst <= TOL, worst
+    assert ref_records[1]["loss"] != ref_records[0]["loss"]  # the first step changed the weights
+
+
 def _domain2_worker(rank, world, store):
     return _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 2}))
 
@@ -150,15 +164,8 @@ def _domain2_worker(rank, world, store):
 def test_the_rewritten_example_trains_at_domain_2_as_on_one_process(store):
     ref_records, ref_params = _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
     records, params = run_on_ranks(_domain2_worker, 2, store, timeout=300)[0]
-    assert [r["step"] for r in records] == [1, 2]
-    for par, ref in zip(records, ref_records):
-        for key in ("loss", "grad_norm", "lr"):
-            assert abs(par[key] - ref[key]) <= TOL, (par["step"], key, par[key], ref[key])
+    _assert_trained_alike(records, params, ref_records, ref_params)
     assert ref_records[0]["loss"] > 0 and ref_records[0]["lr"] == pytest.approx(1e-3)
-    assert params.keys() == ref_params.keys()
-    worst = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
-    assert worst <= TOL, worst
-    assert ref_records[1]["loss"] != ref_records[0]["loss"]  # the first step changed the weights
 
 
 def _domain3_worker(rank, world, store):
@@ -170,11 +177,7 @@ def test_the_rewritten_example_trains_at_domain_3_where_a_rank_owns_no_deep_row(
     FeedForward's 1x1 convs (left alone, row-local) run on 0 rows (``layers/empty_rows.py``)."""
     ref_records, ref_params = _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
     records, params = run_on_ranks(_domain3_worker, 3, store, timeout=300)[0]
-    for par, ref in zip(records, ref_records, strict=True):
-        for key in ("loss", "grad_norm"):
-            assert abs(par[key] - ref[key]) <= TOL, (par["step"], key, par[key], ref[key])
-    worst = max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params)
-    assert params.keys() == ref_params.keys() and worst <= TOL, worst
+    _assert_trained_alike(records, params, ref_records, ref_params, keys=("loss", "grad_norm"))
 
 
 def test_timestep_and_level_coord_are_honoured_by_the_dataset(store):
