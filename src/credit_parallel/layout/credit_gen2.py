@@ -59,6 +59,7 @@ _TRAINER_DROPPED = (
     "valid_batch_size",
     "valid_thread_workers",
     "valid_batches_per_epoch",
+    "update_learning_rate",  # read with load_weights (credit_resume.py), else nothing to reset
     "save_metric_vars",
 )
 _TRAINER_OFF_ONLY = {"cpu_offload": "parameters stay on the device"}

@@ -38,9 +38,9 @@ def credit_resume_keys(conf: Mapping, t: dict, out: dict, problems: list[str]) -
     ``out["credit_resume"]`` and ``t["start_epoch"]`` (``reload_epoch``) as CREDIT's trainer
     does; every problem named by its key into ``problems``."""
     flags = {key: bool(t.pop(key, False)) for key in RESUME_KEYS}
-    update_lr = bool(t.pop("update_learning_rate", False))
     if not flags["load_weights"]:
         return  # CREDIT reads none of the other flags without it
+    update_lr = bool(t.pop("update_learning_rate", False))
     save_loc = conf.get("save_loc")
     if not isinstance(save_loc, str):
         problems.append("trainer.load_weights: true resumes from save_loc, which is not given")
