@@ -284,8 +284,9 @@ def _run_length(t: dict, out: dict, problems: list[str], notes: list[str]) -> No
 
 
 def _trainer_section(
-    conf: Mapping, data: dict, problems: list[str], dropped: list[str], notes: list[str]
+    conf: Mapping, data: dict, problems: list[str], dropped: list[str], notes=None
 ) -> dict:
+    notes = [] if notes is None else notes  # one-line notes (the run length), warned once
     t = dict(conf.get("trainer") or {})
     kind = t.get("type")
     if kind is not None and kind not in _GEN2_TRAINER_TYPES:
