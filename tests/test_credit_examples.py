@@ -129,10 +129,14 @@ def test_the_rewritten_example_reads_as_credit_parallel_keys(store):
         assert key in str(refused.value)
 
 
-def _train(conf, steps=2):
+def _train(conf, steps=2, check=None):
+    """``steps`` optimizer steps of ``Trainer(conf)``: their records and the final weights
+    (whole); ``check(trainer)`` first, when given."""
     from credit_parallel.train.trainer import Trainer
 
     trainer = Trainer(conf)
+    if check is not None:
+        check(trainer)
     records = [trainer.train_step() for _ in range(steps)]
     params = {}
     for name, p in trainer.model.named_parameters():

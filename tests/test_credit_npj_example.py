@@ -264,24 +264,24 @@ def _domain2_worker(rank, world, npj):
     return _train(_conf(npj, {"data": "none", "tensor": 1, "domain": 2}))
 
 
-@pytest.mark.slow  # 3 trainers and 2 ranks: ~150 s on the loaded 2-core machine
+@pytest.mark.slow  # a trainer and 2 ranks: ~110 s on the loaded 2-core machine
 def test_the_example_resumed_trains_at_domain_2_as_on_one_process(npj):
-    from credit_parallel.train.trainer import Trainer
-
-    one = {"data": "none", "tensor": 1, "domain": 1}
     saved = torch.load(npj["npj"] / "run" / "checkpoint.pt", weights_only=True)
+
+    def resumed(trainer):
+        weights = dict(trainer.model.named_parameters())
+        for key, value in saved["model_state_dict"].items():
+            if key in weights:  # the CREDIT model's weights, loaded (float64 of them)
+                assert torch.equal(weights[key].detach(), value.double()), key
+        state = trainer.optimizer.state_dict()
+        assert all(int(s["step"]) == 1 for s in state["state"].values())
+        assert state["param_groups"][0]["betas"] == (0.9, 0.95)  # CREDIT's optimizer's
+        assert trainer.ema.step == 1  # checkpoint_ema.pt's EMATracker
+
     with pytest.warns(UserWarning):
-        trainer = Trainer(_conf(npj, one))
-    weights = dict(trainer.model.named_parameters())
-    for key, value in saved["model_state_dict"].items():
-        if key in weights:  # the CREDIT model's weights, loaded (float64 of them)
-            assert torch.equal(weights[key].detach(), value.double()), key
-    state = trainer.optimizer.state_dict()
-    assert all(int(s["step"]) == 1 for s in state["state"].values())
-    assert state["param_groups"][0]["betas"] == (0.9, 0.95)  # CREDIT's optimizer's
-    assert trainer.ema.step == 1  # checkpoint_ema.pt's EMATracker
-    trainer.close()
-    ref_records, ref_params = _train(_conf(npj, one))
+        ref_records, ref_params = _train(
+            _conf(npj, {"data": "none", "tensor": 1, "domain": 1}), check=resumed
+        )
     # epochs 1 and 2 of cosine annealing over T_max 3, continued from the checkpoint's state
     lr = 1e-6 * 0.5 * (1 + math.cos(math.pi / 3))
     assert ref_records[0]["lr"] == pytest.approx(lr, rel=1e-12)
