@@ -14,6 +14,12 @@ import pytest
 import torch
 import torch.distributed.tensor  # noqa: F401
 
+from credit_examples import DIAGNOSTIC as _DIAGNOSTIC
+from credit_examples import E025_MEAN as _MEAN
+from credit_examples import E025_STATIC as _STATIC
+from credit_examples import E025_STD as _STD
+from credit_examples import E025_STORE as _STORE
+from credit_examples import wxformer_era5_025deg as _example
 from credit_parallel.data import write_sample_dataset
 from credit_parallel.layout.credit_gen2 import credit_gen2_conf
 from credit_parallel.layout.run_config import RunConfig
@@ -22,227 +28,6 @@ from miles_credit import import_credit
 
 TOL = 1e-10
 H, W = 32, 64
-
-_LEVELS = [25.5, 75.0, 125.0, 175.0, 225.0, 275.0, 350.0, 450.0, 550.0, 650.0, 775.0]
-_LEVELS += [887.5, 962.5]
-_BASE = "/glade/campaign/cisl/aiml/ksha/CREDIT_data/ERA5_plevel_base"
-_PER_YEAR = _BASE + "/all_in_one/ERA5_plevel_6h_%Y.zarr"  # the prognostic group's path
-_PER_YEAR_STAR = _BASE + "/all_in_one/ERA5_plevel_6h_%Y*.zarr"  # the other groups' path
-_STORE = _BASE + "/all_in_one/ERA5_plevel_6h_[0-9][0-9][0-9][0-9].zarr"  # both: one year glob
-_STATIC = _BASE + "/static/ERA5_plevel_6h_static.zarr"
-_MEAN = _BASE + "/mean_std/mean_6h_1979_2019_13lev_0.25deg.nc"
-_STD = _BASE + "/mean_std/std_6h_1979_2019_13lev_0.25deg.nc"
-_DIAGNOSTIC = [
-    "total_precipitation",
-    "evaporation",
-    "top_net_thermal_radiation",
-    "top_net_solar_radiation",
-    "surface_latent_heat_flux",
-    "surface_net_solar_radiation",
-    "surface_net_thermal_radiation",
-    "surface_sensible_heat_flux",
-]
-
-
-def _example() -> dict:
-    """``wxformer_era5_025deg_6hr.yml`` of miles-credit v2026.2.0 as written (every block:
-    data, validation_data, trainer, preblocks, model, loss, inference, pbs)."""
-    return {
-        "save_loc": "/glade/derecho/scratch/$USER/CREDIT_runs/wxformer_025deg_6hr_v2",
-        "seed": 1000,
-        "data": {
-            "source": {
-                "ERA5": {
-                    "dataset_type": "local",
-                    "level_coord": "level",
-                    "levels": list(_LEVELS),
-                    "variables": {
-                        "prognostic": {
-                            "vars_3D": ["U", "V", "T", "specific_total_water"],
-                            "vars_2D": ["SP", "VAR_2T", "VAR_10U", "VAR_10V"],
-                            "path": _PER_YEAR,
-                        },
-                        "diagnostic": {"vars_2D": list(_DIAGNOSTIC), "path": _PER_YEAR_STAR},
-                        "dynamic_forcing": {
-                            "vars_2D": ["toa_incident_solar_radiation", "land_sea_CI_mask"],
-                            "path": _PER_YEAR_STAR,
-                        },
-                        "static": {"vars_2D": ["z_norm", "land_sea_mask"], "path": _STATIC},
-                    },
-                }
-            },
-            "start_datetime": "1979-01-01",
-            "end_datetime": "2018-12-31",
-            "timestep": "6h",
-            "history_len": 1,
-            "forecast_len": 1,
-            "one_shot": True,
-            "lead_time_periods": 6,
-            "skip_periods": None,
-            "static_first": True,
-            "scaler_type": "std_new",
-            "mean_path": _MEAN,
-            "std_path": _STD,
-        },
-        "validation_data": {
-            "source": {
-                "ERA5": {
-                    "dataset_type": "local",
-                    "level_coord": "level",
-                    "levels": list(_LEVELS),
-                    "variables": {
-                        "prognostic": {
-                            "vars_3D": ["U", "V", "T", "specific_total_water"],
-                            "vars_2D": ["SP", "VAR_2T", "VAR_10U", "VAR_10V"],
-                            "path": _PER_YEAR,
-                        },
-                        "diagnostic": {"vars_2D": list(_DIAGNOSTIC), "path": _PER_YEAR_STAR},
-                        "dynamic_forcing": {
-                            "vars_2D": ["toa_incident_solar_radiation", "land_sea_CI_mask"],
-                            "path": _PER_YEAR_STAR,
-                        },
-                        "static": {"vars_2D": ["z_norm", "land_sea_mask"], "path": _STATIC},
-                    },
-                }
-            },
-            "start_datetime": "2018-01-01",
-            "end_datetime": "2019-12-31",
-            "timestep": "6h",
-            "history_len": 1,
-            "forecast_len": 1,
-            "one_shot": True,
-            "lead_time_periods": 6,
-            "skip_periods": None,
-            "static_first": True,
-            "scaler_type": "std_new",
-            "mean_path": _MEAN,
-            "std_path": _STD,
-        },
-        "trainer": {
-            "type": "gen2",
-            "parallelism": {"data": "ddp", "tensor": 1, "domain": 1},
-            "activation_checkpoint": True,
-            "load_weights": False,
-            "load_optimizer": False,
-            "load_scaler": False,
-            "load_scheduler": False,
-            "skip_validation": False,
-            "update_learning_rate": False,
-            "save_backup_weights": True,
-            "save_best_weights": True,
-            "learning_rate": 0.001,
-            "weight_decay": 0,
-            "train_batch_size": 2,
-            "valid_batch_size": 2,
-            "batches_per_epoch": 0,
-            "valid_batches_per_epoch": 100,
-            "stopping_patience": 999,
-            "start_epoch": 0,
-            "num_epoch": 5,
-            "reload_epoch": False,
-            "epochs": 70,
-            "use_tensorboard": True,
-            "use_ema": True,
-            "ema_decay": 0.9999,
-            "use_scheduler": True,
-            "scheduler": {
-                "scheduler_type": "linear-warmup-cosine",
-                "warmup_steps": 1000,
-                "total_steps": 500000,
-                "min_lr": 1e-05,
-            },
-            "amp": False,
-            "grad_accum_every": 1,
-            "grad_max_norm": "dynamic",
-            "thread_workers": 4,
-            "valid_thread_workers": 4,
-            "prefetch_factor": 4,
-        },
-        "preblocks": {
-            "per_step": {
-                "norm": {"type": "era5_normalizer", "args": {"mean_path": _MEAN, "std_path": _STD}},
-                "concat": {"type": "concat"},
-            }
-        },
-        "model": {
-            "type": "crossformer",
-            "frames": 1,
-            "image_height": 721,
-            "image_width": 1440,
-            "levels": 13,
-            "channels": 4,
-            "surface_channels": 4,
-            "input_only_channels": 4,
-            "output_only_channels": 8,
-            "patch_width": 1,
-            "patch_height": 1,
-            "frame_patch_size": 1,
-            "dim": [128, 256, 512, 1024],
-            "depth": [2, 2, 8, 2],
-            "global_window_size": [10, 5, 2, 1],
-            "local_window_size": 10,
-            "cross_embed_kernel_sizes": [[4, 8, 16, 32], [2, 4], [2, 4], [2, 4]],
-            "cross_embed_strides": [2, 2, 2, 2],
-            "attn_dropout": 0.0,
-            "ff_dropout": 0.0,
-            "interp": True,
-            "use_spectral_norm": True,
-            "padding_conf": {
-                "activate": True,
-                "mode": "earth",
-                "pad_lat": [40, 40],
-                "pad_lon": [80, 80],
-            },
-            "post_conf": {
-                "activate": True,
-                "tracer_fixer": {
-                    "activate": True,
-                    "denorm": True,
-                    "tracer_name": ["specific_total_water"],
-                    "tracer_thres": ["1e-8"],
-                },
-            },
-        },
-        "loss": {
-            "training_loss": "mse",
-            "use_power_loss": False,
-            "use_spectral_loss": False,
-            "use_latitude_weights": True,
-            "latitude_weights": _STATIC,
-            "use_variable_weights": False,
-        },
-        "inference": {
-            "run_mode": "batch",
-            "mode": "ddp",
-            "save_forecast": "/glade/derecho/scratch/$USER/CREDIT_runs/wxformer_025deg_6hr_v2",
-            "batch_forecast": {
-                "forecast_length": "1d",
-                "first_init_date": "2020-01-01",
-                "last_init_date": "2020-01-02",
-                "init_interval": "12h",
-            },
-            "single_forecast": {"forecast_length": "10d", "start_datetime": "2020-01-01T00:00Z"},
-            "output": {
-                "format": "netcdf",
-                "output_interval": None,
-                "group_by": None,
-                "variables": None,
-                "metadata": "era5.yaml",
-                "encoding": {"dtype": "float32", "zlib": True, "complevel": 4},
-            },
-        },
-        "pbs": {
-            "conda": "credit-derecho",
-            "project": "NAML0001",
-            "job_name": "wxformer_025deg_6hr_v2",
-            "walltime": "12:00:00",
-            "nodes": 8,
-            "ncpus": 64,
-            "ngpus": 4,
-            "mem": "480GB",
-            "queue": "main",
-        },
-    }
 
 
 def _on_sample(store: str, parallelism: dict) -> dict:
@@ -344,10 +129,14 @@ def test_the_rewritten_example_reads_as_credit_parallel_keys(store):
         assert key in str(refused.value)
 
 
-def _train(conf, steps=2):
+def _train(conf, steps=2, check=None):
+    """``steps`` optimizer steps of ``Trainer(conf)``: their records and the final weights
+    (whole); ``check(trainer)`` first, when given."""
     from credit_parallel.train.trainer import Trainer
 
     trainer = Trainer(conf)
+    if check is not None:
+        check(trainer)
     records = [trainer.train_step() for _ in range(steps)]
     params = {}
     for name, p in trainer.model.named_parameters():
@@ -358,6 +147,20 @@ def _train(conf, steps=2):
     return records, params
 
 
+def _assert_trained_alike(
+    records, params, ref_records, ref_params, keys=("loss", "grad_norm", "lr")
+):
+    """A parallel run's 2 steps (records, final weights) equal one process's (``TOL``), and the
+    first step changed the weights."""
+    assert [r["step"] for r in records] == [1, 2]
+    for par, ref in zip(records, ref_records, strict=True):
+        for key in keys:
+            assert abs(par[key] - ref[key]) <= TOL, (par["step"], key, par[key], ref[key])
+    worst = max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params)
+    assert params.keys() == ref_params.keys() and worst <= TOL, worst
+    assert ref_records[1]["loss"] != ref_records[0]["loss"]  # the first step changed the weights
+
+
 def _domain2_worker(rank, world, store):
     return _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 2}))
 
@@ -365,15 +168,8 @@ def _domain2_worker(rank, world, store):
 def test_the_rewritten_example_trains_at_domain_2_as_on_one_process(store):
     ref_records, ref_params = _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
     records, params = run_on_ranks(_domain2_worker, 2, store, timeout=300)[0]
-    assert [r["step"] for r in records] == [1, 2]
-    for par, ref in zip(records, ref_records):
-        for key in ("loss", "grad_norm", "lr"):
-            assert abs(par[key] - ref[key]) <= TOL, (par["step"], key, par[key], ref[key])
+    _assert_trained_alike(records, params, ref_records, ref_params)
     assert ref_records[0]["loss"] > 0 and ref_records[0]["lr"] == pytest.approx(1e-3)
-    assert params.keys() == ref_params.keys()
-    worst = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
-    assert worst <= TOL, worst
-    assert ref_records[1]["loss"] != ref_records[0]["loss"]  # the first step changed the weights
 
 
 def _domain3_worker(rank, world, store):
@@ -385,11 +181,7 @@ def test_the_rewritten_example_trains_at_domain_3_where_a_rank_owns_no_deep_row(
     FeedForward's 1x1 convs (left alone, row-local) run on 0 rows (``layers/empty_rows.py``)."""
     ref_records, ref_params = _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
     records, params = run_on_ranks(_domain3_worker, 3, store, timeout=300)[0]
-    for par, ref in zip(records, ref_records, strict=True):
-        for key in ("loss", "grad_norm"):
-            assert abs(par[key] - ref[key]) <= TOL, (par["step"], key, par[key], ref[key])
-    worst = max(float((params[k] - ref_params[k]).abs().max()) for k in ref_params)
-    assert params.keys() == ref_params.keys() and worst <= TOL, worst
+    _assert_trained_alike(records, params, ref_records, ref_params, keys=("loss", "grad_norm"))
 
 
 def test_timestep_and_level_coord_are_honoured_by_the_dataset(store):

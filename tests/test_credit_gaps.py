@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from credit_examples import wxformer_era5_025deg
 from credit_parallel import DomainParallelManager, gather_tensor, shard_tensor, unpad_shard_interp
 from credit_parallel.testing import assert_parity, domain_parity_errors, run_on_ranks
 from miles_credit import import_credit
@@ -327,85 +328,18 @@ def test_both_spectral_norm_forms_under_tp_are_exact(form, world):
 
 # --------------------------------------------------------------------------- CREDIT's example config
 def _era5_025deg_conf():
-    """miles-credit's ``config/gen_2/examples/wxformer_era5_025deg_6hr.yml`` as
-    ``credit-parallel plan`` reads it (the gen-2 data schema, ``trainer.parallelism``, the
-    0.25-degree CrossFormer with earth padding, interpolation, spectral norm and its active
-    tracer-fixer post block), shrunk in width and depth only: the 721 x 1440 grid, the
-    cross-embed kernels and windows are the example's."""
-    levels = [25.5, 75.0, 125.0, 175.0, 225.0, 275.0, 350.0, 450.0, 550.0, 650.0, 775.0]
-    levels += [887.5, 962.5]
-    store = "/glade/campaign/ERA5_plevel_6h_*.zarr"  # never read by plan
-    return {
-        "save_loc": "/glade/derecho/scratch/run",
-        "seed": 1000,
-        "data": {
-            "source": {
-                "ERA5": {
-                    "level_coord": "level",
-                    "levels": levels,
-                    "variables": {
-                        "prognostic": {
-                            "vars_3D": ["U", "V", "T", "specific_total_water"],
-                            "vars_2D": ["SP", "VAR_2T", "VAR_10U", "VAR_10V"],
-                            "path": store,
-                        },
-                        "diagnostic": {"vars_2D": [f"diag{i}" for i in range(8)], "path": store},
-                        "dynamic_forcing": {"vars_2D": ["toa_solar", "ci_mask"], "path": store},
-                        "static": {"vars_2D": ["z_norm", "land_sea_mask"], "path": store},
-                    },
-                }
-            },
-            "timestep": "6h",
-            "history_len": 1,
-            "forecast_len": 1,
-            "static_first": True,
-        },
-        "trainer": {
-            "type": "era5-gen2",
-            "parallelism": {"data": "fsdp2", "tensor": 1, "domain": 8},
-            "train_batch_size": 2,
-            "amp": False,
-        },
-        "model": {
-            "type": "crossformer",
-            "frames": 1,
-            "image_height": 721,
-            "image_width": 1440,
-            "levels": 13,
-            "channels": 4,
-            "surface_channels": 4,
-            "input_only_channels": 4,
-            "output_only_channels": 8,
-            "patch_width": 1,
-            "patch_height": 1,
-            "frame_patch_size": 1,
-            "dim": [32, 64, 128, 256],  # the example: [128, 256, 512, 1024]
-            "depth": [1, 1, 2, 1],  # the example: [2, 2, 8, 2]
-            "global_window_size": [10, 5, 2, 1],
-            "local_window_size": 10,
-            "cross_embed_kernel_sizes": [[4, 8, 16, 32], [2, 4], [2, 4], [2, 4]],
-            "cross_embed_strides": [2, 2, 2, 2],
-            "attn_dropout": 0.0,
-            "ff_dropout": 0.0,
-            "interp": True,
-            "use_spectral_norm": True,
-            "padding_conf": {
-                "activate": True,
-                "mode": "earth",
-                "pad_lat": [40, 40],
-                "pad_lon": [80, 80],
-            },
-            "post_conf": {
-                "activate": True,
-                "tracer_fixer": {
-                    "activate": True,
-                    "denorm": True,
-                    "tracer_name": ["specific_total_water"],
-                    "tracer_thres": [1e-8],
-                },
-            },
-        },
-    }
+    """miles-credit's ``config/gen_2/examples/wxformer_era5_025deg_6hr.yml`` as written
+    (``tests/credit_examples.py``; ``credit-parallel plan`` reads its model block and
+    ``trainer.parallelism``: the 0.25-degree CrossFormer with earth padding, interpolation,
+    spectral norm and its active tracer-fixer post block), shrunk in width and depth only (the
+    721 x 1440 grid, the cross-embed kernels and windows are the example's), at fsdp2 x domain 8."""
+    conf = wxformer_era5_025deg()
+    conf["trainer"]["parallelism"] = {"data": "fsdp2", "tensor": 1, "domain": 8}
+    conf["model"].update(
+        dim=[32, 64, 128, 256],  # the example: [128, 256, 512, 1024]
+        depth=[1, 1, 2, 1],  # the example: [2, 2, 8, 2]
+    )
+    return conf
 
 
 def test_credit_025deg_example_config_with_its_post_block_plans_on_32_ranks():

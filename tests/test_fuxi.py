@@ -21,13 +21,8 @@ from credit_parallel import (
     shard_batch,
     sync_domain_gradients,
 )
-from credit_parallel.domain.adapters.fuxi import (
-    DomainFuxi,
-    fuxi_geometry,
-    pair_layout,
-    tensor_padding_rows,
-    tensor_unpadding_rows,
-)
+from credit_parallel.domain.adapters.fuxi import DomainFuxi, fuxi_geometry, pair_layout
+from credit_parallel.domain.adapters.stand_ins import tensor_padding_rows, tensor_unpadding_rows
 from credit_parallel.domain.adapters.swin import DomainSwinBlock
 from credit_parallel.domain.guard import FunctionalCallGuard
 from credit_parallel.domain.manager import DomainParallelManager

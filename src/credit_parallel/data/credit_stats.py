@@ -123,12 +123,26 @@ def load_netcdf_stats(mean_path, std_path, variables, levels, what: str = "ERA5D
     return np.asarray(means, np.float64), np.asarray(stds, np.float64)
 
 
-def dataset_stats(dataset, stats_path=None, mean_path=None, std_path=None):
-    """The per-channel (mean, std) of ``dataset``'s read and static channels: from CREDIT's
+def dataset_stats(
+    variables,
+    levels,
+    channel_names,
+    store_paths,
+    *,
+    level_dim=None,
+    stats_path=None,
+    mean_path=None,
+    std_path=None,
+    what: str = "ERA5Dataset",
+):
+    """The per-channel float64 (mean, std) of the channels a dataset reads.
+
+    ``variables``: ``(name, upper, output)`` per read or static variable in channel order (an
+    upper-air one is a channel per level of ``levels``, along the store's ``level_dim``;
+    ``output``: a prognostic or diagnostic variable, which CREDIT's netCDF files must hold);
+    ``channel_names``: the name of every channel (for the errors); ``store_paths``: the stores
+    of ``data.path`` (the statistics store beside the first is the default).  From CREDIT's
     netCDF files when ``mean_path`` / ``std_path`` are given, else the statistics store."""
-    what = "ERA5Dataset"
-    upper = set(dataset.upper_air_variables)
-    names = dataset._read_variables + dataset.static_variables
     if (mean_path is None) != (std_path is None):
         raise ValueError(f"{what}: data.mean_path and data.std_path go together; give both")
     if mean_path is not None and stats_path is not None:
@@ -137,26 +151,18 @@ def dataset_stats(dataset, stats_path=None, mean_path=None, std_path=None):
             "normalise with one of them"
         )
     if mean_path is not None:
-        # every output channel (prognostic and diagnostic) needs its statistics
-        prognostic = set(dataset._read_variables) - set(dataset.forcing_variables)
-        variables = [(n, n in upper, n in prognostic) for n in names]
-        mean, std = load_netcdf_stats(mean_path, std_path, variables, dataset.levels, what)
+        mean, std = load_netcdf_stats(mean_path, std_path, variables, levels, what)
         source = f"data.std_path {str(std_path)!r}"
     else:
-        if stats_path is None and len(dataset.store_paths) > 1:
+        if stats_path is None and len(store_paths) > 1:
             raise ValueError(
-                f"{what}: data.path names {len(dataset.store_paths)} stores; give their "
+                f"{what}: data.path names {len(store_paths)} stores; give their "
                 "statistics as data.stats_path or data.mean_path / data.std_path"
             )
-        stats_path = default_stats_path(dataset.path) if stats_path is None else Path(stats_path)
-        variables = [(n, n in upper) for n in names]
-        mean, std = load_channel_stats(
-            stats_path, variables, dataset.levels, dataset._level_dim, what
-        )
+        stats_path = default_stats_path(store_paths[0]) if stats_path is None else Path(stats_path)
+        variables = [(name, upper) for name, upper, _ in variables]
+        mean, std = load_channel_stats(stats_path, variables, levels, level_dim, what)
         source = repr(str(stats_path))
-    channel_names = (
-        dataset.output_variable_names + dataset.forcing_variables + dataset.static_variables
-    )
     bad = [channel_names[c] for c in range(std.size) if not np.isfinite(std[c]) or std[c] <= 0]
     if bad:
         raise ValueError(

@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 from .chunk_reader import ChunkReader, choose_reader
 from .credit_stats import dataset_stats
 from .diagnostic import DiagnosticChannels
+from .forcing_files import ForcingFiles
 from .multistore import StaticStore, StoreSet
 from .selection import (
     every_timestep,
@@ -76,8 +77,10 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
     = all.  ``time_slice``: a ``slice`` (or ``(start, stop)`` pair) of integer positions, or of
     labels (``"2020-01-03"``, ``np.datetime64``) selected with ``.sel``, inclusive as in xarray.
     ``path``: a store, a glob or list of stores (one time axis; ``store_paths`` in time order);
-    ``static_path``: the static fields' own store; ``mean_path`` / ``std_path``: CREDIT's netCDF
-    statistics instead of ``stats_path``.
+    ``static_path``: the static fields' own store (or netCDF file); ``mean_path`` / ``std_path``:
+    CREDIT's netCDF statistics instead of ``stats_path``; ``forcing_path``: the dynamic forcing
+    variables' own files (netCDF or zarr, a glob: CREDIT's second store), read by time label
+    (``forcing_files.py``).
 
     ``as_5d=True`` (for 3-D models) returns instead ``x_upper`` ``(history_len * n_upper, Z, H, W)``
     (history step outer, variable inner), ``x_surface`` ``(history_len * n_surface, H, W)`` and
@@ -141,6 +144,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         static_path=None,
         mean_path=None,
         std_path=None,
+        forcing_path=None,
     ):
         super().__init__()
         self.history_len = positive_int(history_len, "history_len")
@@ -159,6 +163,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         self.as_5d = bool(as_5d)
         self.normalize = bool(normalize)
 
+        self._forcing_path = forcing_path  # the dynamic forcing's own files (forcing_files.py)
         self._stores = StoreSet(path, "ERA5Dataset")  # one store, or several along time
         with self._stores.released_on_error():  # a failure below closes the stores
             self.path, self.store_paths = self._stores.path, [p.path for p in self._stores.parts]
@@ -166,9 +171,9 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
             self._find_dims(ds, level_coord)
             in_store = self.static_variables if static_path is None else []
             self._check_variables(ds, in_store)
-            self._stores.check(self._read_variables, in_store)
+            self._stores.check(self._store_variables, in_store)
             self.variable_units = {
-                n: str(ds[n].attrs.get("units", "")) for n in self._read_variables + in_store
+                n: str(ds[n].attrs.get("units", "")) for n in self._store_variables + in_store
             }
             store_levels = ds[self._level_dim].values if self.upper_air_variables else None
             # what the levels are (pressure in hPa / Pa, or model levels): the level
@@ -196,6 +201,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
                 )
 
             self._set_grid(ds, rows, domain_shard)
+            self._open_forcing_files()
             self._name_channels()
             self._set_statistics(static_path, stats_path, mean_path, std_path)
             self._static = self._read_static(ds)
@@ -226,6 +232,30 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         self.sample_grid_shape = (stop - first, east - west)
         self.row_lat_weights = self.lat_weights[first:stop]
 
+    @property
+    def _store_variables(self) -> list[str]:
+        """The variables read per time step from the stores of ``path`` (all of them, less the
+        dynamic forcing when ``forcing_path`` gives it files of its own)."""
+        if self._forcing_path is None:
+            return self._read_variables
+        return [name for name in self._read_variables if name not in self.forcing_variables]
+
+    def _open_forcing_files(self) -> None:
+        """``forcing_path``: the dynamic forcing's files, every selected time in them."""
+        if self._forcing_path is None:
+            return
+        if not self.forcing_variables:
+            raise ValueError(
+                f"ERA5Dataset: data.forcing_path {str(self._forcing_path)!r} is given but "
+                "data.dynamic_forcing_variables is empty; name them or drop the key"
+            )
+        files = ForcingFiles(
+            self._forcing_path, self.forcing_variables, self.latitude, self.longitude
+        )
+        self._stores.forcing = files  # released with the stores
+        files.positions(self.times)  # every selected time, or the first missing one named
+        self.variable_units.update(files.units)
+
     def _set_statistics(self, static_path, stats_path, mean_path, std_path) -> None:
         """The static store (``static_path``) and the per-channel mean / std."""
         self._static_store = None
@@ -241,12 +271,30 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
             self._stores.static = self._static_store  # released with the stores
             self.variable_units.update(self._static_store.units)
         if self.normalize:
-            self._mean, self._std = dataset_stats(self, stats_path, mean_path, std_path)
+            self._mean, self._std = dataset_stats(
+                self._stats_variables(),
+                self.levels,
+                self.output_variable_names + self.forcing_variables + self.static_variables,
+                self.store_paths,
+                level_dim=self._level_dim,
+                stats_path=stats_path,
+                mean_path=mean_path,
+                std_path=std_path,
+            )
         else:
             n = self._channels_read + len(self.static_variables)
             self._mean, self._std = np.zeros(n), np.ones(n)
         self._mean32 = np.asarray(self._mean, dtype=np.float32)
         self._std32 = np.asarray(self._std, dtype=np.float32)
+
+    def _stats_variables(self) -> list[tuple[str, bool, bool]]:
+        """``(name, upper, output)`` per read and static channel variable, in channel order
+        (``credit_stats.dataset_stats``): the output ones are the prognostic and diagnostic."""
+        inputs_only = set(self.forcing_variables) | set(self.static_variables)
+        return [
+            (name, name in self.upper_air_variables, name not in inputs_only)
+            for name in self._read_variables + self.static_variables
+        ]
 
     def _set_variables(self, upper, surface, forcing, static) -> None:
         self.upper_air_variables = name_list(upper, "upper_air_variables")
@@ -303,7 +351,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
     def _direct_arrays(self, ds: xr.Dataset, store) -> dict:
         """The variables zarr decodes straight into a sample (``store.direct_float32_array``)."""
         direct = {}
-        for name in self._read_variables:
+        for name in self._store_variables:
             dims = [self._time_dim, self._lat_dim, self._lon_dim]
             if name in self.upper_air_variables:
                 dims.insert(1, self._level_dim)
@@ -335,7 +383,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
             ("upper-air", self.upper_air_variables, spatial | {self._level_dim}),
             ("surface", self.surface_variables, spatial),
             ("diagnostic", self.diagnostic_variables, spatial),
-            ("dynamic forcing", self.forcing_variables, spatial),
+            ("dynamic forcing", () if self._forcing_path else self.forcing_variables, spatial),
             ("static", static, {self._lat_dim, self._lon_dim}),
         ):
             for name in names:
@@ -419,7 +467,10 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
             upper = name in self.upper_air_variables
             width = len(self._level_positions) if upper else 1
             target = out[:, channel : channel + width]
-            raw = self._read_variable(name, time_index, target if upper else target[:, 0])
+            if self._forcing_path is not None and name in self.forcing_variables:
+                raw = self._read_forcing(name, start, stop)
+            else:
+                raw = self._read_variable(name, time_index, target if upper else target[:, 0])
             self._normalise(target, slice(channel, channel + width), raw)
             channel += width
         return out
@@ -430,6 +481,13 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         return self._stores.read(
             time_index, target, lambda part, index, out: self._read_part(part, name, index, out)
         )
+
+    def _read_forcing(self, name: str, start: int, stop: int) -> np.ndarray:
+        """``name`` at the selected times ``start..stop-1`` from ``forcing_path``'s files, by
+        their labels, this sample's rows and columns (``forcing_files.ForcingFiles``)."""
+        rows = self.rows or (0, self.grid_shape[0])
+        columns = self.columns or (0, self.grid_shape[1])
+        return self._stores.forcing.read(name, self.times[start:stop], rows, columns)
 
     def _read_part(self, part, name: str, time_index: slice, target: np.ndarray):
         upper = name in self.upper_air_variables
@@ -578,6 +636,7 @@ _CONF_KEYS = (
     "static_path",
     "mean_path",
     "std_path",
+    "forcing_path",
 )
 
 

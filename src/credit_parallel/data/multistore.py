@@ -1,4 +1,4 @@
-"""Several zarr stores read as ONE time axis, and static fields from a store of their own.
+"""Several zarr stores read as ONE time axis, and static fields from a store (or netCDF file) of their own.
 
 ``data.path`` may name one zarr store, a glob of stores (CREDIT's one store per year,
 ``/data/ERA5_plevel_6h_*.zarr``) or a list of stores and globs.  :class:`StoreSet` opens each
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .store import LAT_NAMES, LON_NAMES, TIME_NAMES, find_dim, open_store
+from .store import LAT_NAMES, LON_NAMES, TIME_NAMES, find_dim, open_fields, open_store
 
 __all__ = ["CountingStores", "StaticStore", "StoreSet", "missing_store", "store_paths"]
 
@@ -71,6 +71,13 @@ def missing_store(path) -> str | None:
         return str(err)
     missing = [str(p) for p in paths if not p.exists()]
     return f"data.path {missing[0]!r} does not exist" if missing else None
+
+
+def _open_any(path: Path, what: str):
+    """A zarr store (directory) or a netCDF file (CREDIT's ``static_norm_old.nc``)."""
+    if path.is_dir() or not path.exists():
+        return open_store(path, what)
+    return open_fields(path, what)
 
 
 class CountingStores:
@@ -131,6 +138,7 @@ class StoreSet:
         self.what = what
         self.paths = store_paths(path)
         self.parts, self.static = [], None  # static: the StaticStore of data.static_path
+        self.forcing = None  # the ForcingFiles of data.forcing_path (forcing_files.py)
         with self.released_on_error():  # the stores opened before a failure are closed
             for p in self.paths:
                 self.parts.append(_Part(p, what))
@@ -298,6 +306,8 @@ class StoreSet:
             part.release()
         if self.static is not None:
             self.static.release()
+        if self.forcing is not None:
+            self.forcing.release()
         self.ds = None
 
     @contextlib.contextmanager
@@ -317,7 +327,7 @@ class StaticStore:
     def __init__(self, path, names, latitude, longitude, what: str = "ERA5Dataset") -> None:
         self.path = Path(path)
         self.names = list(names)
-        self.ds, self.counter = open_store(self.path, f"{what} static store (data.static_path)")
+        self.ds, self.counter = _open_any(self.path, f"{what} static store (data.static_path)")
         try:
             self._validate(latitude, longitude, f"{what}: the static store {str(self.path)!r}")
         except BaseException:

@@ -37,6 +37,7 @@ __all__ = [
     "direct_float32_array",
     "find_dim",
     "load_channel_stats",
+    "open_fields",
     "open_store",
 ]
 
@@ -143,6 +144,33 @@ def open_store(path, what: str) -> tuple[xr.Dataset, ByteCountingStore]:
         except Exception as err:  # zarr raises several types for "not a store"
             raise ValueError(f"{what}: {str(path)!r} is not a readable zarr store: {err}") from err
     return ds, store
+
+
+class FileCounter:
+    """The counter of a file read through xarray's netCDF engine (no zarr store under it):
+    the :class:`ByteCountingStore` interface, nothing counted."""
+
+    chunk_bytes: dict = {}
+    chunk_reads: dict = {}
+    metadata_bytes = 0
+
+    def reset(self) -> None:
+        pass
+
+
+def open_fields(path, what: str) -> tuple[xr.Dataset, ByteCountingStore | FileCounter]:
+    """A zarr store (a directory, :func:`open_store`) or a netCDF file (xarray's h5netcdf
+    engine, as CREDIT's gen-2 ``LocalDataset`` opens its files), lazily, with its counter."""
+    path = Path(path)
+    if path.is_dir() or not path.exists():
+        return open_store(path, what)
+    try:
+        return xr.open_dataset(path, engine="h5netcdf", chunks=None, cache=False), FileCounter()
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"{what}: {str(path)!r} is neither a zarr store nor a netCDF file xarray's h5netcdf "
+            f"engine reads ({err})"
+        ) from err
 
 
 def compute_normalization_stats(data, out_path=None) -> xr.Dataset:

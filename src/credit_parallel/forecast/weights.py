@@ -33,6 +33,7 @@ __all__ = [
     "load_forecast_weights",
     "map_credit_keys",
     "resolve_checkpoint",
+    "set_credit_weights",
 ]
 
 _PREFIXES = ("module.", "_orig_mod.")
@@ -134,6 +135,14 @@ def _credit_file_state(path: Path, ema: bool, **kw) -> tuple[Path, dict | None]:
 
 def _load_credit_file(path: Path, model: torch.nn.Module, ema: bool = False) -> dict:
     path, state = _credit_file_state(path, ema)
+    set_credit_weights(model, state, path)
+    return {"checkpoint": str(path), "format": "miles-credit", "ema": ema}
+
+
+def set_credit_weights(model: torch.nn.Module, state, path) -> None:
+    """A miles-credit ``model_state_dict`` (full tensors) into the parallel ``model``: keys
+    mapped (:func:`map_credit_keys`), checked against the model's, cast to its dtypes and
+    distributed onto this rank's shards; ``CheckpointError`` naming what does not match."""
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(
             f"checkpoint {str(path)!r} holds no model_state_dict (a miles-credit checkpoint) "
@@ -150,7 +159,6 @@ def _load_credit_file(path: Path, model: torch.nn.Module, ema: bool = False) -> 
         )
     mapped = {k: v.to(dtype=own[k].dtype) for k, v in mapped.items()}
     set_model_state_dict(model, mapped, options=StateDictOptions(full_state_dict=True, strict=True))
-    return {"checkpoint": str(path), "format": "miles-credit", "ema": ema}
 
 
 def load_forecast_weights(model: torch.nn.Module, path, *, ema: bool = False) -> dict:

@@ -10,7 +10,8 @@ A CREDIT 2026.2 gen-2 config (``config/gen_2/examples/*.yml``) describes its dat
 lists come from miles-credit's own ``inject_flat_var_keys`` (what CREDIT's ``train_gen2.py``
 calls before building the model).  The time-dependent groups' ``path`` (a zarr store, or a
 glob of stores split along time such as CREDIT's ``ERA5_plevel_6h_*.zarr``) becomes
-``data.path``, a static group's own store ``data.static_path``, and ``data.mean_path`` /
+``data.path``, a dynamic forcing group's own files ``data.forcing_path``, a static group's own
+store ``data.static_path``, and ``data.mean_path`` /
 ``data.std_path`` (CREDIT's netCDF statistics) are read as they are (``data/multistore.py``,
 ``data/credit_stats.py``).  Every key that cannot be honoured is reported by its full
 path in ONE ``ValueError``; keys that only steer CREDIT's bookkeeping (tensorboard, backup
@@ -34,6 +35,7 @@ from .credit_gen2_blocks import (
     store_key,
     validation_section,
 )
+from .credit_resume import credit_resume_keys
 
 __all__ = ["credit_gen2_conf", "is_credit_gen2"]
 
@@ -53,22 +55,16 @@ _TRAINER_DROPPED = (
     "save_backup_weights",
     "save_best_weights",
     "skip_validation",
-    "update_learning_rate",
     "stopping_patience",
     "valid_batch_size",
     "valid_thread_workers",
     "valid_batches_per_epoch",
-    "start_epoch",
+    "update_learning_rate",  # read with load_weights (credit_resume.py), else nothing to reset
     "save_metric_vars",
 )
-_TRAINER_OFF_ONLY = {
-    "cpu_offload": "parameters stay on the device",
-    "load_weights": "resume with trainer.resume: true (DCP checkpoints)",
-    "load_optimizer": "resume with trainer.resume: true (DCP checkpoints)",
-    "load_scaler": "resume with trainer.resume: true (DCP checkpoints)",
-    "load_scheduler": "resume with trainer.resume: true (DCP checkpoints)",
-    "reload_epoch": "resume with trainer.resume: true (DCP checkpoints)",
-}
+_TRAINER_OFF_ONLY = {"cpu_offload": "parameters stay on the device"}
+# CREDIT's schedulers that step once per epoch and that credit-parallel calls (credit/scheduler.py)
+_EPOCH_SCHEDULERS = ("cosine-annealing",)
 _GEN2_TRAINER_TYPES = ("era5-gen2", "gen2")
 _LOSS_AS_OURS = {
     "training_loss": "mse",
@@ -153,24 +149,33 @@ def _groups(name: str, block: dict, flat: dict, problems: list[str]) -> dict:
 
 def _paths(where: str, variables: Mapping, flat: dict, out: dict, problems: list[str]) -> None:
     """``data.path`` (a store or a glob of stores, one per year: one time axis) from the
-    time-dependent groups, ``data.static_path`` from the static group when it names another
-    store; CREDIT's strftime codes in a path (``era5_%Y.zarr``) read as their digits, as CREDIT's
-    gen-2 dataset globs and filters them (``as_glob``); groups compared by ``store_key``."""
+    time-dependent groups, ``data.forcing_path`` when the dynamic forcing group names files of
+    its own (CREDIT's netCDF solar files beside the zarr stores), ``data.static_path`` from the
+    static group when it names another store; CREDIT's strftime codes in a path
+    (``era5_%Y.zarr``) read as their digits, as CREDIT's gen-2 dataset globs and filters them
+    (``as_glob``); groups compared by ``store_key``."""
     paths = {g: (variables.get(g) or {}).get("path") for g in _GROUPS if variables.get(g)}
     timed = {g: p for g, p in paths.items() if g != "static" and p is not None}
     keys = {g: store_key(p) for g, p in timed.items()}  # %Y and %Y*: the same stores
-    distinct = list(dict.fromkeys(keys.values()))
+    data_keys = [k for g, k in keys.items() if g != "dynamic_forcing"] or list(keys.values())
+    distinct = list(dict.fromkeys(data_keys))
     if not distinct:
         problems.append(f"{where}.<group>.path: no store path given")
     elif len(distinct) > 1:
-        listing = ", ".join(f"{where}.{g}.path = {p!r}" for g, p in timed.items())
+        listing = ", ".join(
+            f"{where}.{g}.path = {p!r}" for g, p in timed.items() if g != "dynamic_forcing"
+        )
         problems.append(
             f"the variable groups name {len(distinct)} stores ({listing}); "
-            "credit-parallel reads every time-dependent variable from ONE zarr store (or one "
-            "glob of stores split along time): write them into one"
+            "credit-parallel reads the prognostic and diagnostic variables from ONE zarr store "
+            "(or one glob of stores split along time; the dynamic forcing may have its own): "
+            "write them into one"
         )
     if distinct:
-        out["path"] = as_glob(next(iter(timed.values())))
+        out["path"] = as_glob(next(p for g, p in timed.items() if keys[g] == distinct[0]))
+    forcing = timed.get("dynamic_forcing")
+    if forcing is not None and distinct and keys["dynamic_forcing"] not in distinct:
+        out["forcing_path"] = as_glob(forcing)  # read by time label (data/forcing_files.py)
     static = paths.get("static")
     if static is not None and store_key(static) not in distinct and out.get("static_variables"):
         out["static_path"] = as_glob(static)
@@ -210,22 +215,38 @@ def _data_section(conf: Mapping, problems: list[str]) -> dict:
 
 
 def _schedule(t: dict, out: dict, problems: list[str]) -> None:
+    """``trainer.scheduler``: ``linear-warmup-cosine`` as credit-parallel's warmup + cosine
+    (``total_steps`` its length: ``schedule_steps``, not the run's), an epoch-level scheduler
+    of CREDIT's (``cosine-annealing``) as ``credit_scheduler``: CREDIT's own class, called,
+    stepped once per epoch (``train/credit_schedule.py``)."""
     if t.pop("use_scheduler", False) is not True:
         t.pop("scheduler", None)
         return
     sched = dict(t.pop("scheduler", None) or {})
-    kind = sched.pop("scheduler_type", None)
+    kind = sched.get("scheduler_type")
+    if kind in _EPOCH_SCHEDULERS:
+        per_epoch = epoch_steps({**t, "grad_accum_every": out.get("grad_accum", 1)}, per_epoch=True)
+        if per_epoch is None:
+            problems.append(
+                f"trainer.scheduler.scheduler_type = {kind!r} steps once per epoch: it needs "
+                "trainer.batches_per_epoch > 0 (the epoch's length)"
+            )
+            return
+        out["credit_scheduler"] = {"scheduler": sched, "steps_per_epoch": per_epoch}
+        return
+    sched.pop("scheduler_type", None)
     if kind != "linear-warmup-cosine":
         problems.append(
-            f"trainer.scheduler.scheduler_type = {kind!r}: credit-parallel's schedule is a "
-            "linear warmup then cosine decay ('linear-warmup-cosine'); choose it or set "
+            f"trainer.scheduler.scheduler_type = {kind!r}: credit-parallel's schedules are a "
+            "linear warmup then cosine decay ('linear-warmup-cosine') and CREDIT's own "
+            f"epoch-level {', '.join(map(repr, _EPOCH_SCHEDULERS))}; choose one or set "
             "trainer.use_scheduler: false"
         )
         return
     if "warmup_steps" in sched:
         out["warmup_steps"] = sched.pop("warmup_steps")
     if "total_steps" in sched:
-        out.setdefault("steps", sched.pop("total_steps"))
+        out["schedule_steps"] = sched.pop("total_steps")
     if "min_lr" in sched:
         lr = out.get("lr", t.get("lr", 1e-3))
         out["min_lr_ratio"] = sched.pop("min_lr") / lr if lr else 0.0
@@ -233,7 +254,39 @@ def _schedule(t: dict, out: dict, problems: list[str]) -> None:
         problems.append(f"trainer.scheduler.{key} is not read by credit-parallel's schedule")
 
 
-def _trainer_section(conf: Mapping, data: dict, problems: list[str], dropped: list[str]) -> dict:
+def _run_length(t: dict, out: dict, problems: list[str], notes: list[str]) -> None:
+    """``trainer.steps`` as CREDIT counts a run: (``epochs`` - ``start_epoch``) epochs of
+    ``batches_per_epoch`` batches (``epoch_steps``); the schedule's ``total_steps`` is only its
+    length, and a disagreement is said in one line.  With ``batches_per_epoch: 0`` (the whole
+    dataset per epoch, not counted here) ``total_steps`` stays the run length."""
+    counted = epoch_steps({**t, "grad_accum_every": out.get("grad_accum", 1)})
+    keys = ("batches_per_epoch", "num_epoch", "epochs", "start_epoch")
+    epochs = [t.pop(k) for k in keys if k in t]
+    if "steps" in out or "steps" in t:
+        return  # credit-parallel's own key wins
+    total = out.get("schedule_steps")
+    if counted is not None:
+        out["steps"] = counted
+        if total is not None and total != counted:
+            notes.append(
+                f"CREDIT gen-2 config: trains {counted} optimizer steps as CREDIT counts them "
+                "((epochs - start_epoch) x batches_per_epoch / grad_accum_every); "
+                f"trainer.scheduler.total_steps = {total} is only the learning-rate schedule's "
+                "length"
+            )
+    elif total is not None:
+        out["steps"] = total
+    elif epochs:
+        problems.append(
+            "trainer.batches_per_epoch / num_epoch / epochs: credit-parallel counts optimizer "
+            "steps; set trainer.steps (or trainer.scheduler.total_steps)"
+        )
+
+
+def _trainer_section(
+    conf: Mapping, data: dict, problems: list[str], dropped: list[str], notes=None
+) -> dict:
+    notes = [] if notes is None else notes  # one-line notes (the run length), warned once
     t = dict(conf.get("trainer") or {})
     kind = t.get("type")
     if kind is not None and kind not in _GEN2_TRAINER_TYPES:
@@ -251,6 +304,7 @@ def _trainer_section(conf: Mapping, data: dict, problems: list[str], dropped: li
     for key, why in _TRAINER_OFF_ONLY.items():
         if t.pop(key, False):
             problems.append(f"trainer.{key}: true is not supported ({why}); set it to false")
+    credit_resume_keys(conf, t, out, problems)  # load_weights, reload_epoch -> start_epoch
     norm = t.pop("grad_max_norm", None)
     if norm == "dynamic":
         # CREDIT clips to the global norm itself: a factor norm / (norm + 1e-6), i.e. none
@@ -258,15 +312,7 @@ def _trainer_section(conf: Mapping, data: dict, problems: list[str], dropped: li
     elif norm is not None:
         out["grad_clip"] = norm
     _schedule(t, out, problems)
-    counted = epoch_steps({**t, "grad_accum_every": out.get("grad_accum", 1)})
-    epochs = [t.pop(k) for k in ("batches_per_epoch", "num_epoch", "epochs") if k in t]
-    if counted is not None and "steps" not in out and "steps" not in t:
-        out["steps"] = counted
-    elif epochs and "steps" not in out and "steps" not in t:
-        problems.append(
-            "trainer.batches_per_epoch / num_epoch / epochs: credit-parallel counts optimizer "
-            "steps; set trainer.steps (or trainer.scheduler.total_steps)"
-        )
+    _run_length(t, out, problems, notes)
     dropped.extend(f"trainer.{k}" for k in _TRAINER_DROPPED if t.pop(k, None) is not None)
     if "seed" not in t and "seed" in conf:
         out["seed"] = conf["seed"]
@@ -298,8 +344,9 @@ def credit_gen2_conf(conf):
         return conf
     problems: list[str] = []
     dropped: list[str] = []
+    notes: list[str] = []
     data = _data_section(conf, problems)
-    trainer = _trainer_section(conf, data, problems, dropped)
+    trainer = _trainer_section(conf, data, problems, dropped, notes)
     block_sections(conf, data, problems)
     _loss_problems(conf, problems)
     dropped.extend(k for k in BOOKKEEPING_SECTIONS if k in conf)
@@ -308,6 +355,8 @@ def credit_gen2_conf(conf):
         raise ValueError(
             f"CREDIT gen-2 config: {len(problems)} key(s) cannot be honoured:\n{listing}"
         )
+    for note in notes:
+        warnings.warn(note, UserWarning, stacklevel=2)
     if dropped:
         warnings.warn(
             f"CREDIT gen-2 config: {', '.join(dropped)} only steer CREDIT's own bookkeeping "

@@ -16,8 +16,8 @@ split from ``validation_data`` (the ``data`` schema again, another date range). 
 * ``data.source.<S>.dataset_type`` must be ``"local"`` (the zarr stores on disk); the cloud
   readers (``weatherbench2_era5``, ``arco_era5``) and computed sources (``tisr``) are refused
   naming the type;
-* ``trainer.batches_per_epoch`` with ``epochs`` / ``num_epoch`` count optimizer steps the way
-  miles-credit's ``Trainer`` does when no ``total_steps`` is given.
+* ``trainer.batches_per_epoch`` with ``epochs`` / ``start_epoch`` count the run's optimizer
+  steps the way miles-credit's ``Trainer`` does (``total_steps`` is only the schedule's length).
 """
 
 from __future__ import annotations
@@ -182,19 +182,21 @@ def validation_section(conf: Mapping, data: Mapping, mapped: dict, problems: lis
                 )
 
 
-def epoch_steps(t: Mapping) -> int | None:
-    """Optimizer steps of one ``credit train`` run as miles-credit's gen-2 ``Trainer`` counts
-    them (``trainers/base_trainer.py``, ``trainer_gen2.py``): epochs ``start_epoch`` up to
-    ``min(epochs, start_epoch + num_epoch)``, each ``batches_per_epoch`` batches with an
-    optimizer step every ``grad_accum_every`` batches and at the epoch's last batch.  None
-    when ``batches_per_epoch`` is 0 (CREDIT then runs the whole dataset per epoch).  CREDIT also
-    caps ``batches_per_epoch`` at the loader's length, which is not known here: a run whose
-    epoch is longer than its data keeps cycling the data instead."""
-    per_epoch = int(t.get("batches_per_epoch") or 0)
-    if per_epoch <= 0:
+def epoch_steps(t: Mapping, per_epoch: bool = False) -> int | None:
+    """Optimizer steps of a CREDIT run as miles-credit's gen-2 ``Trainer`` counts them
+    (``trainers/base_trainer.py``, ``trainer_gen2.py``): epochs ``start_epoch`` up to ``epochs``
+    (``num_epoch`` of them per job, then a requeue: the run is all of them), each
+    ``batches_per_epoch`` batches with an optimizer step every ``grad_accum_every`` batches and
+    at the epoch's last batch; ``per_epoch``: the steps of one epoch.  None when
+    ``batches_per_epoch`` is 0 (CREDIT then runs the whole dataset per epoch).  CREDIT also caps
+    ``batches_per_epoch`` at the loader's length, which is not known here: a run whose epoch is
+    longer than its data keeps cycling the data instead."""
+    batches = int(t.get("batches_per_epoch") or 0)
+    if batches <= 0:
         return None
-    start = int(t.get("start_epoch") or 0)
-    epochs = int(t.get("epochs", 1))
-    end = min(epochs, start + int(t.get("num_epoch", 10**8)))
     accum = max(int(t.get("grad_accum_every") or 1), 1)
-    return max(end - start, 0) * math.ceil(per_epoch / accum)
+    steps = math.ceil(batches / accum)
+    if per_epoch:
+        return steps
+    start = int(t.get("start_epoch") or 0)
+    return max(int(t.get("epochs", 1)) - start, 0) * steps

@@ -112,6 +112,21 @@ def _decay(value):
     return float(value)
 
 
+def _optional_mapping(key: str, required: tuple[str, ...]) -> Callable[[Any], dict | None]:
+    """``trainer.<key>``: None, or a mapping holding at least ``required`` (a plain dict)."""
+
+    def parse(value):
+        if value is None:
+            return None
+        if not isinstance(value, Mapping) or any(k not in value for k in required):
+            raise ValueError(
+                f"trainer.{key} must be a mapping with the keys {list(required)}, got {value!r}"
+            )
+        return dict(value)
+
+    return parse
+
+
 def _optional_path(section: str, key: str) -> Callable[[Any], str | None]:
     def parse(value):
         if value is None:
@@ -123,14 +138,20 @@ def _optional_path(section: str, key: str) -> Callable[[Any], str | None]:
     return parse
 
 
-def _store_paths(value):
-    """``data.path``: one zarr store, a glob of stores, or a list of stores and globs (one time
+def _store_paths(key: str) -> Callable[[Any], Any]:
+    """``data.<key>``: one zarr store (or file), a glob, or a list of them and globs (one time
     axis, ``data/multistore.py``)."""
-    if isinstance(value, (list, tuple)):
-        if not value or not all(isinstance(v, str) and v for v in value):
-            raise ValueError(f"data.path must be a path, a glob or a list of paths, got {value!r}")
-        return tuple(value)
-    return _optional_path("data", "path")(value)
+
+    def parse(value):
+        if isinstance(value, (list, tuple)):
+            if not value or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(
+                    f"data.{key} must be a path, a glob or a list of paths, got {value!r}"
+                )
+            return tuple(value)
+        return _optional_path("data", key)(value)
+
+    return parse
 
 
 def _strings(section: str, key: str) -> Callable[[Any], tuple]:
@@ -179,6 +200,18 @@ def _time_slice(key: str) -> Callable[[Any], Any]:
 # (default, parser) per key; the dataclass fields below carry the same names and defaults
 _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "steps": (100, _number("trainer", "steps", int, 1)),
+    # the learning-rate schedule's length (CREDIT's scheduler.total_steps); None: ``steps``
+    "schedule_steps": (None, _optional_number("trainer", "schedule_steps", int, 1)),
+    # CREDIT's own epoch-level scheduler (cosine-annealing), called: {"scheduler": CREDIT's
+    # trainer.scheduler block, "steps_per_epoch": optimizer steps per epoch}
+    # (train/credit_schedule.py); None: the linear warmup + cosine schedule below
+    "credit_scheduler": (
+        None,
+        _optional_mapping("credit_scheduler", ("scheduler", "steps_per_epoch")),
+    ),
+    # resume from a CREDIT checkpoint: {"checkpoint": .../checkpoint.pt, "load_optimizer",
+    # "load_scheduler"} (CREDIT's load_weights; train/credit_resume.py)
+    "credit_resume": (None, _optional_mapping("credit_resume", ("checkpoint",))),
     "batch_size": (2, _number("trainer", "batch_size", int, 1)),
     "grad_accum": (1, _number("trainer", "grad_accum", int, 1)),
     "lr": (1e-3, _number("trainer", "lr", float, 0)),
@@ -225,9 +258,12 @@ _TRAINER_ALIASES = {"train_batch_size": "batch_size"}
 _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     # a zarr store, a glob of stores ("/data/ERA5_*.zarr": one per year) or a list of them,
     # read as ONE time axis (data/multistore.py)
-    "path": (None, _store_paths),
+    "path": (None, _store_paths("path")),
     # the static variables' own store (dims latitude, longitude); default: data.path
     "static_path": (None, _optional_path("data", "static_path")),
+    # the dynamic forcing variables' own files (netCDF or zarr, a glob or list; CREDIT's second
+    # store beside the data stores), read by time label (data/forcing_files.py)
+    "forcing_path": (None, _store_paths("forcing_path")),
     "upper_air_variables": ((), _strings("data", "upper_air_variables")),
     "surface_variables": ((), _strings("data", "surface_variables")),
     # output-only 2-D channels (CREDIT's diagnostic group): in the target after the prognostic
@@ -351,6 +387,9 @@ class TrainerConfig:
     """The ``trainer`` section (``trainer.parallelism`` lives in :class:`RunConfig`)."""
 
     steps: int = 100
+    schedule_steps: int | None = None
+    credit_scheduler: dict | None = None
+    credit_resume: dict | None = None
     batch_size: int = 2
     grad_accum: int = 1
     lr: float = 1e-3
@@ -393,6 +432,7 @@ class DataConfig:
 
     path: str | tuple | None = None
     static_path: str | None = None
+    forcing_path: str | tuple | None = None
     upper_air_variables: tuple = ()
     surface_variables: tuple = ()
     diagnostic_variables: tuple = ()

@@ -167,6 +167,7 @@ def prepare_credit_block(model_type: str, kwargs: dict[str, Any]) -> dict[str, A
     flat Gen 1 data schema: ``inject_postblock_info`` raises ``KeyError('levels')`` on a gen-2
     config.)"""
     block = {"type": model_type, **kwargs}
+    _padding_pairs(block)
     if "post_conf" in block:
         import warnings
 
@@ -181,6 +182,20 @@ def prepare_credit_block(model_type: str, kwargs: dict[str, Any]) -> dict[str, A
             stacklevel=3,
         )
     return block
+
+
+def _padding_pairs(block: dict) -> None:
+    """A ``padding_conf.pad_lat`` / ``pad_lon`` given as one int (``wxformer_npj_era5_028deg.yml``:
+    ``pad_lat: 80``) read as ``[80, 80]``, as CREDIT's config parser (``credit_main_parser``)
+    reads it; miles-credit's gen-2 trainer skips that parser and hands the int to
+    ``TensorPadding``, whose forward then fails (``'int' object is not iterable``)."""
+    padding = block.get("padding_conf")
+    if not isinstance(padding, dict) or not padding.get("activate"):
+        return
+    for key in ("pad_lat", "pad_lon"):
+        value = padding.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            block["padding_conf"] = padding = {**padding, key: [value, value]}
 
 
 _ONE_FRAME_CLASSES: dict[type, type] = {}

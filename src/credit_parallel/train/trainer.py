@@ -39,7 +39,6 @@ from ..forecast.scores import climatology, flatten_channels
 from ..layout.config import DataMode, has_process_group
 from ..layout.credit_gen2 import credit_gen2_conf
 from ..layout.device import autocast_for, batch_to_device, device_for_process_group
-from ..layout.run_config import TrainerConfig
 from ..models import build_model
 from ..parallel.composition import RecipeOptions, get_domain_manager, parallelize_dims
 from .checkpoint import (
@@ -49,9 +48,11 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from .credit_resume import load_credit_resume, restore_credit_ema
 from .ema import build_ema, ema_checkpoint_state, ema_template, ema_weights, has_ema, restore_ema
 from .model_init import build_parallel_model
 from .preflight import check_run
+from .schedule import build_scheduler
 from .step import (
     TrainStep,
     advance_state,
@@ -66,17 +67,6 @@ __all__ = ["NonFiniteError", "Trainer"]
 
 class NonFiniteError(RuntimeError):
     """A NaN/Inf loss or gradient under the ``stop`` policy."""
-
-
-def _lr_lambda(tc: TrainerConfig):
-    def fn(step: int) -> float:
-        if tc.warmup_steps and step < tc.warmup_steps:
-            return (step + 1) / tc.warmup_steps
-        span = max(1, tc.steps - tc.warmup_steps)
-        progress = min(1.0, (step - tc.warmup_steps) / span)
-        return tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return fn
 
 
 def _world_sum(t: torch.Tensor) -> torch.Tensor:
@@ -121,9 +111,12 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.tc.lr, weight_decay=self.tc.weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(self.tc))
+        # trainer.credit_resume: a CREDIT checkpoint directory's weights (optimizer, scheduler)
+        self._credit_resumed = load_credit_resume(self.model, self.optimizer, self.tc)
+        self.scheduler = build_scheduler(self.optimizer, self.tc, resumed=self._credit_resumed)
         # trainer.use_ema: miles-credit's EMATracker, updated after every optimizer step
         self.ema = build_ema(self.model, self.tc.ema_decay) if self.tc.use_ema else None
+        restore_credit_ema(self.ema, self.model, self.tc)
         self.history: list[dict] = []
         # this rank's rows of the validation climatology (normalised units): evaluate's ACC
         self.climatology: torch.Tensor | None = None
@@ -403,13 +396,9 @@ class Trainer:
         elif self.ema is not None:
             self.ema = build_ema(self.model, self.tc.ema_decay)
         self.step = int(manifest["step"])
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _lr_lambda(self.tc), last_epoch=-1
+        self.scheduler = build_scheduler(
+            self.optimizer, self.tc, step=self.step, resumed=self._credit_resumed
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * _lr_lambda(self.tc)(self.step)
-        self.scheduler.last_epoch = self.step
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         self._start_loader()  # the data stream continues at the loaded step
         return manifest
 

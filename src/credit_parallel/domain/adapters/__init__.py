@@ -7,6 +7,9 @@ imports none of them) and made exact under latitude sharding.
   shards, the cyclic shift over H as a row exchange;
 * :mod:`.fuxi` — miles-credit's FuXi, its forward run unmodified on the rank's rows;
 * :mod:`.tensor_padding` — CREDIT's ``TensorPadding`` inside a model's forward;
+* :mod:`.stand_ins` — what the CREDIT adapters share: the stand-ins swapped into a model for
+  one forward (``_ShardedPadding``, ``_RecordingPadding``, ``_Key``, ``_swapped``) and the row
+  arithmetic of ``TensorPadding``;
 * :mod:`.credit_interp` — the CrossFormer family's interpolation to the global image size
   (``model.interp: true``), and the converter's CREDIT-model step.
 """

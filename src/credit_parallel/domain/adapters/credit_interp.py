@@ -45,15 +45,9 @@ from torch import nn
 from ..layers.resample import DomainParallelInterpolate
 from ..manager import resolve_manager
 from ..wrap import DomainWrapper
-from .fuxi import INTERP_MODELS, _swapped, credit_model_decision
-from .tensor_padding import (
-    PADDING_MODES,
-    _Key,
-    _RecordingPadding,
-    _ShardedPadding,
-    is_tensor_padding,
-    padded_model_decision,
-)
+from .fuxi import INTERP_MODELS, credit_model_decision
+from .stand_ins import _Key, _RecordingPadding, _ShardedPadding, _swapped
+from .tensor_padding import PADDING_MODES, is_tensor_padding, padded_model_decision
 
 __all__ = ["INTERP_MODELS", "DomainInterpModel", "credit_adapter_decision", "interp_model_decision"]
 

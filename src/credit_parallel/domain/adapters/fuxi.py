@@ -26,8 +26,8 @@ row pairs (its ``input_resolution`` share is then an integer); the model's outpu
 to the balanced layout; ``F.interpolate`` replaced by :class:`DomainParallelInterpolate` (none
 when the output already has the image size: bilinear to the same size is the identity); the
 ``TensorPadding`` replaced by a stand-in whose pad is one row exchange from the global row map
-(:func:`tensor_padding_rows`) and whose unpad returns the output rows and crops globally
-(:func:`tensor_unpadding_rows`).
+(:func:`.stand_ins.tensor_padding_rows`) and whose unpad returns the output rows and crops globally
+(:func:`.stand_ins.tensor_unpadding_rows`).
 Parameters, buffers and ``state_dict`` keys are the model's (``DomainWrapper``).
 
 Refused at conversion (``ValueError`` naming the module): a ``padding_conf.mode`` other than
@@ -51,8 +51,9 @@ from ..exchange.halo import exchange_rows
 from ..layers.gather import DomainGatherModule, gather_cost_note
 from ..layers.resample import DomainParallelInterpolate
 from ..manager import resolve_manager
-from ..rows import conv_output_length, conv_transpose_output_length, edge_source_row, shard_range
+from ..rows import conv_output_length, conv_transpose_output_length, shard_range
 from ..wrap import DomainWrapper, replace_outermost
+from .stand_ins import _share, _swapped, tensor_padding_rows, tensor_unpadding_rows
 
 __all__ = [
     "FUXI_MODELS",
@@ -66,8 +67,6 @@ __all__ = [
     "fuxi_unshardable_reason",
     "is_fuxi",
     "pair_layout",
-    "tensor_padding_rows",
-    "tensor_unpadding_rows",
 ]
 
 FUXI_MODELS = ("credit.models.fuxi.Fuxi",)
@@ -129,39 +128,6 @@ def pair_layout(rows: int, n: int, scale: int = 1) -> tuple:
 
 def _balanced(length: int, n: int) -> tuple:
     return tuple(tuple(range(*shard_range(length, n, r))) for r in range(n))
-
-
-def tensor_padding_rows(mode: str, height: int, top: int, bottom: int) -> tuple:
-    """``(sources, rolled)``: the global input row of every latitude row ``TensorPadding.pad``
-    gives an input of ``height`` rows, and whether that row is also rolled by half the width
-    ("earth": the rows beyond each pole are the first / last rows flipped and shifted by 180
-    degrees; "mirror": reflect).  Python's slicing rules as in the class (a bottom of 0
-    with a top > 0 flips the whole globe in "earth" mode: ``x[..., -0:, :]``)."""
-    rows = list(range(height))
-    if not (top > 0 or bottom > 0):
-        return tuple(rows), (False,) * height
-    if mode == "earth":
-        above, below = rows[:top][::-1], rows[-bottom:][::-1]
-        flags = (True,) * len(above) + (False,) * height + (True,) * len(below)
-        return tuple(above + rows + below), flags
-    sources = tuple(
-        edge_source_row(p - top, height, "reflect") for p in range(height + top + bottom)
-    )
-    return sources, (False,) * len(sources)
-
-
-def tensor_unpadding_rows(mode: str, height: int, top: int, bottom: int) -> range:
-    """The global rows ``TensorPadding.unpad`` keeps of an output of ``height`` rows."""
-    if not (top > 0 or bottom > 0):
-        return range(height)
-    if mode == "earth":
-        return range(height)[top : (-bottom if bottom > 0 else None)]
-    return range(height)[top:-bottom]
-
-
-def _share(rows, n: int) -> tuple:
-    """Each rank's balanced share of the global row list ``rows``."""
-    return tuple(tuple(rows[slice(*shard_range(len(rows), n, r))]) for r in range(n))
 
 
 class _ShardedTensorPadding:
@@ -381,17 +347,6 @@ class DomainFuxi(DomainWrapper):
             self._interpolations[size] = built
         layer = built[1]
         return layer(y.squeeze(2)).unsqueeze(2)
-
-
-@contextmanager
-def _swapped(obj, name: str, value):
-    """``obj.name = value`` for the duration of the block (an instance attribute)."""
-    old = obj.__dict__[name]
-    obj.__dict__[name] = value
-    try:
-        yield
-    finally:
-        obj.__dict__[name] = old
 
 
 # client classes whose forward mixes every grid point through a parameter over the flattened

@@ -7,10 +7,10 @@ operations on the global grid ("earth": the rows beyond each pole are the pole r
 rolled by 180 degrees of longitude; "mirror": reflected; longitude padded circularly).  On a
 shard they would pad every shard's own edges.  :class:`DomainPaddedModel` runs the model's own
 forward with ``padding_opt`` replaced, for the duration of the call, by
-:class:`_ShardedPadding`:
+:class:`.stand_ins._ShardedPadding`:
 
 * on latitude shards, ``pad`` is one row exchange from the global row map
-  (``fuxi.tensor_padding_rows``: each rank receives its balanced share of the padded rows, the
+  (``stand_ins.tensor_padding_rows``: each rank receives its balanced share of the padded rows, the
   "earth" rows then rolled over the whole width) and ``unpad`` one exchange to the balanced share
   of the rows the global crop keeps; longitude stays local;
 * on lat x lon tiles, each moves the tile to its latitude strip (``tiles_relayout.move_blocks``),
@@ -22,16 +22,19 @@ The model's layers are converted as anywhere else (the wrapper converts its chil
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..exchange.halo import exchange_rows
 from ..manager import resolve_manager
-from ..rows import shard_range
-from ..tiles_relayout import move_blocks, strip_rects, tile_rects
 from ..wrap import DomainWrapper
-from .fuxi import _swapped, tensor_padding_rows, tensor_unpadding_rows
+from .stand_ins import (
+    _Key,
+    _RecordingPadding,
+    _ShardedPadding,
+    _share,
+    _swapped,
+    tensor_padding_rows,
+    tensor_unpadding_rows,
+)
 
 __all__ = [
     "DomainPaddedModel",
@@ -47,14 +50,6 @@ def is_tensor_padding(obj) -> bool:
     """Whether ``obj`` is CREDIT's ``TensorPadding`` (by qualified name, never imported)."""
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}" == "credit.boundary_padding.TensorPadding"
-
-
-def _share(rows, n: int) -> tuple:
-    return tuple(tuple(rows[slice(*shard_range(len(rows), n, r))]) for r in range(n))
-
-
-class _Key:
-    """An owner under which a global height or width is learned."""
 
 
 class PaddingCall:
@@ -83,87 +78,6 @@ class PaddingCall:
 
     def input_windows(self, input_height: int, n: int):
         return _share(self._rows(input_height), n)
-
-
-class _ShardedPadding:
-    """Stands in for ``padding_opt`` during one forward of a :class:`DomainPaddedModel`."""
-
-    def __init__(self, original, manager, keys):
-        self.rows, self.kept = tensor_padding_rows, tensor_unpadding_rows
-        self.mode, self.manager, self.keys = original.mode, manager, keys
-        self.top, self.bottom = (int(v) for v in original.pad_NS)
-        self.left, self.right = (int(v) for v in original.pad_WE)
-
-    # ---- on latitude shards of ``mgr`` (rows at dim -2, every column)
-    def _pad_rows(self, x, height: int, mgr):
-        sources, rolled = self.rows(self.mode, height, self.top, self.bottom)
-        n = mgr.domain_world_size
-        held = exchange_rows(x, _share(sources, n), height, x.dim() - 2, mgr)
-        flags = _share(rolled, n)[mgr.domain_rank]
-        if any(flags):
-            pole = torch.tensor(flags, device=held.device).view(-1, 1)
-            held = torch.where(pole, torch.roll(held, x.shape[-1] // 2, dims=-1), held)
-        if self.left > 0 or self.right > 0:
-            pads = (self.left, self.right) + (0, 0) * (held.dim() - 2)
-            held = F.pad(held, pads[: 2 * (held.dim() - 2)], mode="circular")
-        return held
-
-    def _unpad_rows(self, x, height: int, mgr):
-        kept = self.kept(self.mode, height, self.top, self.bottom)
-        y = exchange_rows(x, _share(kept, mgr.domain_world_size), height, x.dim() - 2, mgr)
-        if self.left > 0 or self.right > 0:
-            end = -self.right if self.right > 0 or self.mode == "mirror" else None
-            y = y[..., :, self.left : end]
-        return y
-
-    # ---- the model's calls
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        return self._call(x, self._pad_rows, self.keys[0], self._padded_hw)
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        return self._call(x, self._unpad_rows, self.keys[1], self._cropped_hw)
-
-    def _padded_hw(self, height: int, width: int) -> tuple[int, int]:
-        return len(self.rows(self.mode, height, self.top, self.bottom)[0]), (
-            width + self.left + self.right
-        )
-
-    def _cropped_hw(self, height: int, width: int) -> tuple[int, int]:
-        return len(self.kept(self.mode, height, self.top, self.bottom)), (
-            width - self.left - self.right
-        )
-
-    def _call(self, x, rows_op, key, out_hw):
-        mgr = self.manager
-        if not getattr(mgr, "is_tiled", False):
-            return rows_op(x, mgr.global_length(key, x.shape[-2]), mgr)
-        height, width = mgr.global_height(key, x.shape[-2]), mgr.global_width(key, x.shape[-1])
-        shape, strips = mgr.domain_shape, mgr.strips
-        n = strips.domain_world_size
-        strip = move_blocks(
-            x, tile_rects(height, width, shape), strip_rects(height, width, n), -2, -1, strips
-        )
-        y = rows_op(strip, height, strips)
-        out_h, out_w = out_hw(height, width)
-        return move_blocks(
-            y, strip_rects(out_h, out_w, n), tile_rects(out_h, out_w, shape), -2, -1, strips
-        )
-
-
-class _RecordingPadding:
-    """In the shape twin (``traced_heights``): the model's own global padding, the heights its
-    sharded stand-in asks for noted under the real wrapper's keys."""
-
-    def __init__(self, original, probe, keys):
-        self.original, self.probe, self.keys = original, probe, keys
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        self.probe.sink(self.keys[0], x.shape[-2], x.shape[-1])
-        return self.original.pad(x)
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        self.probe.sink(self.keys[1], x.shape[-2], x.shape[-1])
-        return self.original.unpad(x)
 
 
 class DomainPaddedModel(DomainWrapper):
