@@ -82,6 +82,19 @@ def _write_report(report: dict) -> None:
         pass
 
 
+def _clear_earlier_report(rank: int) -> None:
+    """A worker restarted by torchrun (``--max-restarts``) removes its report of the earlier
+    start: the launcher's one line is about the last start."""
+    from ..layout.launch import elastic_restart_count
+
+    directory = os.environ.get(STATUS_DIR_ENV)
+    if directory and elastic_restart_count() > 0:
+        try:
+            os.remove(os.path.join(directory, f"rank{rank}.json"))
+        except OSError:
+            pass
+
+
 def _record_for_torchrun(exc: BaseException) -> None:
     if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
         return
@@ -117,8 +130,9 @@ def run_worker(module, argv: list[str]) -> int:
     first); on an exception the process ends here (``os._exit(1)``) after the reports described
     in the module docstring.
     """
-    stack_file = _arm_stack_dump()
     rank = _rank()
+    _clear_earlier_report(rank)
+    stack_file = _arm_stack_dump()
     name = module if isinstance(module, str) else getattr(module, "__name__", "main")
     try:
         main = importlib.import_module(module).main if isinstance(module, str) else module
