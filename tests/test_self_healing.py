@@ -401,3 +401,22 @@ def test_forecast_killed_rank_heals_into_the_uninterrupted_store(healed, store, 
         a, b = got[name].values, one[name].values
         assert a.shape == b.shape and np.isfinite(a).all(), name
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_cli_names_auto_when_the_resume_path_is_missing_and_refuses_negative_restarts(
+    store, tmp_path, capsys
+):
+    from credit_parallel import cli
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(_conf(store)))
+    missing = str(tmp_path / "nothing")
+    assert cli.main(["train", "--config", str(path), "--resume", missing]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"credit-parallel train: error: --resume {missing!r} is not a checkpoint")
+    assert "--resume auto" in err and len(err.splitlines()) == 1, err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["train", "--config", str(path), "--max-restarts", "-1"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-restarts: must be an integer >= 0, got -1" in err and len(err.splitlines()) == 1

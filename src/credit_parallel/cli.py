@@ -121,8 +121,6 @@ def _max_restarts(args) -> int:
     up to N times.  Under an outer launcher (torchrun, SLURM) restarting is that launcher's job
     (torchrun --max-restarts, a requeue); the flag then only means resuming automatically."""
     n = getattr(args, "max_restarts", 0) or 0
-    if n < 0:
-        raise CLIError(f"--max-restarts must be >= 0, got {n}")
     from .layout.launch import under_launcher
 
     if n and under_launcher() and os.environ.get("RANK") == "0":
@@ -135,10 +133,20 @@ def _max_restarts(args) -> int:
     return n
 
 
+def _restarts(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
 def _add_restart_argument(p: argparse.ArgumentParser, resumes: str) -> None:
     p.add_argument(
         "--max-restarts",
-        type=int,
+        type=_restarts,
         default=0,
         metavar="N",
         help="when a rank dies, restart every rank up to N times (torchrun's elastic agent); "

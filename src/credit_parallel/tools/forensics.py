@@ -96,14 +96,23 @@ def _clear_earlier_report(rank: int) -> None:
 
 
 def _record_for_torchrun(exc: BaseException) -> None:
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    """Write torchrun's error file whole or not at all: written beside it, then renamed.  The
+    agent stops a failing rank's peers with SIGTERM, which may land in the middle of this write,
+    and the agent cannot parse a half-written file (it fails instead of restarting the ranks)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
+    partial = f"{path}.{os.getpid()}.tmp"
     try:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+        os.environ["TORCHELASTIC_ERROR_FILE"] = partial
         ErrorHandler().record_exception(exc)
+        os.replace(partial, path)
     except Exception:  # noqa: BLE001 - diagnostics must never mask the real error
         pass
+    finally:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = path
 
 
 def _arm_stack_dump():
