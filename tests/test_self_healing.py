@@ -322,6 +322,7 @@ def _sampler_log(log_dir, attempt, rank):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's four commands: 316 s on the loaded 2-core machine
 @pytest.mark.parametrize("world", list(LAYOUTS))
 def test_train_killed_rank_and_killed_save_heal_on_the_uninterrupted_trajectory(
     healed, reference, world
@@ -386,6 +387,7 @@ def _forecast_reference(store, tmp_path, ckpt, inits):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the fixture's four commands: 316 s on the loaded 2-core machine
 @pytest.mark.parametrize("world", list(LAYOUTS))
 def test_forecast_killed_rank_heals_into_the_uninterrupted_store(healed, store, tmp_path, world):
     proc, _, out = healed[("forecast", world)]
