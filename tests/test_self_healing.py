@@ -422,3 +422,48 @@ def test_cli_names_auto_when_the_resume_path_is_missing_and_refuses_negative_res
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--max-restarts: must be an integer >= 0, got -1" in err and len(err.splitlines()) == 1
+
+
+class _Recorder:
+    """Stands in for the Trainer in the choice of what to load: records what is loaded."""
+
+    def __init__(self, configured=False):
+        self.tc = argparse.Namespace(resume=configured)
+        self.loaded = []
+
+    def resume_latest(self, directory, on_skip=None):
+        found = list_checkpoints(directory)
+        self.loaded.append(("latest", found[-1].name if found else None))
+        return {"step": int(found[-1].name[5:])} if found else None
+
+    def resume_from(self, path):
+        self.loaded.append(("path", str(path)))
+        return {"step": 7}
+
+
+@pytest.mark.parametrize(
+    "resume, configured, restarts, own, loaded",
+    [
+        (None, False, 0, True, []),  # nothing asked: a fresh start, nothing said
+        (None, True, 0, True, [("latest", "step_00000004")]),  # trainer.resume: true
+        (None, "auto", 0, False, [("latest", None)]),  # auto without checkpoints: fresh
+        ("auto", False, 0, True, [("latest", "step_00000004")]),
+        ("PATH", False, 0, True, [("path", "PATH")]),  # the first start: --resume PATH
+        ("PATH", False, 1, True, [("latest", "step_00000004")]),  # a restart: its own, not PATH
+        ("PATH", False, 1, False, [("path", "PATH")]),  # a restart before any save: PATH again
+        (None, False, 2, True, [("latest", "step_00000004")]),  # a restart resumes unasked
+    ],
+)
+def test_what_a_start_continues_from(tmp_path, resume, configured, restarts, own, loaded):
+    from credit_parallel.train.resume import resume_run
+
+    save_dir = tmp_path / "checkpoints"
+    if own:
+        (save_dir / "step_00000004").mkdir(parents=True)
+        (save_dir / "step_00000004" / MARKER).write_text("ok\n")
+    trainer = _Recorder(configured)
+    lines = resume_run(trainer, save_dir, resume, restarts=restarts)
+    assert trainer.loaded == loaded
+    assert bool(lines) == bool(loaded)
+    if restarts and loaded[0][0] == "latest":
+        assert lines[0] == f"elastic restart {restarts}: continuing from this run's checkpoints"
