@@ -82,7 +82,8 @@ def _conf(store, parallelism=None, batch_size=2, **trainer):
         parallelism=parallelism,
         batch_size=batch_size,
         data={"num_workers": 0},
-        dist_timeout_s=20,
+        # ranks start seconds apart on a loaded machine; a SIGKILLed peer is seen at once
+        dist_timeout_s=60,
         **keys,
     )
 
