@@ -48,6 +48,22 @@ track_a() {
             --checkpoint /tmp/demo_cuda/checkpoints --init-range 2020-02-20T00 2020-02-21T12 12h \
             --steps 8 --members 2 --output /tmp/demo_cuda/forecast --overwrite &&
         cat /tmp/demo_cuda/forecast/scores.csv | head -20"
+    # issue 36, self-healing under NCCL: the rank SIGKILLs itself before step 3 of its first
+    # start; torchrun (--max-restarts 1) restarts it and it continues from the step-2 checkpoint
+    mkdir -p /tmp/heal_site
+    printf '%s\n' 'import os' \
+        'if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "0":' \
+        '    import signal, credit_parallel.train.trainer as t' \
+        '    f = t.Trainer.train_step' \
+        '    def g(self):' \
+        '        if self.step + 1 == 3: os.kill(os.getpid(), signal.SIGKILL)' \
+        '        return f(self)' \
+        '    t.Trainer.train_step = g' >/tmp/heal_site/sitecustomize.py
+    sed -e 's/^  steps: 20$/  steps: 6/' -e 's/^  checkpoint_every: 0 .*/  checkpoint_every: 2/' \
+        /tmp/demo_cuda.yaml >/tmp/demo_heal.yaml
+    step cuda_heal 90 "$A" bash -c "
+        PYTHONPATH=/tmp/heal_site:\$PYTHONPATH $PY -m credit_parallel.cli train --config /tmp/demo_heal.yaml \
+            --device cuda --nproc 1 --max-restarts 1 --output /tmp/demo_heal"
     step compile_gpu "${COMPILE_LIMIT:-185}" "$A" $PY benchmarks/compile_gpu.py --device cuda --models "${COMPILE_MODELS:-crossformer,unet}"
 }
 

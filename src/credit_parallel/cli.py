@@ -97,12 +97,15 @@ def _sample_data_command(conf: dict) -> str:
     return " ".join(cmd)
 
 
-def _run_worker(module: str, nproc: int, worker_args: list[str], conf: dict) -> int:
+def _run_worker(
+    module: str, nproc: int, worker_args: list[str], conf: dict, max_restarts: int = 0
+) -> int:
     from .layout.config import ParallelDims
     from .layout.launch import under_launcher
     from .tools.launcher import launch_local
 
-    if under_launcher() or ParallelDims.from_conf(conf, nproc).is_trivial:
+    trivial = ParallelDims.from_conf(conf, nproc).is_trivial and not max_restarts
+    if under_launcher() or trivial:
         if under_launcher():
             from .tools.forensics import run_worker
 
@@ -110,7 +113,45 @@ def _run_worker(module: str, nproc: int, worker_args: list[str], conf: dict) -> 
             return run_worker(module, worker_args)
         mod = __import__(module, fromlist=["main"])
         return int(mod.main(worker_args) or 0)
-    return launch_local(nproc, module, worker_args)
+    return launch_local(nproc, module, worker_args, max_restarts=max_restarts)
+
+
+def _max_restarts(args) -> int:
+    """``--max-restarts N``: torchrun's elastic agent restarts every local rank after a failure,
+    up to N times.  Under an outer launcher (torchrun, SLURM) restarting is that launcher's job
+    (torchrun --max-restarts, a requeue); the flag then only means resuming automatically."""
+    n = getattr(args, "max_restarts", 0) or 0
+    from .layout.launch import under_launcher
+
+    if n and under_launcher() and os.environ.get("RANK") == "0":
+        print(
+            f"credit-parallel {args.command}: --max-restarts {n}: this job's launcher starts "
+            "the ranks, restarts are its own (torchrun --max-restarts, a requeue); resuming "
+            "automatically",
+            file=sys.stderr,
+        )
+    return n
+
+
+def _restarts(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def _add_restart_argument(p: argparse.ArgumentParser, resumes: str) -> None:
+    p.add_argument(
+        "--max-restarts",
+        type=_restarts,
+        default=0,
+        metavar="N",
+        help="when a rank dies, restart every rank up to N times (torchrun's elastic agent); "
+        f"the restarted ranks {resumes}",
+    )
 
 
 def _cmd_train(args) -> int:
@@ -139,11 +180,18 @@ def _cmd_train(args) -> int:
     extra = ["--config", args.config, "--output", args.output]
     if args.steps is not None:
         extra += ["--steps", str(args.steps)]
-    if args.resume is not None:
-        if not os.path.isdir(args.resume):
-            raise CLIError(f"--resume {args.resume!r} is not a checkpoint directory")
-        extra += ["--resume", os.path.abspath(args.resume)]
-    return _run_worker("credit_parallel.train.main", n, extra, conf)
+    restarts = _max_restarts(args)
+    resume = args.resume if args.resume is not None or not restarts else "auto"
+    if resume == "auto":  # the newest complete checkpoint in the run's save_dir, if any
+        extra += ["--resume", "auto"]
+    elif resume is not None:
+        if not os.path.isdir(resume):
+            raise CLIError(
+                f"--resume {resume!r} is not a checkpoint directory (--resume auto: the newest "
+                "checkpoint of this run, or a fresh start)"
+            )
+        extra += ["--resume", os.path.abspath(resume)]
+    return _run_worker("credit_parallel.train.main", n, extra, conf, restarts)
 
 
 def _cmd_forecast(args) -> int:
@@ -190,7 +238,8 @@ def _cmd_forecast(args) -> int:
         if getattr(args, flag):
             extra += [f"--{flag}", getattr(args, flag)]
     extra += [f"--{flag}" for flag in ("resume", "overwrite") if getattr(args, flag)]
-    return _run_worker("credit_parallel.forecast.command", n, extra, conf)
+    restarts = _max_restarts(args)
+    return _run_worker("credit_parallel.forecast.command", n, extra, conf, restarts)
 
 
 def _cmd_verify(args) -> int:
@@ -308,10 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         default=None,
-        metavar="PATH",
+        metavar="PATH|auto",
         help="continue from this checkpoint (a step_* directory, or a directory of them; "
-        "written under any layout) into --output",
+        "written under any layout) into --output; auto: from this run's newest complete "
+        "checkpoint (trainer.save_dir), or a fresh start when there is none",
     )
+    _add_restart_argument(p, "continue from the newest complete checkpoint (implies --resume auto)")
     _add_device_argument(p)
     p.set_defaults(func=_cmd_train)
 
@@ -324,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc", type=int, default=None, help="local ranks to start (default tensor*domain)"
     )
+    _add_restart_argument(p, "continue the store as --resume does")
     _add_device_argument(p)
     p.set_defaults(func=_cmd_forecast)
 

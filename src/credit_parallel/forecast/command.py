@@ -530,6 +530,18 @@ def apply_overrides(conf: dict, args) -> dict:
     return conf
 
 
+def _resume_after_restart(args) -> None:
+    """A worker group restarted by torchrun (``--max-restarts``) continues the store its first
+    start began: ``--resume`` (complete initial times kept), never ``--overwrite``."""
+    from ..layout.launch import elastic_restart_count
+
+    restarts = elastic_restart_count()
+    if restarts:
+        args.resume, args.overwrite = True, False
+        if os.environ.get("RANK", "0") == "0":
+            print(f"elastic restart {restarts}: continuing the store (--resume)", flush=True)
+
+
 def main(argv=None) -> int:
     from ..layout.config import load_config
     from ..layout.launch import init_distributed_from_env, under_launcher
@@ -538,6 +550,7 @@ def main(argv=None) -> int:
     build_arguments(ap)
     args = ap.parse_args(argv)
     args.progress = True
+    _resume_after_restart(args)
     conf = apply_overrides(load_config(args.config), args)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if under_launcher():

@@ -22,6 +22,8 @@ from .device import backend_for, choose_device, requested_device, set_local_cuda
 
 __all__ = [
     "DEFAULT_RENDEZVOUS_TIMEOUT_S",
+    "RESTART_COUNT_ENV",
+    "elastic_restart_count",
     "group_timeout",
     "init_distributed_from_env",
     "set_subgroup_timeout",
@@ -34,6 +36,19 @@ DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
 
 def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+# torchrun's elastic agent numbers the starts of its worker group: 0 first, 1.. after restarts
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def elastic_restart_count() -> int:
+    """How many times torchrun's agent (``--max-restarts``) has restarted this rank's worker
+    group: 0 on the first start and outside torchrun."""
+    try:
+        return max(0, int(os.environ.get(RESTART_COUNT_ENV, "0")))
+    except ValueError:
+        return 0
 
 
 def init_distributed_from_env(

@@ -71,6 +71,15 @@ def _flag(section: str, key: str) -> Callable[[Any], bool]:
     return parse
 
 
+def _flag_or_auto(section: str, key: str) -> Callable[[Any], bool | str]:
+    def parse(value):
+        if isinstance(value, bool) or value == "auto":
+            return value
+        raise ValueError(f"{section}.{key} must be true, false or 'auto', got {value!r}")
+
+    return parse
+
+
 def _choice(section: str, key: str, choices: tuple[str, ...]) -> Callable[[Any], str]:
     def parse(value):
         if value not in choices:
@@ -235,7 +244,8 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "compile": (False, _flag("trainer", "compile")),
     "dist_timeout_s": (DEFAULT_DIST_TIMEOUT_S, _seconds),
     "save_dir": (None, _optional_path("trainer", "save_dir")),
-    "resume": (False, _flag("trainer", "resume")),
+    # true: the newest checkpoint in save_dir; auto: the same, or a fresh start (train/resume.py)
+    "resume": (False, _flag_or_auto("trainer", "resume")),
     "log_every": (1, _number("trainer", "log_every", int, 1)),
     # modules domain parallelism cannot shard: refuse them, or run them on the gathered globe
     "domain_nonlocal_policy": (
@@ -410,7 +420,7 @@ class TrainerConfig:
     compile: bool = False
     dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
     save_dir: str | None = None
-    resume: bool = False
+    resume: bool | str = False
     log_every: int = 1
     domain_nonlocal_policy: str = "raise"
     domain_halo_chains: bool | str | int = False

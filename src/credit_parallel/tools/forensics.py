@@ -82,15 +82,37 @@ def _write_report(report: dict) -> None:
         pass
 
 
+def _clear_earlier_report(rank: int) -> None:
+    """A worker restarted by torchrun (``--max-restarts``) removes its report of the earlier
+    start: the launcher's one line is about the last start."""
+    from ..layout.launch import elastic_restart_count
+
+    directory = os.environ.get(STATUS_DIR_ENV)
+    if directory and elastic_restart_count() > 0:
+        try:
+            os.remove(os.path.join(directory, f"rank{rank}.json"))
+        except OSError:
+            pass
+
+
 def _record_for_torchrun(exc: BaseException) -> None:
-    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+    """Write torchrun's error file whole or not at all: written beside it, then renamed.  The
+    agent stops a failing rank's peers with SIGTERM, which may land in the middle of this write,
+    and the agent cannot parse a half-written file (it fails instead of restarting the ranks)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
         return
+    partial = f"{path}.{os.getpid()}.tmp"
     try:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+        os.environ["TORCHELASTIC_ERROR_FILE"] = partial
         ErrorHandler().record_exception(exc)
+        os.replace(partial, path)
     except Exception:  # noqa: BLE001 - diagnostics must never mask the real error
         pass
+    finally:
+        os.environ["TORCHELASTIC_ERROR_FILE"] = path
 
 
 def _arm_stack_dump():
@@ -117,8 +139,9 @@ def run_worker(module, argv: list[str]) -> int:
     first); on an exception the process ends here (``os._exit(1)``) after the reports described
     in the module docstring.
     """
-    stack_file = _arm_stack_dump()
     rank = _rank()
+    _clear_earlier_report(rank)
+    stack_file = _arm_stack_dump()
     name = module if isinstance(module, str) else getattr(module, "__name__", "main")
     try:
         main = importlib.import_module(module).main if isinstance(module, str) else module

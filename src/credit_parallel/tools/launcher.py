@@ -15,23 +15,31 @@ import tempfile
 
 from .forensics import STATUS_DIR_ENV, _one_line, describe_failures, run_worker
 
-__all__ = ["launch_local"]
+__all__ = ["UNSHARED_STORE_ENV", "launch_local"]
+
+UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-def launch_local(nproc: int, module: str, args: list[str]) -> int:
+def launch_local(nproc: int, module: str, args: list[str], *, max_restarts: int = 0) -> int:
     """Run ``python -m module *args`` on ``nproc`` local ranks via torch.distributed.run.
 
+    ``max_restarts``: torchrun's ``--max-restarts``: when a rank fails, its elastic agent stops
+    every rank and starts them all again, up to this many times (the workers see
+    ``TORCHELASTIC_RESTART_COUNT`` and continue from their newest checkpoint).
     Returns 0 on success; otherwise prints ``credit-parallel: <who failed and how>`` on one line
-    (:func:`describe_failures`) and returns 1.
+    (:func:`describe_failures`, about the last start) and returns 1.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc must be an integer >= 1, got {nproc!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"--max-restarts must be an integer >= 0, got {max_restarts!r}")
     argv = [
         "--standalone",
         f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
         "--no-python",
         sys.executable,
         "-m",
@@ -41,6 +49,10 @@ def launch_local(nproc: int, module: str, args: list[str]) -> int:
     ]
     # OMP threads per rank: share this machine's cores between the ranks.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if max_restarts:
+        # restarted ranks must not share the agent's rendezvous store: there they read the
+        # addresses of the ranks they replace and gloo waits on a closed port (torch #135712)
+        os.environ.setdefault(UNSHARED_STORE_ENV, "1")
     status_dir = tempfile.mkdtemp(prefix="credit-parallel-ranks-")
     previous = os.environ.get(STATUS_DIR_ENV)
     os.environ[STATUS_DIR_ENV] = status_dir

@@ -4,7 +4,8 @@ CLI's own use of PyTorch's elastic launcher), or the whole job on one process.
 Rank 0 shows a progress bar (step, loss, samples/s, ETA) on a terminal and one plain line per
 logged step (``step N loss X grad_norm G lr L samples/s S``) when stdout is a file (batch
 jobs), writes ``metrics.csv`` and ``metrics.json`` and, at the end, ``loss_curve.png`` into the
-output directory.  ``--resume PATH`` continues from a checkpoint written under any layout.  Checkpoints go to
+output directory.  ``--resume PATH`` continues from a checkpoint written under any layout,
+``--resume auto`` from the run's own newest complete checkpoint (:mod:`.resume`).  Checkpoints go to
 ``trainer.save_dir`` (default ``OUTPUT/checkpoints``) every ``trainer.checkpoint_every`` steps
 and, unless ``trainer.final_checkpoint: false``, after the last step (what ``credit-parallel
 forecast --checkpoint`` starts from).
@@ -109,16 +110,12 @@ class _Progress(RankZeroReport):
             self.line(_log_line(record))
 
 
-def _resume(trainer, save_dir: Path, resume: str | None) -> str | None:
-    """``--resume PATH`` (any layout, any run directory) or ``trainer.resume`` (latest in
-    ``save_dir``); the line to report, or None when nothing was loaded."""
-    if resume is not None:
-        manifest, where = trainer.resume_from(resume), resume
-    elif trainer.tc.resume:
-        manifest, where = trainer.resume_latest(save_dir), save_dir
-    else:
-        return None
-    return None if manifest is None else f"resumed from step {manifest['step']} ({where})"
+def _resume(trainer, save_dir: Path, resume: str | None) -> list[str]:
+    """``--resume PATH`` / ``auto`` or ``trainer.resume`` (:mod:`.resume`); the lines to report."""
+    from ..layout.launch import elastic_restart_count
+    from .resume import resume_run
+
+    return resume_run(trainer, save_dir, resume, restarts=elastic_restart_count())
 
 
 def run_training(
@@ -127,7 +124,8 @@ def run_training(
     """Train ``conf`` to ``trainer.steps``; metrics, plot and checkpoints go to ``out_dir``.
 
     ``resume``: a checkpoint (a ``step_*`` directory or a directory of them) written under any
-    layout; training continues from it into ``out_dir``.  ``stream``: where rank 0 reports
+    layout, or ``"auto"`` (the newest complete one in the run's save_dir, else a fresh start);
+    training continues from it into ``out_dir``.  ``stream``: where rank 0 reports
     (default stdout): a bar when it is a terminal, plain lines otherwise.
     """
     from .trainer import Trainer
@@ -139,8 +137,8 @@ def run_training(
     save_dir = Path(tc.save_dir or out_dir / "checkpoints")
     resumed = _resume(trainer, save_dir, resume)
     report = _Progress(stream, tc.steps, trainer.step, tc.log_every, rank == 0 and progress)
-    if resumed is not None:
-        report.write(resumed)
+    for line in resumed:
+        report.write(line)
     validation = []
     samples_per_step = tc.batch_size * tc.grad_accum * trainer.dp_size
     t0, s0 = time.perf_counter(), trainer.step
@@ -186,7 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--output", default="outputs/train")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--resume", default=None, help="checkpoint directory to continue from")
+    ap.add_argument("--resume", default=None, help="checkpoint directory to continue from, or auto")
     args = ap.parse_args(argv)
     conf = load_config(args.config)
     if args.steps is not None:

@@ -402,9 +402,10 @@ class Trainer:
         self._start_loader()  # the data stream continues at the loaded step
         return manifest
 
-    def resume_latest(self, directory, *, fallback: bool = True) -> dict | None:
+    def resume_latest(self, directory, *, fallback: bool = True, on_skip=None) -> dict | None:
         """Load the newest complete checkpoint under ``directory``; with ``fallback``, an
-        unreadable one is reported and the previous one tried."""
+        unreadable one is reported and the previous one tried (``on_skip(path, error)`` is told
+        of each one skipped so)."""
         found = list_checkpoints(directory)
         errors = []
         for path in reversed(found):
@@ -414,6 +415,8 @@ class Trainer:
                 errors.append(str(exc))
                 if not fallback:
                     raise
+                if on_skip is not None:
+                    on_skip(path, exc)
         if errors:
             raise CheckpointError("no loadable checkpoint:\n" + "\n".join(errors))
         return None
