@@ -7,8 +7,8 @@ Instead the chunks are whole row blocks of :func:`chunk_length` rows, each writt
 the rank holding its first row (its owner).  A chunk straddling two ranks gets its rows held by
 the next rank through a small exchange before the write, as a halo: every rank sends the head of
 its rows (up to its first chunk boundary) to the owner of the chunk they fall in, and appends
-what it receives to the rows it owns.  No chunk has one row (the last one has at least 2 rows and
-half a chunk), no chunk has two writers, and no write reads a chunk back.
+what it receives to the rows it owns.  No chunk has one row, no chunk has two writers, and no
+write reads a chunk back.
 
 On a latitude x longitude domain (SPEC §3b) the same is done per axis: the columns first (along
 each row of tiles), then the rows (along each column of tiles, with the columns each rank now
@@ -34,26 +34,28 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def chunk_length(length: int, parts: int, max_rows: int | None = None) -> int:
-    """Rows (or columns) per chunk for ``length`` rows split over ``parts`` ranks.
+    """Rows (or columns) per chunk for ``length`` rows split over ``parts`` balanced ranks.
 
     About one chunk per rank (``ceil(length / parts)``), or each rank's share split evenly into
-    chunks of at most ``max_rows`` rows; then grown until the last chunk is whole or has at
-    least 2 rows and half a chunk (``length`` 7 over 3: 4 + 3, not 3 + 3 + 1).  At least 2 rows
-    per chunk (``length`` >= 2)."""
+    chunks of at most ``max_rows`` rows; if that leaves a last chunk of one row, the next
+    shorter chunk that does not (every rank then holds a whole chunk's rows or more, so a chunk
+    straddles at most two ranks: the exchange is between neighbours), else (tiny grids) the next
+    longer one (``length`` 7 over 3: 4 + 3, not 3 + 3 + 1).  At least 2 rows per chunk
+    (``length`` >= 2)."""
     if length < 1 or parts < 1:
         raise ValueError(f"chunk_length: length and parts must be >= 1, got {length}, {parts}")
     if max_rows is not None and max_rows < 1:
         raise ValueError(f"chunk_length: max_rows must be >= 1, got {max_rows}")
+    if length == 1:
+        return 1
     size = _ceil_div(length, parts)
     if max_rows is not None and max_rows < size:
         size = _ceil_div(size, _ceil_div(size, max_rows))
-    size = max(size, min(2, length))
-    while size < length:
-        rest = length % size
-        if rest == 0 or (rest >= 2 and 2 * rest >= size):
-            break
-        size += 1
-    return size
+    size = max(size, 2)
+    for candidate in (*range(size, 1, -1), *range(size + 1, length + 1)):
+        if length % candidate != 1:
+            return candidate
+    return length  # not reached: length % length == 0
 
 
 @dataclass(frozen=True)
