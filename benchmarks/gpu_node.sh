@@ -49,6 +49,12 @@ track_a() {
             --steps 8 --members 2 --output /tmp/demo_cuda/forecast --overwrite &&
         cat /tmp/demo_cuda/forecast/scores.csv | head -20"
     step compile_gpu "${COMPILE_LIMIT:-185}" "$A" $PY benchmarks/compile_gpu.py --device cuda --models "${COMPILE_MODELS:-crossformer,unet}"
+    # issue 32 (forecast writes off the critical path): 71 channels at 721 x 1440 on the GPU;
+    # confirm "write share" < 5 % and read the writer's MB/s (pinned copy on a side stream, then
+    # tensorstore); the store is written first (about 2 GB for 6 times)
+    step forecast_write_gpu "${FCW_LIMIT:-300}" "$A" $PY benchmarks/forecast.py --device cuda \
+        --channels 71 --domains 1 --steps 4 --inits 2 --times 6 \
+        --store /tmp/fcw/era5_71ch.zarr --out /tmp/fcw/runs
 }
 
 track_b() {
