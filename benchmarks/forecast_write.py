@@ -101,12 +101,14 @@ def _run(args, fields, slices, variables, coords, codec: str, rows: int) -> dict
     writer.close()
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     raw = writer.bytes
+    names = {v.name for v in variables}  # the data chunks (not the coordinates, not `complete`)
     files = [
         p
         for p in path.rglob("*")
-        if p.is_file() and p.relative_to(path).parts[1:2] == ("c",) and "complete" not in p.parts
+        if p.is_file() and p.relative_to(path).parts[:2] in {(n, "c") for n in names}
     ]
     disk = sum(p.stat().st_size for p in files)
+    shutil.rmtree(path)  # 0.3 GB a step: one configuration on disk at a time
     return {
         "codec": codec,
         "rows": rows,

@@ -49,6 +49,6 @@ def test_main_refuses_before_writing_or_launching_anything(store, tmp_path):
     with pytest.raises(SystemExit, match="times 6 \\(asked 8\\)"):
         bench.main([*argv, "--grid", "9", "8", "--steps", "2", "--inits", "1"])
     assert not (tmp_path / "runs").exists()
-    args = bench.parse_args(["--channels", "71", "--times", "4", "--steps", "2", "--inits", "1"])
+    args = bench.parse_args(["--channels", "71", "--times", "2", "--steps", "6", "--inits", "1"])
     assert len(args.levels) == 17 and args.store.endswith("era5_71ch.zarr")
     assert bench._config(args, 1)["model"]["out_channels"] == 71
