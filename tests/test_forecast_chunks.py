@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from credit_parallel.domain.rows import shard_range
-from credit_parallel.forecast.chunks import axis_plan, chunk_length, exchange
+from credit_parallel.forecast.chunks import axis_plan, chunk_length, exchange, row_chunk_length
 from credit_parallel.testing import run_on_ranks
 
 __all__: list[str] = []
@@ -74,6 +74,8 @@ def test_the_0_25_degree_grid_and_the_issue_s_split():
     assert [p.send for p in plan] == [None, None, (1, (361, 362)), (2, (541, 543))]
     assert chunk_length(721, 1) == 721 and chunk_length(1440, 8) == 180
     assert chunk_length(7, 3) == 4  # 4 + 3, not 3 + 3 + 1
+    # the store's row chunk: one per rank, at most a quarter globe
+    assert [row_chunk_length(721, p) for p in (1, 2, 4, 8, 16)] == [181, 181, 181, 91, 46]
     assert chunk_length(721, 1, max_rows=100) == 91  # 721 rows in 8 chunks (the last 84)
     assert chunk_length(17, 4) == 5 and chunk_length(10, 3) == 4  # 5+5+5+2, 4+4+2
 

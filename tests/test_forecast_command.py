@@ -19,7 +19,7 @@ import zarr
 
 from credit_parallel import cli
 from credit_parallel.data import write_sample_dataset
-from credit_parallel.forecast.chunks import chunk_length
+from credit_parallel.forecast.chunks import row_chunk_length
 from credit_parallel.forecast.command import FAIL_ENV, build_arguments, run_forecast
 from credit_parallel.models import build_model
 from credit_parallel.testing import RankFailure, fake_process_group, run_on_ranks
@@ -172,10 +172,11 @@ def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup, parallelism
         for chunk in result["written_chunks"]:
             owners.setdefault(tuple(chunk), set()).add(rank)
     assert all(len(ranks) == 1 for ranks in owners.values())
-    # one chunk per rank: 9 / 8 rows in chunks of 9 rows; on 2 x 2 tiles, 8 columns per chunk
-    per_variable = len(INITS) * STEPS * 2 * q
-    assert chunk_length(H, 2) == 9
-    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-2:] == (9, W // q)
+    # 9 / 8 rows in chunks of 5 (a quarter globe at most: 5 + 5 + 5 + 2, row 9 goes to rank 0);
+    # on 2 x 2 tiles, 8 columns per chunk
+    per_variable = len(INITS) * STEPS * 4 * q
+    assert row_chunk_length(H, 2) == 5
+    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-2:] == (5, W // q)
     assert sum(1 for name, _ in owners if name == "T") == per_variable
     # scores: every rank of every layout has the same rows, equal to the one-process scores
     one = setup["one_result"]["scores"]
@@ -398,7 +399,7 @@ def test_members_on_1x3_tiles_uneven_columns_equal_one_process(setup, tmp_path):
     results = run_on_ranks(_worker, 3, _conf(setup["store"], parallelism=tiles), args, timeout=300)
     _assert_same_store(one / "forecast.zarr", out / "forecast.zarr")
     # 6 / 5 / 5 columns in chunks of 6 (6 + 6 + 4): column 11 of rank 2 goes to rank 1
-    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-2:] == (H, 6)
+    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-2:] == (5, 6)
     columns: dict = {}  # rank -> the longitude chunks it wrote
     for rank, result in enumerate(results):
         for _, chunk in result["written_chunks"]:

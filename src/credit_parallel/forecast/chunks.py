@@ -26,7 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AxisPart", "axis_plan", "chunk_length", "exchange"]
+__all__ = ["ROW_CHUNKS", "AxisPart", "axis_plan", "chunk_length", "exchange", "row_chunk_length"]
+
+# at least this many row chunks over the globe (docs/forecast.md "Writing": tensorstore encodes
+# the chunks of a step in parallel; a quarter globe of 17 levels at 0.25 degrees is 18 MB)
+ROW_CHUNKS = 4
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -56,6 +60,11 @@ def chunk_length(length: int, parts: int, max_rows: int | None = None) -> int:
         if length % candidate != 1:
             return candidate
     return length  # not reached: length % length == 0
+
+
+def row_chunk_length(height: int, parts: int) -> int:
+    """The store's latitude chunk: one per rank, at most ``1 / ROW_CHUNKS`` of the globe."""
+    return chunk_length(height, parts, max_rows=_ceil_div(height, ROW_CHUNKS))
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,7 @@ class _Run:
 
     # ---------------------------------------------------------------- the store
     def open_store(self):
-        from .chunks import chunk_length
+        from .chunks import chunk_length, row_chunk_length
         from .store import ForecastStore, config_attrs, remove_store
 
         args, ds = self.args, self.dataset
@@ -187,7 +187,7 @@ class _Run:
                 longitude=ds.longitude,
                 levels=ds.levels if ds.upper_air_variables else (),
                 members=args.members,
-                row_chunk=chunk_length(height, p),
+                row_chunk=row_chunk_length(height, p),
                 column_chunk=chunk_length(width, q) if q > 1 else None,
                 attrs=config_attrs(
                     self.conf,

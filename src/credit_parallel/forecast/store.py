@@ -13,8 +13,8 @@ Chunks: one initial time, member and lead per chunk, all levels, and whole block
 ``row_chunk`` latitude rows (and ``column_chunk`` longitudes on a lat x lon domain, SPEC §3b),
 each written by ONE rank, the chunk's owner (:mod:`.chunks`: about one chunk per rank, never a
 one-row chunk; the rows of a chunk straddling two ranks reach its owner by a neighbour exchange
-before the write), so the writes need no lock and no read-modify-write.  Compression: zstd
-level 1 (``DEFAULT_COMPRESSION``; docs/forecast.md has the measurement behind it).
+before the write), so the writes need no lock and no read-modify-write.  Compression: blosc
+lz4 with byte shuffle (``DEFAULT_COMPRESSION``; docs/forecast.md has the measurement).
 
 Rank 0 creates the store (metadata only, consolidated: every data chunk is the NaN fill value
 until written, so no rank holds more than its rows of a field), then every rank writes its
@@ -48,8 +48,9 @@ __all__ = [
 
 STORE_NAME = "forecast.zarr"
 COMPLETE = "complete"
-# zstd level 1: docs/forecast.md "Writing" (throughput and size per codec, measured)
-DEFAULT_COMPRESSION = ("zstd", 1)
+# blosc lz4 (level 5, byte shuffle): docs/forecast.md "Writing" (CPU time and size per codec,
+# measured: the least CPU per GB and the smallest chunks of zstd 1, zstd 3, lz4 and none)
+DEFAULT_COMPRESSION = ("lz4", 5)
 
 _CF_NAMES = {  # ERA5 short names -> (standard_name, long_name)
     "Z": ("geopotential", "geopotential"),
