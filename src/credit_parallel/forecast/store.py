@@ -211,13 +211,18 @@ class ForecastStore:
     ) -> None:
         """Write ``values`` (``[levels,] rows, columns``) at ``index`` (init position, [member,]
         lead) into rows ``rows`` (and longitudes ``columns``; None: from 0) of ``name``."""
+        region = self._written(name, index, rows, values, columns)
         array = self._group()[name]
-        region = (*(slice(i, i + 1) for i in index), *(slice(0, n) for n in values.shape[:-2]))
-        columns = columns if columns is not None else (0, values.shape[-1])
-        region = (*region, slice(*rows), slice(*columns))
         array[region] = values.reshape(tuple(s.stop - s.start for s in region))
-        for chunk in chunk_indices(region, array.chunks):
+
+    def _written(self, name, index, rows, values, columns) -> tuple:
+        """The region (slices) a write of ``values`` covers; its chunks noted as written."""
+        columns = columns if columns is not None else (0, values.shape[-1])
+        region = (*(slice(i, i + 1) for i in index), *(slice(0, n) for n in values.shape[:-2]))
+        region = (*region, slice(*rows), slice(*columns))
+        for chunk in chunk_indices(region, self.chunk_shape(name)):
             self.written_chunks.add((name, chunk))
+        return region
 
     def _array(self, name: str):
         """The tensorstore handle of variable ``name`` (opened once per process; tensorstore's
@@ -251,14 +256,10 @@ class ForecastStore:
         (which would abort there: ``data/chunk_reader.py``), through zarr on a thread."""
         from ..data.chunk_reader import tensorstore_usable
 
-        columns = columns if columns is not None else (0, values.shape[-1])
-        region = (*(slice(i, i + 1) for i in index), *(slice(0, n) for n in values.shape[:-2]))
-        region = (*region, slice(*rows), slice(*columns))
-        for chunk in chunk_indices(region, self.chunk_shape(name)):
-            self.written_chunks.add((name, chunk))
         if not tensorstore_usable():
             return _zarr_pool().submit(self.write, name, index, rows, values, columns)
-        target = self._array(name)[(*map(int, index), ..., slice(*rows), slice(*columns))]
+        region = self._written(name, index, rows, values, columns)
+        target = self._array(name)[(*map(int, index), ..., *region[-2:])]
         return target.write(values).commit
 
     def chunk_shape(self, name: str) -> tuple:
