@@ -438,6 +438,15 @@ def test_progress_plain_lines_in_batch_jobs_and_a_bar_on_a_terminal(setup, tmp_p
     line = rf"forecast init 2020-01-02T00:00 step (\d)/2 steps/s {number} writer_lag \d+ steps "
     line += rf"{number} s"
     assert [m.group(1) for m in re.finditer(line, stream.getvalue())] == ["1", "2"]
+    lines = stream.getvalue().splitlines()
+    # the first line: the writer's steps in flight, their host memory and the chunks; the last:
+    # the write share of the loop and the writer's throughput
+    assert re.fullmatch(
+        r"forecast writer: 2 steps in flight, host buffers 2 x [\d.]+ MB \+ tensorstore's copies: "
+        r"<= [\d.]+ MB per rank; chunks 5 rows x 16 columns, one writer each",
+        lines[0],
+    ), lines[0]
+    assert re.search(r"writes on the critical path [\d.]+% \(writer \d+ MB/s\)", lines[-1])
     args = _args(setup["conf"], setup["ckpt"], tmp_path / "bar", inits=INITS[:1], steps=2)
     args.progress = True
     terminal = _Terminal()
