@@ -190,6 +190,7 @@ def test_the_rollout_blocks_only_when_in_flight_steps_are_not_committed():
     thread.start()
     time.sleep(0.3)
     assert not done.is_set() and writer.lag == 2 and writer.behind_s >= 0.3
+    _until(lambda: len(store.futures) == 4)  # steps 0 and 1 handed to the store, T and SP each
     store.futures[0].set_result(None)  # step 0 half written: still in flight
     time.sleep(0.1)
     assert not done.is_set()
@@ -198,6 +199,7 @@ def test_the_rollout_blocks_only_when_in_flight_steps_are_not_committed():
     thread.join()
     assert writer.blocked_s >= 0.3
     ticket = writer.fence()
+    _until(lambda: len(store.futures) == 6)
     for future in store.futures[2:]:
         future.set_result(None)
     writer.wait(ticket)
