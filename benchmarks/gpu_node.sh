@@ -65,6 +65,12 @@ track_a() {
         PYTHONPATH=/tmp/heal_site:\$PYTHONPATH $PY -m credit_parallel.cli train --config /tmp/demo_heal.yaml \
             --device cuda --nproc 1 --max-restarts 1 --output /tmp/demo_heal"
     step compile_gpu "${COMPILE_LIMIT:-185}" "$A" $PY benchmarks/compile_gpu.py --device cuda --models "${COMPILE_MODELS:-crossformer,unet}"
+    # issue 32 (forecast writes off the critical path): 71 channels at 721 x 1440 on the GPU;
+    # confirm "write share" < 5 % and read the writer's MB/s (pinned copy on a side stream, then
+    # tensorstore); the store is written first (3 times, about 1 GB)
+    step forecast_write_gpu "${FCW_LIMIT:-300}" "$A" $PY benchmarks/forecast.py --device cuda \
+        --channels 71 --domains 1 --steps 6 --inits 2 --times 3 \
+        --store /tmp/fcw/era5_71ch.zarr --out /tmp/fcw/runs
 }
 
 track_b() {

@@ -19,8 +19,8 @@ import zarr
 
 from credit_parallel import cli
 from credit_parallel.data import write_sample_dataset
+from credit_parallel.forecast.chunks import row_chunk_length
 from credit_parallel.forecast.command import FAIL_ENV, build_arguments, run_forecast
-from credit_parallel.forecast.store import row_chunk_for
 from credit_parallel.models import build_model
 from credit_parallel.testing import RankFailure, fake_process_group, run_on_ranks
 from credit_parallel.train.checkpoint import save_checkpoint
@@ -172,10 +172,11 @@ def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup, parallelism
         for chunk in result["written_chunks"]:
             owners.setdefault(tuple(chunk), set()).add(rank)
     assert all(len(ranks) == 1 for ranks in owners.values())
-    # row chunks of 1 row: 9 / 8 rows share no divisor; on 2 x 2 tiles, 8 columns per chunk
-    per_variable = len(INITS) * STEPS * H * q
-    assert row_chunk_for([(0, 9), (9, 17)]) == 1
-    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-1] == W // q
+    # 9 / 8 rows in chunks of 5 (a quarter globe at most: 5 + 5 + 5 + 2, row 9 goes to rank 0);
+    # on 2 x 2 tiles, 8 columns per chunk
+    per_variable = len(INITS) * STEPS * 4 * q
+    assert row_chunk_length(H, 2) == 5
+    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-2:] == (5, W // q)
     assert sum(1 for name, _ in owners if name == "T") == per_variable
     # scores: every rank of every layout has the same rows, equal to the one-process scores
     one = setup["one_result"]["scores"]
@@ -189,6 +190,32 @@ def test_store_at_4_ranks_equals_1_rank_and_opens_with_xarray(setup, parallelism
             )
             assert abs(a["rmse"] - b["rmse"]) <= 1e-5 * b["rmse"]
             assert abs(a["acc"] - b["acc"]) <= 1e-5
+
+
+def test_uneven_rows_straddling_chunks_go_to_their_one_owner(setup):
+    """17 rows over 4 ranks (5/4/4/4) in chunks of 5 (5 + 5 + 5 + 2): row 9 of rank 2 and rows
+    13, 14 of rank 3 are written by the rank owning their chunk (a neighbour exchange)."""
+    conf = _conf(setup["store"], parallelism={"data": "none", "tensor": 1, "domain": 4})
+    out = setup["root"] / "straddle"
+    args = _args(setup["conf"], setup["ckpt"], out, inits=INITS[:1], steps=2)
+    results = run_on_ranks(_worker, 4, conf, args, timeout=300)
+    group = zarr.open_group(out / "forecast.zarr", mode="r")
+    assert group["T"].chunks[-2:] == (5, W) and group["SP"].chunks[-2:] == (5, W)
+    rows = {r: {c[-2] for _, c in result["written_chunks"]} for r, result in enumerate(results)}
+    assert rows == {0: {0}, 1: {1}, 2: {2}, 3: {3}}
+    one = xr.open_zarr(setup["one"] / "forecast.zarr").isel(init_time=[0], lead_time=[0, 1])
+    four = xr.open_zarr(out / "forecast.zarr")
+    for name in ("T", "U", "t2m", "SP"):
+        x, y = one[name].values, four[name].values
+        assert not np.isnan(y).any(), name
+        assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max(), name
+    # the files on disk: one per chunk, none for a row of its own
+    files = sorted(
+        p.relative_to(out / "forecast.zarr" / "T")
+        for p in (out / "forecast.zarr" / "T" / "c").rglob("*")
+        if p.is_file()
+    )
+    assert len(files) == 2 * 4, files  # 2 leads x 4 row chunks
 
 
 def test_resume_after_a_killed_rank_finishes_the_store(setup):
@@ -371,12 +398,13 @@ def test_members_on_1x3_tiles_uneven_columns_equal_one_process(setup, tmp_path):
     args = _args(setup["conf"], setup["ckpt"], out, "--members", "2", inits=inits, steps=2)
     results = run_on_ranks(_worker, 3, _conf(setup["store"], parallelism=tiles), args, timeout=300)
     _assert_same_store(one / "forecast.zarr", out / "forecast.zarr")
-    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-2:] == (H, 1)
+    # 6 / 5 / 5 columns in chunks of 6 (6 + 6 + 4): column 11 of rank 2 goes to rank 1
+    assert zarr.open_group(out / "forecast.zarr", mode="r")["T"].chunks[-2:] == (5, 6)
     columns: dict = {}  # rank -> the longitude chunks it wrote
     for rank, result in enumerate(results):
         for _, chunk in result["written_chunks"]:
             columns.setdefault(rank, set()).add(chunk[-1])
-    assert columns == {0: set(range(6)), 1: set(range(6, 11)), 2: set(range(11, 16))}
+    assert columns == {0: {0}, 1: {1}, 2: {2}}
     # --resume of the complete store: every initial time scored from the tiles the store holds
     args = _args(
         setup["conf"], setup["ckpt"], out, "--members", "2", "--resume", inits=inits, steps=2
@@ -406,8 +434,19 @@ def test_progress_plain_lines_in_batch_jobs_and_a_bar_on_a_terminal(setup, tmp_p
     args.progress = True
     stream = io.StringIO()
     run_forecast(_conf(setup["store"]), args, stream=stream)
-    line = r"forecast init 2020-01-02T00:00 step (\d)/2 steps/s [\d.e+-]+ writer_lag \d+"
+    number = r"[\d.e+-]+"
+    line = rf"forecast init 2020-01-02T00:00 step (\d)/2 steps/s {number} writer_lag \d+ steps "
+    line += rf"{number} s"
     assert [m.group(1) for m in re.finditer(line, stream.getvalue())] == ["1", "2"]
+    lines = stream.getvalue().splitlines()
+    # the first line: the writer's steps in flight, their host memory and the chunks; the last:
+    # the write share of the loop and the writer's throughput
+    assert re.fullmatch(
+        r"forecast writer: 2 steps in flight, host buffers 2 x [\d.]+ MB \+ tensorstore's copies: "
+        r"<= [\d.]+ MB per rank; chunks 5 rows x 16 columns, one writer each",
+        lines[0],
+    ), lines[0]
+    assert re.search(r"writes on the critical path [\d.]+% \(writer \d+ MB/s\)", lines[-1])
     args = _args(setup["conf"], setup["ckpt"], tmp_path / "bar", inits=INITS[:1], steps=2)
     args.progress = True
     terminal = _Terminal()

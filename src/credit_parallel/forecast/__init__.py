@@ -3,7 +3,9 @@
 - ``rollout``: ``rollout`` (a generator of each forecast step's local rows, the prediction fed
   back without gathering the globe, dynamic forcing per step, 4-D and 5-D models);
 - ``store``: ``ForecastStore`` (ONE zarr store ``DIR/forecast.zarr`` written by rows from every
-  rank, a background writer thread per rank, completion marks for ``--resume``);
+  rank, completion marks for ``--resume``); ``chunks``: which rank writes which chunk;
+  ``writer``: ``StepWriter`` (each step's copy to the host and its chunk writes off the critical
+  path);
 - ``metrics``: the exact metrics (``weighted_rmse``, ``anomaly_correlation``, ``crps``,
   ``spread`` and their per-initial-time forms ``spatial_*``): local rows in, the GLOBAL value
   out, whatever the split of rows, initial times and members over ranks;
@@ -23,7 +25,7 @@ from ..lazy import lazy_exports
 _EXPORTS = {
     "rollout": "rollout",
     "ForecastStore": "store",
-    "BackgroundWriter": "store",
+    "StepWriter": "writer",
     "run_forecast": "command",
     "anomaly_correlation": "metrics",
     "crps": "metrics",

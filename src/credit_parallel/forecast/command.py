@@ -6,9 +6,11 @@ the model built and parallelised as in training (``trainer.parallelism``, or ``-
 with the checkpoint's weights (:mod:`.weights`), then the pending initial times spread over the
 data-parallel groups (group ``g`` takes the ``g``-th, ``g + dp``-th, ... one per round).  Each
 initial time rolls out on this rank's rows (:func:`.rollout.rollout`; the dynamic forcing of
-each lead read by rows), each step is denormalised to physical units and handed to the
-background writer (:class:`.store.BackgroundWriter`; only tensor-parallel rank 0 of each domain
-position writes: its tp peers hold the same rows) while the next step computes, and scored
+each lead read by rows), each step is denormalised to physical units, its rows moved to the
+ranks owning their chunks (:mod:`.chunks`, a neighbour exchange) and handed to the writer
+(:class:`.writer.StepWriter`: the device-to-host copy and the chunk writes leave the critical
+path; only tensor-parallel rank 0 of each domain position writes: its tp peers hold the same
+rows) while the next step computes, and scored
 against the dataset's truth where it has one (:class:`.scores.ScoreAccumulator`, exact global
 sums).  After each round every rank flushes its writer, all meet at a barrier, and rank 0 marks
 the round's initial times complete; a rank that dies leaves its peers waiting at most
@@ -22,7 +24,10 @@ each running its share of the members as the batch of one rollout, perturbed by
 :func:`.ensemble.perturb`; the CRPS and spread gather the members over the slot.
 
 Rank 0 reports progress: a tqdm bar on a terminal, else one plain line per step
-``forecast init T step k/N steps/s S writer_lag L``.
+``forecast init T step k/N steps/s S writer_lag L steps B s`` (the writer's steps in flight and
+the age of the oldest); its first line states the writer's steps in flight, the host memory
+they cost and the chunks, its last line the share of the loop spent waiting for writes and the
+writer's throughput.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ __all__ = ["main", "run_forecast"]
 
 # a test hook: "RANK:ROUND" makes that rank fail at the start of that round (0-based)
 FAIL_ENV = "CREDIT_PARALLEL_FORECAST_FAIL_AT"
+# steps handed to the writer before the rollout waits for it (docs/forecast.md "Writing")
+WRITES_IN_FLIGHT = 2
 
 
 def _world() -> tuple[int, int]:
@@ -171,15 +178,13 @@ class _Run:
 
     # ---------------------------------------------------------------- the store
     def open_store(self):
-        from ..domain.rows import shard_range
-        from .store import ForecastStore, config_attrs, remove_store, row_chunk_for
+        from .chunks import chunk_length, row_chunk_length
+        from .store import ForecastStore, config_attrs, remove_store
 
         args, ds = self.args, self.dataset
+        (height, width), (p, q) = ds.grid_shape, self.dims.domain_shape
         if self.rank == 0 and (args.overwrite or not self.store_path.exists()):
             remove_store(self.store_path)
-            (height, width), (p, q) = ds.grid_shape, self.dims.domain_shape
-            ranges = [shard_range(height, p, d) for d in range(p)]
-            columns = [shard_range(width, q, d) for d in range(q)]
             ForecastStore.create(
                 self.store_path,
                 variables=self.variables,
@@ -189,8 +194,8 @@ class _Run:
                 longitude=ds.longitude,
                 levels=ds.levels if ds.upper_air_variables else (),
                 members=args.members,
-                row_chunk=row_chunk_for(ranges),
-                column_chunk=row_chunk_for(columns) if q > 1 else None,
+                row_chunk=row_chunk_length(height, p),
+                column_chunk=chunk_length(width, q) if q > 1 else None,
                 attrs=config_attrs(
                     self.conf,
                     self.manifest.get("checkpoint", args.checkpoint),
@@ -200,6 +205,59 @@ class _Run:
             )
         _barrier()
         self.store = ForecastStore.open(self.store_path, args.members)
+        self._chunk_plan(*self.store.chunk_shape(self.variables[0].name)[-2:])
+
+    def _chunk_plan(self, row_chunk: int, column_chunk: int) -> None:
+        """This rank's parts of the chunk plan (:mod:`.chunks`) for the store's chunks (a
+        ``--resume`` under another layout keeps the store's): the rows and columns it writes,
+        and its exchange peers."""
+        from ..domain.rows import shard_range
+        from .chunks import axis_plan
+
+        (height, width), (p, q) = self.dataset.grid_shape, self.dims.domain_shape
+        lat, lon = divmod(self.coords["domain"], q)
+        rows = [shard_range(height, p, i) for i in range(p)]
+        self.row_part = axis_plan(height, rows, row_chunk)[lat]
+        self.column_part = None
+        if q > 1 or column_chunk < width:
+            columns = [shard_range(width, q, j) for j in range(q)]
+            self.column_part = axis_plan(width, columns, column_chunk)[lon]
+        ranks = {}
+        for r in range(self.dims.world_size):
+            c = self.dims.coords(r)
+            ranks[(c["dp"], c["tp"], c["domain"])] = r
+        dp, tp = self.coords["dp"], self.coords["tp"]
+        self.row_peer = lambda i: ranks[(dp, tp, i * q + lon)]
+        self.column_peer = lambda j: ranks[(dp, tp, lat * q + j)]
+
+    def owned_block(self, physical: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (columns) of a step -> the rows (columns) of the chunks it writes,
+        float32 on the device (every domain peer calls it: a neighbour exchange)."""
+        from .chunks import exchange
+
+        block = physical.to(torch.float32)
+        if self.column_part is not None:
+            block = exchange(block, self.column_part, -1, self.column_peer)
+        return exchange(block, self.row_part, -2, self.row_peer)
+
+    def writer_line(self) -> str:
+        """The first line: the writer's steps in flight, the host memory they cost, the chunks."""
+        from .writer import writer_memory_bytes
+
+        rows = self.row_part.owned
+        columns = self.column_part.owned if self.column_part is not None else (0, None)
+        width = self.dataset.grid_shape[1] if columns[1] is None else columns[1] - columns[0]
+        channels = self.dataset.channels_out_per_step
+        step = len(self.members) * channels * (rows[1] - rows[0]) * width * 4
+        memory = writer_memory_bytes(step, WRITES_IN_FLIGHT)
+        kind = "pinned" if self.device.type == "cuda" else "host"
+        chunk = self.store.chunk_shape(self.variables[0].name)[-2:]
+        return (
+            f"forecast writer: {WRITES_IN_FLIGHT} steps in flight, {kind} buffers "
+            f"{WRITES_IN_FLIGHT} x {step / 1e6:.1f} MB + tensorstore's copies: <= "
+            f"{memory / 1e6:.1f} MB per rank; chunks {chunk[0]} rows x {chunk[1]} columns, "
+            "one writer each"
+        )
 
     def scores(self):
         from .scores import ScoreAccumulator, climatology
@@ -272,13 +330,16 @@ class _Run:
             n_static=self.dataset.n_static,
             n_diagnostic=self.dataset.n_diagnostic,
         )
+        ids = list(self.members) if members > 1 else [None]
+        rows = self.row_part.owned
+        columns = self.column_part.owned if self.column_part is not None else None
+        empty = rows[0] == rows[1] or (columns is not None and columns[0] == columns[1])
         for k, out in enumerate(outputs, start=1):
             physical = self.fields.physical(out)  # (this rank's members, C, rows, W)
-            for n, m in enumerate(self.members if writes else ()):
-                index = (i, m, k - 1) if members > 1 else (i, k - 1)
-                for name, values in self.fields.variables(physical[n]):
-                    name = self.layout.store_name(name)
-                    writer.put(name, index, self.rows, values, self.columns)
+            if writes:
+                block = self.owned_block(physical)
+                if not empty:
+                    writer.submit(block, (i, k - 1), ids, rows, columns)
             if real and k <= self.times.truth_steps[i]:
                 truth = self.fields.truth(
                     self.dataset.read_steps(position + k, position + k + 1)[0], self.device
@@ -288,7 +349,7 @@ class _Run:
             clock["steps"] += 1
             rate = clock["steps"] / max(time.perf_counter() - clock["start"], 1e-9)
             if real:
-                self.report.step(label, k, steps, rate, writer.lag)
+                self.report.step(label, k, steps, rate, writer.lag, writer.behind_s)
 
     def score_stored(self, i: int, acc) -> None:
         """Score initial time ``i`` from what the store holds (a ``--resume`` run skipped it):
@@ -326,16 +387,18 @@ class _Run:
             self.store.mark_complete(items)
 
     def run(self) -> dict:
-        from .store import BackgroundWriter
+        from .writer import StepWriter, summary
 
         self.open_store()
+        self.report.write(self.writer_line())
         done = self.store.complete_times()
         pending = [i for i in range(len(done)) if not done[i]]
         skipped = len(done) - len(pending)
         if skipped:
             self.report.write(f"resume: {skipped} initial time(s) already complete, skipped")
         acc = self.scores()
-        writer = BackgroundWriter(self.store)
+        slices = [(self.layout.store_name(n), c, u) for n, c, u in self.fields.slices]
+        writer = StepWriter(self.store, slices, WRITES_IN_FLIGHT)
         dp, group = self.slots, self.slot  # one initial time per slot and round
         rounds = -(-len(pending) // dp)
         clock = {"steps": 0, "start": time.perf_counter()}
@@ -367,8 +430,7 @@ class _Run:
             "scores": rows,
             "elapsed_s": elapsed,
             "steps": clock["steps"],
-            "write_blocked_s": writer.blocked_s,
-            "write_s": writer.write_s,
+            **summary(writer),
             "written_chunks": sorted(self.store.written_chunks),
         }
 
@@ -413,8 +475,8 @@ def _finish(run: _Run, result: dict, stream) -> None:
     share = result["write_blocked_s"] / max(result["elapsed_s"], 1e-9)
     print(
         f"forecast: {len(result['computed'])} initial time(s) x {steps} steps in "
-        f"{result['elapsed_s']:.1f} s; writes on the critical path {100 * share:.1f}%; store "
-        f"{run.store_path}; map {png}",
+        f"{result['elapsed_s']:.1f} s; writes on the critical path {100 * share:.1f}% (writer "
+        f"{result['write_mb_s']:.0f} MB/s); store {run.store_path}; map {png}",
         file=stream,
         flush=True,
     )

@@ -18,14 +18,20 @@ class Progress(RankZeroReport):
     def __init__(self, stream, total: int, enabled: bool):
         super().__init__(stream, total, enabled, desc="forecast", unit="step")
 
-    def step(self, init: str, k: int, n: int, rate: float, lag: int) -> None:
+    def step(self, init: str, k: int, n: int, rate: float, lag: int, behind_s: float) -> None:
+        """Step ``k`` of ``n`` of initial time ``init``; ``rate`` steps/s; the writer's lag:
+        ``lag`` steps not written yet, the oldest handed over ``behind_s`` seconds ago."""
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.set_postfix(init=init, steps_s=f"{rate:.2f}", writer_lag=lag)
+            writer = f"{lag} steps/{behind_s:.1f}s"
+            self.bar.set_postfix(init=init, steps_s=f"{rate:.2f}", writer_lag=writer)
             self.bar.update(1)
         else:
-            self.line(f"forecast init {init} step {k}/{n} steps/s {rate:.3g} writer_lag {lag}")
+            self.line(
+                f"forecast init {init} step {k}/{n} steps/s {rate:.3g} "
+                f"writer_lag {lag} steps {behind_s:.2f} s"
+            )
 
 
 class Fields:

@@ -9,30 +9,28 @@ time steps), ``level`` (hPa), ``latitude`` / ``longitude`` (the dataset's values
 flushed that initial time); CF attributes (``units``, ``long_name``, ``standard_name`` where
 known, ``Conventions``); the run's config (JSON) and checkpoint in the root attributes.
 
-Chunks: one initial time, member and lead per chunk, all levels and longitudes, and ``row_chunk``
-latitude rows, where ``row_chunk`` divides every domain rank's first row
-(:func:`row_chunk_for`: the rows of one rank when the shards are even, their greatest common
-divisor otherwise), so no chunk holds rows of two ranks and no two ranks ever write one chunk
-(the writes need no lock and no read-modify-write).  On a lat x lon domain (SPEC §3b) the
-longitudes are chunked the same way (``column_chunk``: :func:`row_chunk_for` of the column
-ranges), so a chunk lies inside one tile.
+Chunks: one initial time, member and lead per chunk, all levels, and whole blocks of
+``row_chunk`` latitude rows (and ``column_chunk`` longitudes on a lat x lon domain, SPEC §3b),
+each written by ONE rank, the chunk's owner (:mod:`.chunks`: about one chunk per rank, never a
+one-row chunk; the rows of a chunk straddling two ranks reach its owner by a neighbour exchange
+before the write), so the writes need no lock and no read-modify-write.  Compression: blosc
+lz4 with byte shuffle (``DEFAULT_COMPRESSION``; docs/forecast.md has the measurement).
 
-Rank 0 creates the store (metadata only: every data chunk is the NaN fill value until written,
-so no rank holds more than its rows of a field), then every rank writes its rows of its own
-initial times from a :class:`BackgroundWriter` thread with a bounded queue, while the next
+Rank 0 creates the store (metadata only, consolidated: every data chunk is the NaN fill value
+until written, so no rank holds more than its rows of a field), then every rank writes its
+chunks of its own initial times through tensorstore (:meth:`ForecastStore.write_async`,
+asynchronous, outside the interpreter lock) from :class:`.writer.StepWriter`, while the next
 forecast step computes.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import queue
+import os
 import shutil
-import threading
-import time
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,16 +39,18 @@ import xarray as xr
 import zarr
 
 __all__ = [
+    "DEFAULT_COMPRESSION",
     "STORE_NAME",
-    "BackgroundWriter",
     "ForecastStore",
     "StoreVariable",
     "check_existing_store",
-    "row_chunk_for",
 ]
 
 STORE_NAME = "forecast.zarr"
 COMPLETE = "complete"
+# blosc lz4 (level 5, byte shuffle): docs/forecast.md "Writing" (CPU time and size per codec,
+# measured: the least CPU per GB and the smallest chunks of zstd 1, zstd 3, lz4 and none)
+DEFAULT_COMPRESSION = ("lz4", 5)
 
 _CF_NAMES = {  # ERA5 short names -> (standard_name, long_name)
     "Z": ("geopotential", "geopotential"),
@@ -73,16 +73,6 @@ class StoreVariable:
     units: str = ""
 
 
-def row_chunk_for(row_ranges: Sequence[tuple[int, int]]) -> int:
-    """The latitude chunk size whose chunks never straddle two ranks' rows: the greatest common
-    divisor of every rank's first row and of the height (the rows of one rank when even)."""
-    height = max(stop for _, stop in row_ranges)
-    size = height
-    for start, _ in row_ranges:
-        size = math.gcd(size, start)
-    return max(1, size)
-
-
 def chunk_indices(region: tuple, chunks: tuple) -> set[tuple]:
     """The chunk grid indices a write of ``region`` (a tuple of slices) touches."""
     ranges = [range(s.start // c, (s.stop - 1) // c + 1) for s, c in zip(region, chunks)]
@@ -90,6 +80,19 @@ def chunk_indices(region: tuple, chunks: tuple) -> set[tuple]:
     for r in ranges:
         out = {prefix + (i,) for prefix in out for i in r}
     return out
+
+
+def _compressors(compression):
+    """zarr v3 compressors of ``compression`` (``DEFAULT_COMPRESSION``'s form); tensorstore's
+    ``zarr3`` driver reads and writes both."""
+    if compression is None:
+        return None
+    kind, level = compression
+    if kind == "zstd":
+        return zarr.codecs.ZstdCodec(level=int(level))
+    if kind == "lz4":
+        return zarr.codecs.BloscCodec(cname="lz4", clevel=int(level), shuffle="shuffle")
+    raise ValueError(f"ForecastStore: compression {compression!r}: zstd, lz4 or None")
 
 
 def _cf_attrs(variable: StoreVariable) -> dict:
@@ -129,11 +132,13 @@ class ForecastStore:
         column_chunk: int | None = None,
         attrs: dict | None = None,
         layout=None,
+        compression: tuple[str, int] | None = DEFAULT_COMPRESSION,
     ) -> ForecastStore:
         """Write the store's metadata and coordinates (no data chunk) to ``path``;
         ``column_chunk``: longitudes per chunk (None: all of them); ``layout``: the dims' names
         and the level coordinate (:class:`.store_layout.StoreLayout`; None: the default; the
-        variables come already named as the store names them)."""
+        variables come already named as the store names them); ``compression``:
+        ``("zstd", level)``, ``("lz4", clevel)`` (blosc) or None (raw chunks)."""
         from .store_layout import StoreLayout
 
         path = Path(path)
@@ -182,6 +187,7 @@ class ForecastStore:
                 fill_value=np.float32("nan"),
                 dimension_names=(*lead_dims, *level_dims, "latitude", "longitude"),
                 attributes=_cf_attrs(variable),
+                compressors=_compressors(compression),
             )
         with warnings.catch_warnings():  # zarr's notice that v3 has no consolidated spec yet
             warnings.simplefilter("ignore", UserWarning)
@@ -212,13 +218,63 @@ class ForecastStore:
     ) -> None:
         """Write ``values`` (``[levels,] rows, columns``) at ``index`` (init position, [member,]
         lead) into rows ``rows`` (and longitudes ``columns``; None: from 0) of ``name``."""
+        region = self._written(name, index, rows, values, columns)
         array = self._group()[name]
-        region = (*(slice(i, i + 1) for i in index), *(slice(0, n) for n in values.shape[:-2]))
-        columns = columns if columns is not None else (0, values.shape[-1])
-        region = (*region, slice(*rows), slice(*columns))
         array[region] = values.reshape(tuple(s.stop - s.start for s in region))
-        for chunk in chunk_indices(region, array.chunks):
+
+    def _written(self, name, index, rows, values, columns) -> tuple:
+        """The region (slices) a write of ``values`` covers; its chunks noted as written."""
+        columns = columns if columns is not None else (0, values.shape[-1])
+        region = (*(slice(i, i + 1) for i in index), *(slice(0, n) for n in values.shape[:-2]))
+        region = (*region, slice(*rows), slice(*columns))
+        for chunk in chunk_indices(region, self.chunk_shape(name)):
             self.written_chunks.add((name, chunk))
+        return region
+
+    def _array(self, name: str):
+        """The tensorstore handle of variable ``name`` (opened once per process; tensorstore's
+        own thread pools encode, compress and write the chunks)."""
+        import tensorstore as ts
+
+        from ..data import chunk_reader
+
+        chunk_reader._started_in = os.getpid()  # a process forked from here must not use it
+        arrays = self.__dict__.setdefault("_ts_arrays", {})
+        if arrays.get("pid") != os.getpid():
+            arrays.clear()
+            arrays["pid"] = os.getpid()
+        if name not in arrays:
+            spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(self.path / name)}}
+            arrays[name] = ts.open(spec, open=True, context=_ts_context()).result()
+        return arrays[name]
+
+    def write_async(
+        self,
+        name: str,
+        index: tuple,
+        rows: tuple[int, int],
+        values: np.ndarray,
+        columns: tuple[int, int] | None = None,
+    ):
+        """As :meth:`write` without waiting: returns a future of the write's commit (with
+        ``add_done_callback`` and ``exception``); ``values`` stay unchanged until it is done.
+        Through tensorstore (its own threads, no read-back: whole chunks only, ``rows`` /
+        ``columns`` chunk-aligned), or, in a process forked from one that used tensorstore
+        (which would abort there: ``data/chunk_reader.py``), through zarr on a thread."""
+        from ..data.chunk_reader import tensorstore_usable
+
+        if not tensorstore_usable():
+            return _zarr_pool().submit(self.write, name, index, rows, values, columns)
+        region = self._written(name, index, rows, values, columns)
+        target = self._array(name)[(*map(int, index), ..., *region[-2:])]
+        return target.write(values).commit
+
+    def chunk_shape(self, name: str) -> tuple:
+        """The chunk shape of variable ``name`` as the store holds it."""
+        shapes = self.__dict__.setdefault("_chunk_shapes", {})
+        if name not in shapes:
+            shapes[name] = tuple(self._group()[name].chunks)
+        return shapes[name]
 
     def read(
         self,
@@ -251,6 +307,28 @@ class ForecastStore:
 
     def attrs(self) -> dict:
         return dict(self._group().attrs)
+
+
+def _ts_context():
+    """One tensorstore context per process (its thread pools are shared by the variables)."""
+    import tensorstore as ts
+
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+    return _CONTEXT
+
+
+_CONTEXT = None
+_ZARR_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _zarr_pool() -> ThreadPoolExecutor:
+    """The writer threads of a process that cannot use tensorstore (one per process)."""
+    global _ZARR_POOL
+    if _ZARR_POOL is None or _ZARR_POOL[0] != os.getpid():
+        _ZARR_POOL = (os.getpid(), ThreadPoolExecutor(4, thread_name_prefix="forecast-zarr"))
+    return _ZARR_POOL[1]
 
 
 def check_existing_store(
@@ -308,97 +386,3 @@ def config_attrs(conf: dict, checkpoint: str, extra: dict | None = None) -> dict
         "source": "credit-parallel forecast",
         **(extra or {}),
     }
-
-
-class BackgroundWriter:
-    """A writer thread with a bounded queue: :meth:`put` hands it one write (blocking only when
-    ``max_pending`` writes are waiting), :meth:`flush` waits until everything handed over is
-    written, :meth:`fence` / :meth:`wait` until everything handed over before the fence is (so
-    the next initial time computes while the last one's writes finish).  An exception in the
-    thread is raised by the next ``put`` / ``flush`` / ``wait``.
-
-    ``blocked_s``: the time the caller spent waiting on the writer (the write time left on the
-    critical path); ``write_s``: the thread's time writing; ``lag``: writes not finished yet.
-    """
-
-    def __init__(self, store: ForecastStore, max_pending: int = 4):
-        self.store = store
-        self.queue: queue.Queue = queue.Queue(maxsize=max(1, int(max_pending)))
-        self.error: BaseException | None = None
-        self.blocked_s = 0.0
-        self.write_s = 0.0
-        self._tickets = 0  # fences handed out
-        self._passed = 0  # fences the thread has reached (every write before them done)
-        self._fence = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="forecast-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self.queue.get()
-            try:
-                if item is None:
-                    return
-                if isinstance(item, int):  # a fence: everything before it is written
-                    with self._fence:
-                        self._passed = item
-                        self._fence.notify_all()
-                elif self.error is None:
-                    started = time.perf_counter()
-                    self.store.write(*item)
-                    self.write_s += time.perf_counter() - started
-            except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-                self.error = err
-            finally:
-                self.queue.task_done()
-
-    def fence(self) -> int:
-        """A ticket that :meth:`wait` returns on once every write handed over before it is
-        written (the writes handed over after it may still be pending)."""
-        self._raise()
-        self._tickets += 1
-        started = time.perf_counter()
-        self.queue.put(self._tickets)
-        self.blocked_s += time.perf_counter() - started
-        return self._tickets
-
-    def wait(self, ticket: int) -> None:
-        """Block until the writes before ``ticket`` are written."""
-        started = time.perf_counter()
-        with self._fence:
-            self._fence.wait_for(lambda: self._passed >= ticket or self.error is not None)
-        self.blocked_s += time.perf_counter() - started
-        self._raise()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"forecast writer failed: {self.error}") from self.error
-
-    @property
-    def lag(self) -> int:
-        return self.queue.unfinished_tasks
-
-    def put(
-        self,
-        name: str,
-        index: tuple,
-        rows: tuple[int, int],
-        values: np.ndarray,
-        columns: tuple[int, int] | None = None,
-    ) -> None:
-        self._raise()
-        started = time.perf_counter()
-        self.queue.put((name, index, rows, values, columns))
-        self.blocked_s += time.perf_counter() - started
-
-    def flush(self) -> None:
-        started = time.perf_counter()
-        self.queue.join()
-        self.blocked_s += time.perf_counter() - started
-        self._raise()
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self.queue.put(None)
-            self._thread.join()
-        self._raise()
