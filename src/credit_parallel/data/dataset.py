@@ -139,6 +139,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         static_path=None,
         mean_path=None,
         std_path=None,
+        bridgescaler=None,
     ):
         super().__init__()
         self.history_len = positive_int(history_len, "history_len")
@@ -155,7 +156,8 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         if as_5d and not self.upper_air_variables:
             raise ValueError("ERA5Dataset: as_5d=True needs at least one upper_air_variable")
         self.as_5d = bool(as_5d)
-        self.normalize = bool(normalize)
+        # CREDIT's bridgescaler blocks (bridgescaler_blocks.py) normalise the raw sample instead
+        self.normalize = bool(normalize) and bridgescaler is None
 
         self._stores = StoreSet(path, "ERA5Dataset")  # one store, or several along time
         with self._stores.released_on_error():  # a failure below closes the stores
@@ -188,6 +190,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
 
             self._set_grid(ds, rows, domain_shard)
             self._name_channels()
+            self._set_scaler_blocks(bridgescaler)
             self._set_statistics(static_path, stats_path, mean_path, std_path)
             self._static = self._read_static(ds)
             self._level_index, self._level_block = level_index(self._level_positions)
@@ -238,6 +241,20 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
             self._mean, self._std = np.zeros(n), np.ones(n)
         self._mean32 = np.asarray(self._mean, dtype=np.float32)
         self._std32 = np.asarray(self._std, dtype=np.float32)
+
+    def _set_scaler_blocks(self, spec) -> None:
+        """``data.bridgescaler``: CREDIT's bridgescaler / log pre-blocks on each raw sample."""
+        self.scaler_blocks = self.sample_layout = None
+        if spec is None:
+            return
+        if self.as_5d:
+            raise ValueError(
+                "ERA5Dataset: data.bridgescaler is read for 4-D samples (as_5d: false)"
+            )
+        from .bridgescaler_blocks import SampleLayout, ScalerBlocks
+
+        self.scaler_blocks = ScalerBlocks(spec)
+        self.sample_layout = SampleLayout(self, self.scaler_blocks.source)
 
     def _set_variables(self, upper, surface, forcing, static) -> None:
         self.upper_air_variables = name_list(upper, "upper_air_variables")
@@ -481,6 +498,8 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
                     future.shape[0] * future.shape[1], *self.sample_grid_shape
                 )
             )
+        if self.scaler_blocks is not None:
+            sample = self.scaler_blocks.sample_transform(sample, self.sample_layout)
         return sample
 
     def compose_input(self, steps: np.ndarray) -> dict:
@@ -569,6 +588,7 @@ _CONF_KEYS = (
     "static_path",
     "mean_path",
     "std_path",
+    "bridgescaler",
 )
 
 

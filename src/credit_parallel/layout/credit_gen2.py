@@ -34,6 +34,7 @@ from .credit_gen2_blocks import (
     store_key,
     validation_section,
 )
+from .credit_scaler_blocks import base_loss_section
 
 __all__ = ["credit_gen2_conf", "is_credit_gen2"]
 
@@ -273,21 +274,28 @@ def _trainer_section(conf: Mapping, data: dict, problems: list[str], dropped: li
     return {**t, **out}
 
 
-def _loss_problems(conf: Mapping, problems: list[str]) -> None:
+def _loss_section(conf: Mapping, data: dict, problems: list[str]) -> dict | None:
+    """``loss.type: base`` (CREDIT's per-variable loss: ``train/credit_loss.py``) checked and
+    kept for the trainer; else the flat keys must say the latitude-weighted MSE."""
     loss = conf.get("loss") or {}
+    if loss.get("type") == "base":
+        source = next(iter(conf["data"]["source"]), "?")
+        return base_loss_section(loss, data, source, problems)
     if loss.get("type") is not None:
         problems.append(
-            f"loss.type = {loss['type']!r}: CREDIT's per-variable loss in physical units "
-            "(loss.args.var_weighting, ...); credit-parallel trains on the latitude-weighted MSE of "
-            "the normalised channels (the flat loss keys: training_loss: mse, "
+            f"loss.type = {loss['type']!r}: credit-parallel trains on CREDIT's 'base' loss "
+            "(per variable in physical units, loss.args) or the latitude-weighted MSE of the "
+            "normalised channels (the flat loss keys: training_loss: mse, "
             "use_latitude_weights: true)"
         )
+        return None
     for key, ours in _LOSS_AS_OURS.items():
         if key in loss and loss[key] != ours:
             problems.append(
                 f"loss.{key} = {loss[key]!r}: credit-parallel trains on the latitude-weighted "
                 f"MSE (loss.{key}: {ours!r})"
             )
+    return None
 
 
 def credit_gen2_conf(conf):
@@ -301,7 +309,7 @@ def credit_gen2_conf(conf):
     data = _data_section(conf, problems)
     trainer = _trainer_section(conf, data, problems, dropped)
     block_sections(conf, data, problems)
-    _loss_problems(conf, problems)
+    loss = _loss_section(conf, data, problems)
     dropped.extend(k for k in BOOKKEEPING_SECTIONS if k in conf)
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
@@ -317,4 +325,5 @@ def credit_gen2_conf(conf):
         )
     taken = ("data", "trainer", "loss", "seed", "validation_data", "preblocks", "postblocks")
     out = {k: v for k, v in conf.items() if k not in taken + BOOKKEEPING_SECTIONS}
-    return {**out, "data": data, "trainer": trainer}
+    out = {**out, "data": data, "trainer": trainer}
+    return out if loss is None else {**out, "loss": loss}
