@@ -382,12 +382,14 @@ def test_the_template_trains_from_the_cli(stores, scalers, tmp_path):  # noqa: F
     from credit_parallel import cli
 
     conf = _example_on_stores(stores, scalers, "v2026", ONE)
-    conf["trainer"]["save_loc"] = str(tmp_path / "run")
     path = tmp_path / "example-v2026.2.yml"
     path.write_text(yaml.safe_dump(conf))
+    out = tmp_path / "run"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert cli.main(["train", "--config", str(path), "--nproc", "1"]) == 0
+        assert cli.main(["train", "--config", str(path), "--output", str(out)]) == 0
+    lines = (out / "metrics.csv").read_text().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("step")
 
 
 # --------------------------------------------------------------------------- learnable weights
