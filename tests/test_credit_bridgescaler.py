@@ -415,13 +415,14 @@ def _train_learnable(conf, steps=2):
 
     trainer = Trainer(conf)
     records = [trainer.train_step() for _ in range(steps)]
+    records.append(trainer.evaluate())  # CREDIT's validation loss, exact over the layout
     log_var = trainer.credit_loss.learnable.log_variance.detach().clone()
     trainer.close()
     return records, log_var
 
 
 _LAYOUTS = [
-    ("tiles", {"data": "none", "tensor": 1, "domain": [2, 2]}, 2),
+    ("tiles", {"data": "none", "tensor": 1, "domain": {"lat": 2, "lon": 2}}, 2),
     ("dp2_domain2", {"data": "ddp", "tensor": 1, "domain": 2}, 1),
     ("tp2_domain2", {"data": "none", "tensor": 2, "domain": 2}, 2),
 ]
@@ -443,6 +444,29 @@ def test_learnable_weights_train_exactly_under_tiles_dp_and_tp(stores, scalers):
             for par, ref in zip(records, ref_records, strict=True):
                 assert abs(par["loss"] - ref["loss"]) <= TOL * max(1.0, abs(ref["loss"])), name
             assert float((log_var - ref_log_var).abs().max()) <= TOL, name
+
+
+def test_learnable_weights_are_checkpointed_and_resume(stores, scalers, tmp_path):
+    """2 steps, save, a new trainer loads and steps once: the third step's loss and the weights
+    of the uninterrupted run (CREDIT re-initialises them on resume, its issue #473)."""
+    from credit_parallel.train.trainer import Trainer
+
+    conf = _learnable(stores, scalers, ONE)
+    whole = Trainer(conf)
+    want = [whole.train_step()["loss"] for _ in range(3)]
+    first = Trainer(conf)
+    for _ in range(2):
+        first.train_step()
+    path = first.save(tmp_path)
+    again = Trainer(conf)
+    again.load(path)
+    assert again.train_step()["loss"] == want[2]
+    got, ref = (t.credit_loss.learnable.log_variance.detach() for t in (again, whole))
+    assert torch.equal(got, ref) and not torch.equal(
+        ref, Trainer(conf).credit_loss.learnable.log_variance.detach()
+    )
+    for t in (whole, first, again):
+        t.close()
 
 
 # --------------------------------------------------------------------------- refusals
@@ -467,4 +491,3 @@ def test_a_missing_scaler_path_and_a_zero_variance_are_refused_by_name(stores, s
     text = str(refused.value)
     assert "variance is zero for ERA5/prognostic/3d/T" in text
     assert "preblocks.per_step.scaler.args.scaler_path" in text and "loss.args.scaler_path" in text
-
