@@ -16,7 +16,9 @@ glob of stores split along time such as CREDIT's ``ERA5_plevel_6h_*.zarr``) beco
 path in ONE ``ValueError``; keys that only steer CREDIT's bookkeeping (tensorboard, backup
 weights, validation batch sizes, ``save_loc``, ``inference``, ``pbs``, ...) are dropped with one
 warning naming them.  ``dataset_type``, ``validation_data``, ``preblocks`` / ``postblocks`` and
-the epoch count are read in :mod:`credit_parallel.layout.credit_gen2_blocks`.
+the epoch count are read in :mod:`credit_parallel.layout.credit_gen2_blocks`; CREDIT's
+bridgescaler blocks and ``loss.type: base`` (kept as the ``loss`` section for the trainer) in
+:mod:`credit_parallel.layout.credit_scaler_blocks`.
 """
 
 from __future__ import annotations
