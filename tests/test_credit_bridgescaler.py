@@ -225,7 +225,7 @@ def _rows(raw, shard):
 
 # --------------------------------------------------------------------------- the loss
 _MODES = [
-    {"var_weighting": "inverse_variance", "use_latitude_weights": True},
+    {"var_weighting": "inverse_variance", "use_latitude_weights": True, "validation_loss": "mae"},
     {
         "var_weighting": "manual",
         "variable_weights": {"ERA5/prognostic/3d/T": 2.0, "ERA5/diagnostic/2d/t2m": 0.5},
@@ -270,7 +270,7 @@ def test_the_base_loss_is_credits_postblocks_and_base_loss(stores, scalers, mode
         args["latitude_weights"] = stores["static"]
     keys = [s.key for s in layout.output_slots]
 
-    def credit_loss(p):
+    def credit_loss(p, validation=False):
         from credit_parallel.train.credit_loss import _Schema
 
         state = {}
@@ -288,9 +288,8 @@ def test_the_base_loss_is_credits_postblocks_and_base_loss(stores, scalers, mode
                     path, [], key=key, spatial_variables=["ERA5/prognostic/2d/SP"]
                 )(state)
                 state = ExpTransform(["ERA5/diagnostic/2d/t2m"], key=key)(state)
-        crit = BaseLoss(
-            **args, channel_schema=_Schema(keys) if args["var_weighting"] == "learnable" else None
-        )
+        schema = _Schema(keys) if args["var_weighting"] == "learnable" else None
+        crit = BaseLoss(**args, channel_schema=schema, validation=validation)
         return crit(state), crit
 
     want, crit = credit_loss(pred)
@@ -307,6 +306,12 @@ def test_the_base_loss_is_credits_postblocks_and_base_loss(stores, scalers, mode
         assert ours.last_var_losses[key] == pytest.approx(value, rel=1e-5), key
     if args["var_weighting"] == "learnable":
         assert torch.equal(ours.learnable.log_variance.detach(), crit.log_variance.detach())
+    # validation: CREDIT's `validation_loss` when given (mae here, in mode 0)
+    valid = CreditBaseLoss(args, ScalerBlocks(spec), layout, lat, *ds.grid_shape, 1, True)
+    with torch.no_grad():
+        want_valid = float(credit_loss(pred, validation=True)[0])
+        assert float(valid((pred,), (y,))) == pytest.approx(want_valid, rel=1e-5)
+    assert (want_valid != pytest.approx(float(want), rel=1e-3)) == ("validation_loss" in args)
 
 
 # --------------------------------------------------------------------------- the examples
