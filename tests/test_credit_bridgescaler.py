@@ -85,8 +85,9 @@ def _flat(nested: dict, slots) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _fit(data, path, kind: str, spatial=()):  # noqa: F811
-    """A scaler fitted by miles-credit's own preblock on every sample of the stores."""
+def _fit(data, path, kind: str, spatial=(), samples=None):  # noqa: F811
+    """A scaler fitted by miles-credit's own preblock on the stores' samples (the first
+    ``samples``, default all)."""
     from bridgescaler import save_scaler_dict
     from credit.preblock.scaler import BridgeScalerTransform
 
@@ -100,9 +101,10 @@ def _fit(data, path, kind: str, spatial=()):  # noqa: F811
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for start in range(0, len(raw), 4):
-            samples = [raw[i] for i in range(start, min(start + 4, len(raw)))]
-            batch = {k: torch.stack([s[k] for s in samples]) for k in ("x", "y")}
+        count = len(raw) if samples is None else samples
+        for start in range(0, count, 4):
+            chunk = [raw[i] for i in range(start, min(start + 4, count))]
+            batch = {k: torch.stack([s[k] for s in chunk]) for k in ("x", "y")}
             block.fit_scaler_batch(_credit_batch(layout, batch))
     save_scaler_dict(block.scaler, str(path))
     return str(path)
@@ -128,7 +130,7 @@ def scalers(stores, tmp_path_factory):
     root = tmp_path_factory.mktemp("scalers")
     return {
         "standard": _fit(stores, root / "standard.json", "standard"),
-        "quantile": _fit(stores, root / "quantile.json", "quantile"),
+        "quantile": _fit(stores, root / "quantile.json", "quantile", samples=4),
         "spatial": _fit(stores, root / "spatial.json", "standard", ["ERA5/prognostic/2d/SP"]),
     }
 
@@ -370,6 +372,7 @@ def _close(records, params, ref_records, ref_params):
     assert params.keys() == ref_params.keys() and worst <= TOL, worst
 
 
+@pytest.mark.slow
 def test_the_local_examples_train_at_domain_2_as_on_one_process(stores, scalers):  # noqa: F811
     with pytest.warns(UserWarning, match="bookkeeping"):
         mapped = credit_gen2_conf(_example_on_stores(stores, scalers, "end_to_end", ONE))
