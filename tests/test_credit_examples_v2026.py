@@ -5,19 +5,19 @@ What maps: ``dataset_type: local``, ``trainer.type: gen2``, CREDIT's ``%Y*`` pat
 glob of per-year stores), the static store, the validation block (same stores, its date range),
 ``concat`` / ``reconstruct`` / ``to_device`` blocks, ``batches_per_epoch`` x epochs as optimizer
 steps, and the bookkeeping sections (save_loc, metrics, inference, pbs) dropped with one warning.
-What is refused, by its key: the BridgeScaler normalisation (``bridgescaler_transform`` pre- and
-postblocks), ``log_transform`` / ``exp_transform`` and the per-variable physical-unit loss
-(``loss.type: base``): credit-parallel normalises with a per-channel mean / std and trains on the
-latitude-weighted MSE of the normalised channels.  With those blocks replaced by CREDIT's
-``era5_normalizer`` preblock and the flat MSE loss keys (the one rewrite), each maps whole;
-``example-v2026.2.yml`` plans at domain 2 through ``credit-parallel plan`` and, pointed at
-per-year stores written from the sample store (its ``%Y*`` template kept), trains 2 steps at
-domain 2 as on one process (float64, 1e-10).
+As written each is refused only for the files it names on CREDIT's cluster (the bridgescaler
+JSON, the latitude store); its ``bridgescaler_transform`` / ``log_transform`` / ``exp_transform``
+blocks and ``loss.type: base`` are read (tests/test_credit_bridgescaler.py trains them).  With
+those blocks replaced by CREDIT's ``era5_normalizer`` preblock and the flat MSE loss keys (the
+netCDF rewrite), each maps whole; ``example-v2026.2.yml`` plans at domain 2 through
+``credit-parallel plan`` and, pointed at per-year stores written from the sample store (its
+``%Y*`` template kept), trains 2 steps at domain 2 as on one process (float64, 1e-10).
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import yaml
@@ -35,23 +35,14 @@ from credit_parallel.testing import run_on_ranks
 from test_credit_examples import H, W, _assert_trained_alike, _train
 from test_credit_stores import data  # noqa: F401  (the per-year stores fixture)
 
-_REFUSED_BLOCKS = {
-    "v2026": [
-        "preblocks.per_step.scaler.type = 'bridgescaler_transform'",
-        "postblocks.per_step.scaler.type = 'bridgescaler_transform'",
-        "postblocks.per_step.scaler_target.type = 'bridgescaler_transform'",
-        "loss.type = 'base'",
-    ],
-    "end_to_end": [
-        "preblocks.per_step.log_trans.type = 'log_transform'",
-        "preblocks.per_step.scaler.type = 'bridgescaler_transform'",
-        "postblocks.per_step.scaler.type = 'bridgescaler_transform'",
-        "postblocks.per_step.log_trans.type = 'exp_transform'",
-        "postblocks.per_step.scaler_target.type = 'bridgescaler_transform'",
-        "postblocks.per_step.log_trans_target.type = 'exp_transform'",
-        "loss.type = 'base'",
-    ],
-}
+# as written, only the files on CREDIT's cluster are missing: the scaler and the latitudes
+_ABSENT = [
+    "preblocks.per_step.scaler.args.scaler_path",
+    "postblocks.per_step.scaler.args.scaler_path",
+    "loss.args.scaler_path",
+    "loss.args.latitude_weights",
+]
+_REFUSED_BLOCKS = {"v2026": _ABSENT, "end_to_end": _ABSENT}
 _EXAMPLES = {"v2026": _v2026, "end_to_end": _end_to_end}
 
 
@@ -75,14 +66,18 @@ def _with_normaliser(conf: dict, mean: str, std: str) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(_EXAMPLES))
-def test_each_local_example_is_refused_only_for_its_scaler_blocks_and_loss(name):
+def test_each_local_example_is_refused_only_for_its_absent_files(name):
+    """Its bridgescaler blocks and ``loss.type: base`` are read (tests/test_credit_bridgescaler.py);
+    the scaler file and the latitude store it names are not on this machine."""
     from miles_credit import import_credit
 
     import_credit("credit.trainers.utils")
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ValueError) as refused, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         credit_gen2_conf(_EXAMPLES[name]())
     lines = [line for line in str(refused.value).splitlines() if line.startswith("  - ")]
-    assert [line[4:].split(":")[0] for line in lines] == _REFUSED_BLOCKS[name]
+    assert [line[4:].split(" = ")[0].split(":")[0] for line in lines] == _REFUSED_BLOCKS[name]
+    assert "does not exist" in lines[0] and "bridgescaler_pre.json" in lines[0]
     assert f"{len(lines)} key(s) cannot be honoured" in str(refused.value)
 
 

@@ -145,6 +145,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         mean_path=None,
         std_path=None,
         forcing_path=None,
+        bridgescaler=None,
     ):
         super().__init__()
         self.history_len = positive_int(history_len, "history_len")
@@ -161,7 +162,8 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
         if as_5d and not self.upper_air_variables:
             raise ValueError("ERA5Dataset: as_5d=True needs at least one upper_air_variable")
         self.as_5d = bool(as_5d)
-        self.normalize = bool(normalize)
+        # CREDIT's bridgescaler blocks (bridgescaler_blocks.py) normalise the raw sample instead
+        self.normalize = bool(normalize) and bridgescaler is None
 
         self._forcing_path = forcing_path  # the dynamic forcing's own files (forcing_files.py)
         self._stores = StoreSet(path, "ERA5Dataset")  # one store, or several along time
@@ -203,6 +205,7 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
             self._set_grid(ds, rows, domain_shard)
             self._open_forcing_files()
             self._name_channels()
+            self._set_scaler_blocks(bridgescaler)
             self._set_statistics(static_path, stats_path, mean_path, std_path)
             self._static = self._read_static(ds)
             self._level_index, self._level_block = level_index(self._level_positions)
@@ -295,6 +298,20 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
             (name, name in self.upper_air_variables, name not in inputs_only)
             for name in self._read_variables + self.static_variables
         ]
+
+    def _set_scaler_blocks(self, spec) -> None:
+        """``data.bridgescaler``: CREDIT's bridgescaler / log pre-blocks on each raw sample."""
+        self.scaler_blocks = self.sample_layout = None
+        if spec is None:
+            return
+        if self.as_5d:
+            raise ValueError(
+                "ERA5Dataset: data.bridgescaler is read for 4-D samples (as_5d: false)"
+            )
+        from .bridgescaler_blocks import SampleLayout, ScalerBlocks
+
+        self.scaler_blocks = ScalerBlocks(spec)
+        self.sample_layout = SampleLayout(self, self.scaler_blocks.source)
 
     def _set_variables(self, upper, surface, forcing, static) -> None:
         self.upper_air_variables = name_list(upper, "upper_air_variables")
@@ -548,6 +565,8 @@ class ERA5Dataset(DiagnosticChannels, Dataset):
                     future.shape[0] * future.shape[1], *self.sample_grid_shape
                 )
             )
+        if self.scaler_blocks is not None:
+            sample = self.scaler_blocks.sample_transform(sample, self.sample_layout)
         return sample
 
     def compose_input(self, steps: np.ndarray) -> dict:
@@ -637,6 +656,7 @@ _CONF_KEYS = (
     "mean_path",
     "std_path",
     "forcing_path",
+    "bridgescaler",
 )
 
 

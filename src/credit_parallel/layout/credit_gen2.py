@@ -17,7 +17,9 @@ store ``data.static_path``, and ``data.mean_path`` /
 path in ONE ``ValueError``; keys that only steer CREDIT's bookkeeping (tensorboard, backup
 weights, validation batch sizes, ``save_loc``, ``inference``, ``pbs``, ...) are dropped with one
 warning naming them.  ``dataset_type``, ``validation_data``, ``preblocks`` / ``postblocks`` and
-the epoch count are read in :mod:`credit_parallel.layout.credit_gen2_blocks`.
+the epoch count are read in :mod:`credit_parallel.layout.credit_gen2_blocks`; CREDIT's
+bridgescaler blocks and ``loss.type: base`` (kept as the ``loss`` section for the trainer) in
+:mod:`credit_parallel.layout.credit_scaler_blocks`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .credit_gen2_blocks import (
     validation_section,
 )
 from .credit_resume import credit_resume_keys
+from .credit_scaler_blocks import base_loss_section
 
 __all__ = ["credit_gen2_conf", "is_credit_gen2"]
 
@@ -319,21 +322,28 @@ def _trainer_section(
     return {**t, **out}
 
 
-def _loss_problems(conf: Mapping, problems: list[str]) -> None:
+def _loss_section(conf: Mapping, data: dict, problems: list[str]) -> dict | None:
+    """``loss.type: base`` (CREDIT's per-variable loss: ``train/credit_loss.py``) checked and
+    kept for the trainer; else the flat keys must say the latitude-weighted MSE."""
     loss = conf.get("loss") or {}
+    if loss.get("type") == "base":
+        source = next(iter(conf["data"]["source"]), "?")
+        return base_loss_section(loss, data, source, problems)
     if loss.get("type") is not None:
         problems.append(
-            f"loss.type = {loss['type']!r}: CREDIT's per-variable loss in physical units "
-            "(loss.args.var_weighting, ...); credit-parallel trains on the latitude-weighted MSE of "
-            "the normalised channels (the flat loss keys: training_loss: mse, "
+            f"loss.type = {loss['type']!r}: credit-parallel trains on CREDIT's 'base' loss "
+            "(per variable in physical units, loss.args) or the latitude-weighted MSE of the "
+            "normalised channels (the flat loss keys: training_loss: mse, "
             "use_latitude_weights: true)"
         )
+        return None
     for key, ours in _LOSS_AS_OURS.items():
         if key in loss and loss[key] != ours:
             problems.append(
                 f"loss.{key} = {loss[key]!r}: credit-parallel trains on the latitude-weighted "
                 f"MSE (loss.{key}: {ours!r})"
             )
+    return None
 
 
 def credit_gen2_conf(conf):
@@ -348,7 +358,7 @@ def credit_gen2_conf(conf):
     data = _data_section(conf, problems)
     trainer = _trainer_section(conf, data, problems, dropped, notes)
     block_sections(conf, data, problems)
-    _loss_problems(conf, problems)
+    loss = _loss_section(conf, data, problems)
     dropped.extend(k for k in BOOKKEEPING_SECTIONS if k in conf)
     if problems:
         listing = "\n".join(f"  - {p}" for p in problems)
@@ -366,4 +376,5 @@ def credit_gen2_conf(conf):
         )
     taken = ("data", "trainer", "loss", "seed", "validation_data", "preblocks", "postblocks")
     out = {k: v for k, v in conf.items() if k not in taken + BOOKKEEPING_SECTIONS}
-    return {**out, "data": data, "trainer": trainer}
+    out = {**out, "data": data, "trainer": trainer}
+    return out if loss is None else {**out, "loss": loss}

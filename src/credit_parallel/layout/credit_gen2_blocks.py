@@ -8,8 +8,9 @@ split from ``validation_data`` (the ``data`` schema again, another date range). 
   variables into one channels-first tensor), ``to_device``, ``reconstruct`` (the flat output
   split back per variable), and ``era5_normalizer``, whose ``mean_path`` / ``std_path``
   become ``data.mean_path`` / ``data.std_path`` (CREDIT's netCDF statistics, read by
-  ``data/credit_stats.py``); every other block type (``bridgescaler_transform``,
-  ``log_transform``, ...) is refused by its full key;
+  ``data/credit_stats.py``); ``bridgescaler_transform``, ``log_transform`` and
+  ``exp_transform`` become ``data.bridgescaler`` (``credit_scaler_blocks.py``); every other
+  block type (``fill_values``, ``sqrt_transform``, ...) is refused by its full key;
 * ``validation_data`` gives ``data.valid_time_slice``; its source must read the training
   stores with the training variables (credit-parallel validates on the training store):
   every differing key is named;
@@ -26,6 +27,8 @@ import glob
 import math
 import re
 from collections.abc import Mapping
+
+from .credit_scaler_blocks import SCALER_BLOCKS, finish_scaler_blocks, scaler_step
 
 __all__ = [
     "BOOKKEEPING_SECTIONS",
@@ -110,7 +113,9 @@ def source_type_problem(where: str, block: Mapping) -> str | None:
 
 def block_sections(conf: Mapping, data: dict, problems: list[str]) -> None:
     """Check ``preblocks`` / ``postblocks``; an ``era5_normalizer``'s statistics go to
-    ``data.mean_path`` / ``data.std_path`` (refused when they differ from the data block's)."""
+    ``data.mean_path`` / ``data.std_path`` (refused when they differ from the data block's);
+    the bridgescaler / log / exp blocks become ``data.bridgescaler`` (``credit_scaler_blocks``)."""
+    chains: dict[str, list] = {"preblocks": [], "postblocks": []}
     for section in ("preblocks", "postblocks"):
         phases = conf.get(section)
         if phases is None:
@@ -120,10 +125,20 @@ def block_sections(conf: Mapping, data: dict, problems: list[str]) -> None:
             continue
         for phase, blocks in phases.items():
             if isinstance(blocks, Mapping) and "type" in blocks:  # a block without a phase
-                _one_block(f"{section}.{phase}", blocks, data, problems)
-                continue
+                blocks = {None: blocks}
             for name, block in (blocks or {}).items():
-                _one_block(f"{section}.{phase}.{name}", block, data, problems)
+                where = f"{section}.{phase}" + ("" if name is None else f".{name}")
+                block = block if isinstance(block, Mapping) else {}
+                if block.get("type") in SCALER_BLOCKS:
+                    step = scaler_step(
+                        section, where, block["type"], block.get("args") or {}, problems
+                    )
+                    chains[section] += [step] if step is not None else []
+                    continue
+                _one_block(where, block, data, problems)
+    sources = (conf.get("data") or {}).get("source")
+    source = next(iter(sources)) if isinstance(sources, Mapping) and sources else "?"
+    finish_scaler_blocks(data, source, chains["preblocks"], chains["postblocks"], problems)
 
 
 def _one_block(where: str, block, data: dict, problems: list[str]) -> None:
@@ -133,7 +148,8 @@ def _one_block(where: str, block, data: dict, problems: list[str]) -> None:
         problems.append(
             f"{where}.type = {kind!r}: credit-parallel normalises by a per-channel mean and "
             "std and concatenates the variables itself; the blocks it honours are "
-            f"{sorted(_ACCEPTED_BLOCKS)} (norm: era5_normalizer with mean_path / std_path)"
+            f"{sorted(_ACCEPTED_BLOCKS) + list(SCALER_BLOCKS)} (norm: era5_normalizer with "
+            "mean_path / std_path, or bridgescaler_transform with its scaler file)"
         )
         return
     args = dict(block.get("args") or {})

@@ -172,6 +172,15 @@ def _strings(section: str, key: str) -> Callable[[Any], tuple]:
     return parse
 
 
+def _optional_mapping(section: str, key: str) -> Callable[[Any], Mapping | None]:
+    def parse(value):
+        if value is not None and not isinstance(value, Mapping):
+            raise ValueError(f"{section}.{key} must be a mapping, got {value!r}")
+        return value
+
+    return parse
+
+
 def _optional_name(key: str) -> Callable[[Any], str | None]:
     def parse(value):
         if value is not None and (not isinstance(value, str) or not value):
@@ -295,6 +304,9 @@ _DATA_KEYS: dict[str, tuple[Any, Callable]] = {
     # (data/credit_stats.py)
     "mean_path": (None, _optional_path("data", "mean_path")),
     "std_path": (None, _optional_path("data", "std_path")),
+    # CREDIT's bridgescaler_transform / log_transform blocks (layout/credit_gen2_blocks.py
+    # writes it; data/bridgescaler_blocks.py runs it): {source, pre: [...], post: [...]}
+    "bridgescaler": (None, _optional_mapping("data", "bridgescaler")),
     "as_5d": (False, _flag("data", "as_5d")),
     "time_slice": (None, _time_slice("time_slice")),
     "valid_time_slice": (None, _time_slice("valid_time_slice")),
@@ -457,6 +469,7 @@ class DataConfig:
     stats_path: str | None = None
     mean_path: str | None = None
     std_path: str | None = None
+    bridgescaler: Mapping | None = None
     as_5d: bool = False
     time_slice: Any = None
     valid_time_slice: Any = None

@@ -144,11 +144,16 @@ def restore_ema(ema, loaded: dict) -> None:
 def has_ema(path) -> bool:
     """Whether the DCP checkpoint at ``path`` holds an EMA shadow (False when unreadable:
     loading it then reports what is wrong)."""
+    return has_top_level(path, TOP)
+
+
+def has_top_level(path, top: str) -> bool:
+    """Whether the DCP checkpoint at ``path`` holds state under the top-level key ``top``."""
     try:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception:  # noqa: BLE001 - a missing or damaged checkpoint is reported by the load
         return False
-    return any(k.startswith(TOP + ".") for k in meta.state_dict_metadata)
+    return any(k.startswith(top + ".") for k in meta.state_dict_metadata)
 
 
 def load_ema_weights(path, model: torch.nn.Module) -> None:

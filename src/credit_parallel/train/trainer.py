@@ -48,8 +48,19 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from .credit_loss import TOP as LOSS_TOP
+from .credit_loss import credit_base_loss, loss_state, restore_loss_state
 from .credit_resume import load_credit_resume, restore_credit_ema
-from .ema import build_ema, ema_checkpoint_state, ema_template, ema_weights, has_ema, restore_ema
+from .ema import TOP as EMA_TOP
+from .ema import (
+    build_ema,
+    ema_checkpoint_state,
+    ema_template,
+    ema_weights,
+    has_ema,
+    has_top_level,
+    restore_ema,
+)
 from .model_init import build_parallel_model
 from .preflight import check_run
 from .schedule import build_scheduler
@@ -140,6 +151,36 @@ class Trainer:
             n_static=int(getattr(self.dataset, "n_static", 0) or 0),
             n_diagnostic=int(getattr(self.dataset, "n_diagnostic", 0) or 0),
         )
+        self._set_credit_loss()
+
+    def _set_credit_loss(self) -> None:
+        """``loss.type: base`` (CREDIT's per-variable loss, train/credit_loss.py) as the step's
+        loss; its learnable weights (if any) with their own AdamW on the model's schedule."""
+        rows = slice(*(getattr(self.dataset, "rows", None) or (0, self.global_height)))
+        build = partial(
+            credit_base_loss,
+            self.conf,
+            self.dataset,
+            lambda w: w[rows].to(device=self.device, dtype=self.dtype),
+            self.global_width,
+            self.domain_size,
+        )
+        self.credit_loss = build()
+        self.credit_valid_loss = build(validation=True) if self.credit_loss else None
+        self.loss_optimizer = self.loss_scheduler = None
+        if self.credit_loss is None:
+            return
+        self.step_fn.loss_fn = self.credit_loss
+        learnable = self.credit_loss.learnable
+        if learnable is None:
+            return
+        learnable.to(device=self.device, dtype=self.dtype)
+        self.credit_valid_loss.learnable = learnable
+        self.loss_optimizer = torch.optim.AdamW(
+            learnable.parameters(), lr=self.tc.lr, weight_decay=self.tc.weight_decay
+        )
+        # the model's schedule (CREDIT: one optimizer, the weights an extra param group)
+        self.loss_scheduler = build_scheduler(self.loss_optimizer, self.tc)
 
     def _build_model(self, model):
         """The parallel model with identical initial weights on every rank.
@@ -238,7 +279,11 @@ class Trainer:
         started, waited = time.perf_counter(), self._batches.wait_s
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.loss_optimizer is not None:
+            self.loss_optimizer.zero_grad(set_to_none=True)
         result = self.step_fn(self._micro_batches(), grad_accum=self.tc.grad_accum)
+        if self.loss_optimizer is not None:
+            self.credit_loss.learnable.reduce_grad(self.dims.tp, self.dims.dp)
         loss = replica_mean_loss(result.loss_share, tp_size=self.dims.tp, dp_size=self.dims.dp)
         grad_norm = result.grad_norm
         finite = bool(torch.isfinite(grad_norm).item()) and bool(torch.isfinite(loss).item())
@@ -262,9 +307,13 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
+            if self.loss_optimizer is not None:
+                self.loss_optimizer.step()
             if self.ema is not None:
                 self.ema.update(self.model)
         self.scheduler.step()
+        if self.loss_scheduler is not None:
+            self.loss_scheduler.step()
         self.step += 1
         self.history.append(record)
         return record
@@ -292,6 +341,7 @@ class Trainer:
         self.model.eval()
         steps = int(getattr(self.dataset, "forecast_len", 1) or 1)
         sums = count = None
+        self._valid_loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(self.tc.val_batches):
             batch = self._device_batch(next(batches))
             part = self._score_rollout(batch, steps)  # (steps, 2, C) sums over the batch
@@ -312,6 +362,13 @@ class Trainer:
             )
             if self.climatology is not None:
                 metrics.update({f"acc{suffix}/{n}": float(v) for n, v in zip(names, means[k, 1])})
+        if self.credit_valid_loss is not None:  # CREDIT's valid loss (validation_loss if given)
+            summed = (
+                _world_sum(self._valid_loss_sum) / self.dims.tp
+                if has_process_group()
+                else self._valid_loss_sum
+            )
+            metrics["loss"] = float(summed) / float(total[-1])
         return metrics
 
     def _score_rollout(self, batch: dict, steps: int) -> torch.Tensor:
@@ -327,6 +384,9 @@ class Trainer:
                 batch[key][:, k * o.shape[1] : (k + 1) * o.shape[1]]
                 for key, o in zip(out_keys, outs)
             )
+            if self.credit_valid_loss is not None:  # the share of the batch's mean, x batch
+                share = self.credit_valid_loss(outs, targets).double()
+                self._valid_loss_sum += share * outs[0].shape[0] / steps
             pred, truth = flatten_channels(outs), flatten_channels(targets)
             mse = spatial_mse(pred, truth, self._lat_local, manager=self.manager)
             acc = torch.zeros_like(mse)
@@ -381,24 +441,42 @@ class Trainer:
                 "config_hash": config_hash(self.conf),
                 "ema": self.ema is not None,
             },
-            extra=None if self.ema is None else ema_checkpoint_state(self.ema, self.model),
+            extra=self._extra_state(),
         )
+
+    def _extra_state(self, template: bool = False) -> dict | None:
+        """What the checkpoint holds beside the model and the optimizer: the EMA shadow, the
+        learnable loss weights (``credit_loss``); ``template``: what a load fills in place."""
+        extra = {}
+        if self.ema is not None:
+            make = ema_template if template else ema_checkpoint_state
+            extra.update(make(self.ema, self.model))
+        if self.loss_optimizer is not None:
+            extra.update(loss_state(self.credit_loss.learnable, self.loss_optimizer, template))
+        return extra or None
 
     def load(self, path) -> dict:
         """Model, optimizer, step (and the EMA shadow: from the checkpoint when it holds one,
         else started afresh at the loaded weights); the data stream continues at the step."""
-        extra = None
+        extra = {}
         if self.ema is not None and has_ema(path):
-            extra = ema_template(self.ema, self.model)
-        manifest = load_checkpoint(path, self.model, self.optimizer, extra=extra)
-        if extra is not None:
+            extra.update(ema_template(self.ema, self.model))
+        learnable = self.loss_optimizer is not None and has_top_level(path, LOSS_TOP)
+        if learnable:
+            extra.update(loss_state(self.credit_loss.learnable, self.loss_optimizer, True))
+        manifest = load_checkpoint(path, self.model, self.optimizer, extra=extra or None)
+        if EMA_TOP in extra:
             restore_ema(self.ema, extra)
         elif self.ema is not None:
             self.ema = build_ema(self.model, self.tc.ema_decay)
+        if learnable:
+            restore_loss_state(self.credit_loss.learnable, self.loss_optimizer, extra)
         self.step = int(manifest["step"])
         self.scheduler = build_scheduler(
             self.optimizer, self.tc, step=self.step, resumed=self._credit_resumed
         )
+        if self.loss_optimizer is not None:  # the same schedule, at the same step
+            self.loss_scheduler = build_scheduler(self.loss_optimizer, self.tc, step=self.step)
         self._start_loader()  # the data stream continues at the loaded step
         return manifest
 
