@@ -14,6 +14,14 @@ Recipe of :func:`fully_shard_model` (the order matters; it takes typed arguments
 4. over the flattened dp x domain axis: the gradient divide factor dp (sum over domain ranks,
    average over dp; SPEC §4).
 
+A shard group of ONE rank (one GPU, or dp 1 x domain 1) gets no ``fully_shard`` (SPEC §4, as
+torchtitan enables FSDP only for a shard degree > 1): FSDP2 would shard nothing there and only
+cost its per-unit work (1.5-2.7x the step of the CrossFormer on one H100, issue 33).  Steps 1-2
+still hold: ``trainer.amp`` computes in bf16 through :func:`~.precision.compute_in` (autocast,
+fp32 master weights) and the opted-in blocks are still checkpointed.  The parameters stay plain
+tensors (not DTensors), which is all a user's own FSDP2-specific code sees differently;
+``trainer.fsdp2_single_rank: true`` (``single_rank=True``) keeps FSDP2 there for such code.
+
 Models declare only ``_fsdp2_shard``; they know nothing else about data parallelism.  Parameters
 that tensor parallelism already turned into DTensors on the "tp" axis of the same mesh are
 sharded again over the dp (or dp_domain) axis by FSDP2 (2-D FSDP2 + TP, as torchtitan does); that
@@ -39,11 +47,14 @@ from ..layout.device import device_for_process_group
 from ..layout.run_config import trainer_option
 from .grad_overlap import OVERLAP_ATTR
 from .inductor_options import guard_inductor_layout
+from .precision import compute_in
 
 __all__ = [
     "apply_ddp",
     "apply_fsdp2",
     "FSDP2_MIN_UNIT_PARAMS",
+    "fsdp2_applies",
+    "fsdp2_layout_note",
     "fsdp2_blocks",
     "fsdp2_precision",
     "fully_shard_model",
@@ -167,6 +178,28 @@ def _apply_activation_checkpointing(blocks: list[tuple[str, nn.Module]]) -> None
             module.__class__ = _checkpointed_class(type(module))
 
 
+def fsdp2_applies(group_size: int, single_rank: bool = False) -> bool:
+    """SPEC §4: whether ``fully_shard`` is applied over a shard group of ``group_size`` ranks:
+    when it shards (more than one rank), or at one rank when the user keeps FSDP2 there
+    (``trainer.fsdp2_single_rank: true``)."""
+    return group_size > 1 or single_rank
+
+
+def fsdp2_layout_note(group_size: int, single_rank: bool, amp: bool) -> str | None:
+    """The line ``plan`` and the run's first lines print about FSDP2 at a one-rank shard group
+    (None when FSDP2 is applied, or the group has several ranks)."""
+    if fsdp2_applies(group_size, single_rank):
+        return None
+    precision = (
+        "bf16 compute under torch.autocast, fp32 weights" if amp else "fp32, as declared"
+    )
+    return (
+        "FSDP2 not applied: its shard group (dp x domain) has one rank, where it would shard "
+        f"nothing and only cost; parameters stay plain tensors ({precision}); "
+        "trainer.fsdp2_single_rank: true keeps FSDP2 there"
+    )
+
+
 def fsdp2_precision(amp: bool) -> dict[str, torch.dtype | None]:
     """``param_dtype`` / ``reduce_dtype`` of :func:`fully_shard_model` for ``trainer.amp``:
     bf16 parameters and compute with fp32 gradient reduction, or fp32 throughout (None, None)."""
@@ -211,6 +244,7 @@ def apply_fsdp2(
     """
     amp = _trainer_flag(conf, "amp")
     activation_checkpoint = _trainer_flag(conf, "activation_checkpoint")
+    single_rank = _trainer_flag(conf, "fsdp2_single_rank")
     min_unit_params = (
         trainer_option(conf, "fsdp2_min_unit_params") if conf is not None else FSDP2_MIN_UNIT_PARAMS
     )
@@ -221,6 +255,7 @@ def apply_fsdp2(
         activation_checkpoint=activation_checkpoint,
         gradient_divide_factor=gradient_divide_factor,
         min_unit_params=min_unit_params,
+        single_rank=single_rank,
     )
 
 
@@ -233,10 +268,14 @@ def fully_shard_model(
     activation_checkpoint: bool = False,
     gradient_divide_factor: float | None = None,
     min_unit_params: int = FSDP2_MIN_UNIT_PARAMS,
+    single_rank: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
 
-    ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
+    A ``dp_mesh`` of one rank gets no ``fully_shard`` unless ``single_rank`` (see the module
+    docstring): ``param_dtype`` is then the autocast dtype of the forward
+    (:func:`~.precision.compute_in`), the parameters stay plain tensors, and the model's class
+    is not an ``FSDPModule``.  ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
     parents; with ``min_unit_params`` = ``trainer.fsdp2_min_unit_params`` > 0 only those holding
     at least that many parameters of their own: :func:`fsdp2_units`), then to the root; ``dp_mesh=None`` shards over a 1-D mesh of the whole world.
     ``dp_mesh`` may be the flattened dp x domain axis; pass ``gradient_divide_factor=dp`` then,
@@ -249,9 +288,6 @@ def fully_shard_model(
     if dp_mesh is None:
         dp_mesh = _world_dp_mesh(model)
     _require_1d(dp_mesh, "apply_fsdp2")
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    guard_inductor_layout(dp_mesh.device_type, param_dtype)
-
     blocks = fsdp2_blocks(model)
     if activation_checkpoint:
         if not blocks:
@@ -261,6 +297,10 @@ def fully_shard_model(
                 stacklevel=2,
             )
         _apply_activation_checkpointing(blocks)
+    if not fsdp2_applies(dp_mesh.size(), single_rank):
+        return compute_in(model, param_dtype, dp_mesh.device_type)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    guard_inductor_layout(dp_mesh.device_type, param_dtype)
     # Bottom-up: a parent's fully_shard must see its children already managed so that it only
     # takes the parameters left over.
     for _, block in reversed(fsdp2_units(model, min_unit_params)):

@@ -42,6 +42,7 @@ from ..layout.device import autocast_for, batch_to_device, device_for_process_gr
 from ..layout.run_config import TrainerConfig
 from ..models import build_model
 from ..parallel.composition import RecipeOptions, get_domain_manager, parallelize_dims
+from ..parallel.fsdp import fsdp2_layout_note
 from .checkpoint import (
     CheckpointError,
     config_hash,
@@ -147,6 +148,17 @@ class Trainer:
             n_static=int(getattr(self.dataset, "n_static", 0) or 0),
             n_diagnostic=int(getattr(self.dataset, "n_diagnostic", 0) or 0),
         )
+
+    @property
+    def layout_notes(self) -> list[str]:
+        """What the run's first lines say about the layout beyond the config: FSDP2 not applied
+        at a one-rank shard group (SPEC §4)."""
+        note = None
+        if self.dims.fsdp_group_size:
+            note = fsdp2_layout_note(
+                self.dims.fsdp_group_size, self.tc.fsdp2_single_rank, self.tc.amp
+            )
+        return [note] if note else []
 
     def _build_model(self, model):
         """The parallel model with identical initial weights on every rank.
