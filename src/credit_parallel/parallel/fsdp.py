@@ -190,9 +190,7 @@ def fsdp2_layout_note(group_size: int, single_rank: bool, amp: bool) -> str | No
     (None when FSDP2 is applied, or the group has several ranks)."""
     if fsdp2_applies(group_size, single_rank):
         return None
-    precision = (
-        "bf16 compute under torch.autocast, fp32 weights" if amp else "fp32, as declared"
-    )
+    precision = "bf16 compute under torch.autocast, fp32 weights" if amp else "fp32, as declared"
     return (
         "FSDP2 not applied: its shard group (dp x domain) has one rank, where it would shard "
         f"nothing and only cost; parameters stay plain tensors ({precision}); "
