@@ -192,3 +192,34 @@ def test_checkpoints_move_between_dp1_without_fsdp2_and_dp2_with_fsdp2(store, tm
     # dp 1 again loads the FSDP2 (DTensor) checkpoint: the same step
     ((step, back),) = run_on_ranks(_dp1_resume, 1, store, outs[0][1], timeout=180)
     assert step == K + 1 and abs(back[0] - want[1]) <= TOL
+
+
+# ------------------------------------------------------------------ trainer.fsdp2_prefetch
+def _prefetch_worker(rank, world):
+    x = torch.randn(2, 8, H, W, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = x.chunk(world)[rank]
+    params, kept = [], []
+    for prefetch in (False, True):
+        conf = {"trainer": {"parallelism": FSDP2, "fsdp2_prefetch": prefetch}}
+        model = parallelize(_unet(), conf)
+        units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+        # FSDP2 keeps a unit unsharded after forward when it has no post-forward mesh
+        groups = [u._get_fsdp_state()._fsdp_param_group for u in units]
+        kept.append([g.post_forward_mesh_info is None for g in groups])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        params.append([p.full_tensor() for p in model.parameters()])
+    err = max((a - b).abs().max().item() for a, b in zip(*params, strict=True))
+    return err, kept
+
+
+def test_fsdp2_prefetch_at_dp2_gives_the_same_steps():
+    # explicit forward/backward prefetch and the last unit kept unsharded change when the
+    # all-gathers run, never what they compute
+    for err, kept in run_on_ranks(_prefetch_worker, 2, timeout=180):
+        assert err <= TOL
+        assert not any(kept[0]) and len(kept[0]) > 1  # default: every unit resharded
+        assert kept[1] == [False] * (len(kept[1]) - 1) + [True]  # prefetch: not the last

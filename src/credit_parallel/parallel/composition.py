@@ -58,7 +58,8 @@ __all__ = [
 class RecipeOptions:
     """The ``trainer.*`` settings the recipe reads besides the layout, parsed as the run config
     parses them: ``trainer.amp``, ``trainer.activation_checkpoint``,
-    ``trainer.fsdp2_min_unit_params``, ``trainer.fsdp2_single_rank`` (FSDP2),
+    ``trainer.fsdp2_min_unit_params``, ``trainer.fsdp2_single_rank``,
+    ``trainer.fsdp2_prefetch`` (FSDP2),
     ``trainer.domain_nonlocal_policy`` (the
     domain conversion) and ``trainer.compile`` (``compile_blocks`` before FSDP2)."""
 
@@ -68,6 +69,7 @@ class RecipeOptions:
     fsdp2_min_unit_params: int = FSDP2_MIN_UNIT_PARAMS
     compile: bool = False
     fsdp2_single_rank: bool = False
+    fsdp2_prefetch: bool = False
 
     @classmethod
     def from_conf(cls, conf: dict) -> RecipeOptions:
@@ -79,6 +81,7 @@ class RecipeOptions:
             fsdp2_min_unit_params=trainer_option(conf, "fsdp2_min_unit_params"),
             compile=trainer_option(conf, "compile"),
             fsdp2_single_rank=trainer_option(conf, "fsdp2_single_rank"),
+            fsdp2_prefetch=trainer_option(conf, "fsdp2_prefetch"),
         )
 
     @classmethod
@@ -91,6 +94,7 @@ class RecipeOptions:
             fsdp2_min_unit_params=trainer.fsdp2_min_unit_params,
             compile=trainer.compile,
             fsdp2_single_rank=trainer.fsdp2_single_rank,
+            fsdp2_prefetch=trainer.fsdp2_prefetch,
         )
 
 
@@ -163,11 +167,13 @@ def apply_data_parallel(
     activation_checkpoint: bool = False,
     min_unit_params: int = FSDP2_MIN_UNIT_PARAMS,
     single_rank: bool = False,
+    prefetch: bool = False,
 ) -> nn.Module:
     """Step 4 of the recipe: FSDP2 (over dp x domain when domain > 1) or DDP over dp.
     ``amp`` / ``activation_checkpoint`` / ``min_unit_params``: FSDP2's bf16 policy, block
     recomputation and the smallest block given its own unit (``fsdp.fsdp2_units``);
-    ``single_rank``: FSDP2 even when its group has one rank (``trainer.fsdp2_single_rank``)."""
+    ``single_rank``: FSDP2 even when its group has one rank (``trainer.fsdp2_single_rank``);
+    ``prefetch``: ``fsdp.set_unit_prefetch`` (``trainer.fsdp2_prefetch``)."""
     if dims.data == DataMode.FSDP2:
         # over dp x domain FSDP's reduce-scatter must sum over the domain ranks (each holds its
         # rows' share of the gradient) and average over dp only
@@ -180,6 +186,7 @@ def apply_data_parallel(
             gradient_divide_factor=divide,
             min_unit_params=min_unit_params,
             single_rank=single_rank,
+            prefetch=prefetch,
         )
     if dims.data == DataMode.DDP:
         return apply_ddp(model, meshes.axis(MeshAxis.DP))
@@ -225,4 +232,5 @@ def parallelize_dims(
         activation_checkpoint=options.activation_checkpoint,
         min_unit_params=options.fsdp2_min_unit_params,
         single_rank=options.fsdp2_single_rank,
+        prefetch=options.fsdp2_prefetch,
     )

@@ -61,6 +61,7 @@ __all__ = [
     "fsdp2_units",
     "is_activation_checkpointed",
     "no_grad_sync",
+    "set_unit_prefetch",
 ]
 
 _FSDP2_OPT_IN = "_fsdp2_shard"
@@ -243,6 +244,7 @@ def apply_fsdp2(
     amp = _trainer_flag(conf, "amp")
     activation_checkpoint = _trainer_flag(conf, "activation_checkpoint")
     single_rank = _trainer_flag(conf, "fsdp2_single_rank")
+    prefetch = _trainer_flag(conf, "fsdp2_prefetch")
     min_unit_params = (
         trainer_option(conf, "fsdp2_min_unit_params") if conf is not None else FSDP2_MIN_UNIT_PARAMS
     )
@@ -254,6 +256,7 @@ def apply_fsdp2(
         gradient_divide_factor=gradient_divide_factor,
         min_unit_params=min_unit_params,
         single_rank=single_rank,
+        prefetch=prefetch,
     )
 
 
@@ -267,8 +270,11 @@ def fully_shard_model(
     gradient_divide_factor: float | None = None,
     min_unit_params: int = FSDP2_MIN_UNIT_PARAMS,
     single_rank: bool = False,
+    prefetch: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
+
+    ``prefetch`` (``trainer.fsdp2_prefetch``): :func:`set_unit_prefetch` on the units.
 
     A ``dp_mesh`` of one rank gets no ``fully_shard`` unless ``single_rank`` (see the module
     docstring): ``param_dtype`` is then the autocast dtype of the forward
@@ -301,12 +307,32 @@ def fully_shard_model(
     guard_inductor_layout(dp_mesh.device_type, param_dtype)
     # Bottom-up: a parent's fully_shard must see its children already managed so that it only
     # takes the parameters left over.
-    for _, block in reversed(fsdp2_units(model, min_unit_params)):
+    units = [block for _, block in fsdp2_units(model, min_unit_params)]
+    for block in reversed(units):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    if prefetch:
+        set_unit_prefetch(units)
     if gradient_divide_factor is not None:
         _set_gradient_divide_factor(model, dp_mesh, gradient_divide_factor)
     return model
+
+
+def set_unit_prefetch(units: list[nn.Module]) -> None:
+    """torch's knobs that cut FSDP2's per-unit waiting (``trainer.fsdp2_prefetch: true``):
+    each unit's forward all-gathers the next unit's parameters (explicit forward prefetch), each
+    unit's backward the previous one's (explicit backward prefetch), and the last unit keeps its
+    parameters unsharded from its forward to its backward (``reshard_after_forward=False``: it
+    runs first in backward, so resharding it would gather it straight back; torchtitan does the
+    same).  ``units``: the ``fully_shard`` blocks in forward order (the model's module order,
+    :func:`fsdp2_units`); a unit prefetched out of its real order only loses the overlap, never
+    the result.  The last unit's parameters stay gathered through the forward: that memory more."""
+    for unit, nxt in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([nxt])
+    for unit, prev in zip(units[1:], units):
+        unit.set_modules_to_backward_prefetch([prev])
+    if units:
+        units[-1].set_reshard_after_forward(False)
 
 
 def _set_gradient_divide_factor(model: nn.Module, dp_mesh: DeviceMesh, factor: float) -> None:
