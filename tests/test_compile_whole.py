@@ -143,7 +143,7 @@ def _parity_worker(
     (yr * weights).sum().backward()
     if declared:  # rows sliced by hand, their global shape stated (SPEC §5a)
         lo, hi = shard_range(h, mgr.domain_world_size, mgr.domain_rank)
-        xl = declare_global_shape(x[:, :, lo:hi].clone(), x.shape, -2, manager=mgr)
+        xl = declare_global_shape(x[:, :, lo:hi].clone(), x.shape, manager=mgr)
         xl.requires_grad_()
     elif order == "compile_then_parallelize":  # CREDIT's trainer: shard_batch registers the shape
         xl = shard_batch({"x": x}, manager=mgr)["x"].detach().requires_grad_()

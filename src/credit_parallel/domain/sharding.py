@@ -93,7 +93,7 @@ def local_extent(
 
 
 def declare_global_shape(
-    x: torch.Tensor, global_shape, dim: int = -2, manager=None
+    x: torch.Tensor, global_shape, shard_dim: int = -2, *, manager=None
 ) -> torch.Tensor:
     """State the GLOBAL shape of ``x``, this rank's share of an input sliced by hand (not by
     :func:`shard_tensor`), for the coming forward; returns ``x`` itself.
@@ -112,7 +112,7 @@ def declare_global_shape(
         x = declare_global_shape(x_global_on_disk[:, :, rows], (1, 71, 721, 1440), manager=mgr)
         y = compiled_model(x)
     """
-    d = _check_dim(x, dim, "declare_global_shape")
+    d = _check_dim(x, shard_dim, "declare_global_shape")
     mgr = _manager_or_none(manager)
     if mgr is None:
         return x
