@@ -249,7 +249,8 @@ class Trainer:
             )
 
     def _autocast(self):
-        # FSDP2 applies its own bf16 policy; autocast only for the other layouts
+        # FSDP2 applies its own bf16 policy, and where its group has one rank the model computes
+        # under its own autocast (parallel/precision.py); autocast here only for the others
         return autocast_for(self.device, self.tc.amp and self.dims.data != DataMode.FSDP2)
 
     # ------------------------------------------------------------------ one step
