@@ -274,12 +274,13 @@ def fully_shard_model(
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
 
-    ``prefetch`` (``trainer.fsdp2_prefetch``): :func:`set_unit_prefetch` on the units.
-
     A ``dp_mesh`` of one rank gets no ``fully_shard`` unless ``single_rank`` (see the module
     docstring): ``param_dtype`` is then the autocast dtype of the forward
     (:func:`~.precision.compute_in`), the parameters stay plain tensors, and the model's class
-    is not an ``FSDPModule``.  ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
+    is not an ``FSDPModule``.  ``prefetch`` (``trainer.fsdp2_prefetch``):
+    :func:`set_unit_prefetch` on the units.
+
+    ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
     parents; with ``min_unit_params`` = ``trainer.fsdp2_min_unit_params`` > 0 only those holding
     at least that many parameters of their own: :func:`fsdp2_units`), then to the root; ``dp_mesh=None`` shards over a 1-D mesh of the whole world.
     ``dp_mesh`` may be the flattened dp x domain axis; pass ``gradient_divide_factor=dp`` then,
