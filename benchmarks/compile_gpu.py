@@ -8,7 +8,9 @@ forward + backward (no optimizer, so every variant sees the same weights) of:
 - ``library eager``: ``parallelize(model, conf)``;
 - ``compile(parallelize)`` and ``parallelize(compile)``: the two orders of SPEC 5a.
 
-Prints, per variant, the first step (which compiles), the median of the timed steps (wall clock,
+Prints, per variant, the first step (which compiles; wall clock and this process's CPU time,
+which counts the compile itself with ``TORCHINDUCTOR_COMPILE_THREADS=1`` and which a loaded
+machine does not inflate), the median of the timed steps (wall clock,
 synchronised) and the largest relative error of the output and of the parameter gradients
 against the reference (float32, TF32 off).
 
@@ -114,10 +116,10 @@ def run(device: torch.device, kinds, steps: int) -> None:
             torch._dynamo.reset()  # each compiled variant pays its own compile
             model = _build(kind, block, variant, device)
             synchronize(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = _step(model, x)
             synchronize(device)
-            first = time.perf_counter() - t0
+            first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
             times = []
             for _ in range(steps):
                 t0 = time.perf_counter()
@@ -132,7 +134,7 @@ def run(device: torch.device, kinds, steps: int) -> None:
             # judged against 1e-3 of the largest gradient, not against its own rounding noise
             floor = 1e-3 * max(float(v.abs().max()) for v in ref_grads.values())
             err_grad = max(_rel(grads[n], ref_grads[n], floor) for n in ref_grads)
-            print(f"{kind:12s} {variant:22s} first step {first:7.2f} s  step "
+            print(f"{kind:12s} {variant:22s} first step {first:7.2f} s (CPU {first_cpu:7.2f} s)  step "
                   f"{statistics.median(times):8.2f} ms  rel err out {err_out:.1e} "
                   f"grads {err_grad:.1e} ({len(grads)}/{len(ref_grads)} grads)", flush=True)  # fmt: skip
             del model

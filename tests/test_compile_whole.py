@@ -20,6 +20,7 @@ from torch import nn
 
 from credit_parallel import (
     compile_blocks,
+    declare_global_shape,
     gather_tensor,
     get_domain_manager,
     get_raw_model,
@@ -30,6 +31,7 @@ from credit_parallel import (
 )
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.domain.rows import shard_range
 from credit_parallel.domain.traced_heights import HeightTable, token_heights
 from credit_parallel.models.crossformer import CrossFormer
 from credit_parallel.models.unet import UNet
@@ -117,7 +119,9 @@ def _full(g):
     return g.full_tensor() if hasattr(g, "full_tensor") else g
 
 
-def _parity_worker(rank, world, name, order, backend, h, data="none", tp=1, one_unit=True):
+def _parity_worker(
+    rank, world, name, order, backend, h, data="none", tp=1, one_unit=True, declared=False
+):
     torch.set_default_dtype(torch.float64)
     ref = _build(name)
     model = copy.deepcopy(ref)
@@ -137,7 +141,11 @@ def _parity_worker(rank, world, name, order, backend, h, data="none", tp=1, one_
     yr = ref(xr)
     weights = torch.randn(yr.shape, generator=torch.Generator().manual_seed(2))
     (yr * weights).sum().backward()
-    if order == "compile_then_parallelize":  # CREDIT's trainer: shard_batch registers the shape
+    if declared:  # rows sliced by hand, their global shape stated (SPEC §5a)
+        lo, hi = shard_range(h, mgr.domain_world_size, mgr.domain_rank)
+        xl = declare_global_shape(x[:, :, lo:hi].clone(), x.shape, manager=mgr)
+        xl.requires_grad_()
+    elif order == "compile_then_parallelize":  # CREDIT's trainer: shard_batch registers the shape
         xl = shard_batch({"x": x}, manager=mgr)["x"].detach().requires_grad_()
     else:
         xl = shard_tensor(x, -2, mgr).detach().requires_grad_()  # registers the global shape
@@ -178,7 +186,33 @@ _ORDERS = ["compile_then_parallelize", "parallelize_then_compile"]
 @pytest.mark.parametrize("order", _ORDERS)
 @pytest.mark.parametrize("world, h", [(2, 13), (3, 13)])  # rows 7/6 and 5/4/4
 def test_whole_model_compile_aot_eager_matches_single_process(order, world, h):
-    _check(run_on_ranks(_parity_worker, world, "net", order, "aot_eager", h, timeout=600))
+    # at domain 3 the rows are sliced by hand and their global shape stated with
+    # declare_global_shape (SPEC §5a), in both orders; the second call (shard_tensor: the same
+    # registered shape) reuses the graph
+    _check(
+        run_on_ranks(
+            _parity_worker, world, "net", order, "aot_eager", h, declared=world == 3, timeout=600
+        )
+    )
+
+
+def _undeclared_worker(rank, world):
+    torch.manual_seed(0)
+    model = torch.compile(parallelize(_ConvNormNet(), {"trainer": {"parallelism": {
+        "data": "none", "tensor": 1, "domain": 2}}}), backend="eager")  # fmt: skip
+    mgr = get_domain_manager(model)
+    lo, hi = shard_range(13, 2, rank)
+    x = torch.randn(2, 3, 13, 16)[:, :, lo:hi]
+    with pytest.raises(Exception, match="declare_global_shape"):
+        model(x)
+    wrong = 13 - (hi - lo)  # the other rank's share: 6 rows on rank 0, 7 on rank 1
+    with pytest.raises(ValueError, match=f"owns {hi - lo} of 13 rows"):
+        declare_global_shape(torch.randn(2, 3, wrong, 16), (2, 3, 13, 16), manager=mgr)
+    return True
+
+
+def test_an_undeclared_hand_sliced_input_is_refused_naming_declare_global_shape():
+    assert run_on_ranks(_undeclared_worker, 2) == [True, True]
 
 
 @pytest.mark.slow

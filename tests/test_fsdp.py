@@ -494,10 +494,11 @@ def test_fsdp2_units_count_only_parameters_no_selected_child_holds():
     assert [n for n, _ in fsdp2_units(model, inner + 1)] == ["0"]  # together they reach it
 
 
-def _granularity_worker(rank, world, min_params):
+def _granularity_worker(rank, world, min_params, single_rank=False):
     torch.manual_seed(0)
     model = SmallNet()
     trainer = {} if min_params is None else {"fsdp2_min_unit_params": min_params}
+    trainer["fsdp2_single_rank"] = single_rank
     apply_fsdp2(model, None, {"trainer": trainer})
     return [isinstance(m, FSDPModule) for m in (model, model.conv_block, model.mlp_block)]
 
@@ -509,7 +510,10 @@ def test_apply_fsdp2_shards_every_small_opted_in_block_by_default(world):
     assert all(
         sum(p.numel() for p in b.parameters()) < 10_000 for b in (model.conv_block, model.mlp_block)
     )
-    assert run_on_ranks(_granularity_worker, world, None) == [[True, True, True]] * world
+    # SPEC §4: a one-rank group gets FSDP2 only when trainer.fsdp2_single_rank keeps it there
+    assert run_on_ranks(_granularity_worker, world, None, True) == [[True, True, True]] * world
+    applied = world > 1
+    assert run_on_ranks(_granularity_worker, world, None) == [[applied] * 3] * world
 
 
 def test_apply_fsdp2_merges_small_blocks_only_with_the_option_set():

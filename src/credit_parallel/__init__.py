@@ -50,6 +50,7 @@ _EXPORTS = {
     "shard_tensor": "domain.sharding",
     "gather_tensor": "domain.sharding",
     "shard_batch": "domain.sharding",
+    "declare_global_shape": "domain.sharding",
     "shard_spatial": "domain.sharding",
     "unpad_shard_interp": "domain.sharding",
     "DomainRowGroupAttention": "domain.attention.relayout",

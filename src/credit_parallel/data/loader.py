@@ -23,10 +23,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..domain.manager2d import is_tiled
-from ..domain.rows import shard_sizes
-from ..domain.sharding import shard_batch
-from ..domain.tiles import tile_range
+from ..domain.sharding import local_extent, shard_batch
 from ..layout.device import batch_to_device
 from ..layout.run_config import DataConfig, TrainerConfig
 from .dataset import dataset_from_conf
@@ -206,7 +203,7 @@ def register_row_batch(
     """
     if manager is None or manager.domain_world_size == 1:
         return
-    expect = _local_extent(manager, int(global_height), global_width)
+    expect = local_extent(manager, int(global_height), global_width, what="register_row_batch")
     placeholders = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() in (4, 5):
@@ -228,17 +225,3 @@ def register_row_batch(
         shard_dim_4d=shard_dim_4d,
         manager=manager,
     )
-
-
-def _local_extent(manager, height: int, width: int | None) -> list:
-    """``[(local rows, H, "rows")]``, and ``(local columns, W, "columns")`` on a tile."""
-    if not is_tiled(manager):
-        return [
-            (shard_sizes(height, manager.domain_world_size)[manager.domain_rank], height, "rows")
-        ]
-    if width is None:
-        raise ValueError(
-            "register_row_batch: a lat x lon domain needs global_width (the global W) too"
-        )
-    rows, cols = tile_range(height, width, manager.domain_shape, manager.domain_coords)
-    return [(rows[1] - rows[0], height, "rows"), (cols[1] - cols[0], width, "columns")]

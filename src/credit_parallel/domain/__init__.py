@@ -88,6 +88,7 @@ _EXPORTS = {
     "shard_tensor": "sharding",
     "gather_tensor": "sharding",
     "shard_batch": "sharding",
+    "declare_global_shape": "sharding",
     "shard_spatial": "sharding",
     "unpad_shard_interp": "sharding",
 }

@@ -3,7 +3,9 @@ other), whole batches, and the output un-padding of padded models.
 
 ``shard_tensor``/``shard_batch`` also register the global shape of the coming forward with the
 manager, which is what lets every layer learn its input's global height without a collective in
-steady state (see ``manager.py``).
+steady state (see ``manager.py``), and a compiled graph derive it at trace time
+(``traced_heights.py``).  An input a user sliced by hand states its global shape with
+:func:`declare_global_shape`, which registers the same token ``shard_tensor`` would.
 """
 
 from __future__ import annotations
@@ -17,10 +19,18 @@ import torch.nn.functional as F
 from .exchange.collectives import all_gather_rows, scatter_rows
 from .manager import get_domain_parallel_manager
 from .manager2d import is_tiled
-from .rows import shard_range
-from .tiles import gather_tile, shard_tile, unpad_tile
+from .rows import shard_range, shard_sizes
+from .tiles import gather_tile, shard_tile, tile_range, unpad_tile
 
-__all__ = ["gather_tensor", "shard_batch", "shard_spatial", "shard_tensor", "unpad_shard_interp"]
+__all__ = [
+    "declare_global_shape",
+    "gather_tensor",
+    "local_extent",
+    "shard_batch",
+    "shard_spatial",
+    "shard_tensor",
+    "unpad_shard_interp",
+]
 
 
 class _GatherOwner:
@@ -64,6 +74,71 @@ def shard_tensor(
     if is_tiled(mgr):  # rows along d and columns along the last dim (SPEC §3b)
         return shard_tile(x, d, mgr)
     return scatter_rows(x, d, mgr)
+
+
+def local_extent(
+    manager, height: int, width: int | None = None, *, what: str = "declare_global_shape"
+) -> list[tuple[int, int, str]]:
+    """``[(local rows, height, "rows")]`` of this domain rank's balanced share, and on a lat x
+    lon domain (a tiled manager, SPEC §3b) also ``(local columns, width, "columns")``
+    (``width`` is then required; ``what`` names the caller in that error)."""
+    if not is_tiled(manager):
+        return [
+            (shard_sizes(height, manager.domain_world_size)[manager.domain_rank], height, "rows")
+        ]
+    if width is None:
+        raise ValueError(f"{what}: a lat x lon domain needs global_width (the global W) too")
+    rows, cols = tile_range(height, width, manager.domain_shape, manager.domain_coords)
+    return [(rows[1] - rows[0], height, "rows"), (cols[1] - cols[0], width, "columns")]
+
+
+def declare_global_shape(
+    x: torch.Tensor, global_shape, shard_dim: int = -2, *, manager=None
+) -> torch.Tensor:
+    """State the GLOBAL shape of ``x``, this rank's share of an input sliced by hand (not by
+    :func:`shard_tensor`), for the coming forward; returns ``x`` itself.
+
+    It registers with the manager the forward token ``shard_tensor`` registers for the global
+    tensor, so a model compiled whole (``torch.compile``, either order, SPEC §5a) derives its
+    layers' global heights at trace time, and an eager forward needs no collective to learn
+    them.  ``x`` must hold this domain rank's balanced rows along ``dim`` (the rows
+    ``shard_tensor`` would give it; on a lat x lon domain also its columns along the last dim);
+    every other dim equals ``global_shape``'s.  Otherwise ``ValueError`` naming the dim.  No
+    manager, or a domain of one rank: nothing to declare.
+
+    Example::
+
+        rows = slice(*shard_range(721, manager.domain_world_size, manager.domain_rank))
+        x = declare_global_shape(x_global_on_disk[:, :, rows], (1, 71, 721, 1440), manager=mgr)
+        y = compiled_model(x)
+    """
+    d = _check_dim(x, shard_dim, "declare_global_shape")
+    mgr = _manager_or_none(manager)
+    if mgr is None:
+        return x
+    shape = tuple(int(s) for s in global_shape)
+    if len(shape) != x.dim():
+        raise ValueError(
+            f"declare_global_shape: global_shape {shape} has {len(shape)} dims, the local input "
+            f"{tuple(x.shape)} has {x.dim()}"
+        )
+    sharded = [d] + ([x.dim() - 1] if is_tiled(mgr) else [])
+    width = shape[-1] if is_tiled(mgr) else None
+    for sd, (local, size, what) in zip(sharded, local_extent(mgr, shape[d], width)):
+        if x.shape[sd] != local:
+            raise ValueError(
+                f"declare_global_shape: the input has {x.shape[sd]} {what} along dim {sd} but "
+                f"domain rank {mgr.domain_rank} of {mgr.domain_world_size} owns {local} of "
+                f"{size} {what} (slice it as shard_tensor does: domain.rows.shard_range)"
+            )
+    for i, (local, size) in enumerate(zip(x.shape, shape)):
+        if i not in sharded and local != size:
+            raise ValueError(
+                f"declare_global_shape: dim {i} of the input is {local}, of global_shape {size}; "
+                "only the sharded dims differ"
+            )
+    mgr.begin_forward(("shard_tensor", shape, d))
+    return x
 
 
 def gather_tensor(x: torch.Tensor, dim: int = -2, manager=None) -> torch.Tensor:

@@ -89,7 +89,8 @@ class HeightTable:
             raise RuntimeError(
                 f"{name}: no global height known for {local} local rows under torch.compile "
                 f"(heights noted for this input shape: {noted or 'none'}).  Shard the inputs with "
-                "credit_parallel.shard_tensor / shard_batch (they register the global shape) and "
+                "credit_parallel.shard_tensor / shard_batch (they register the global shape; a "
+                "hand-sliced input states it with credit_parallel.declare_global_shape) and "
                 "compile the whole model (torch.compile(model)), or compile it with "
                 "credit_parallel.compile_blocks"
             )
@@ -296,7 +297,8 @@ class HeightProbe:
         if not token_heights(token, mgr.shard_dim):
             raise RuntimeError(
                 "torch.compile of a domain-parallel model needs the global input shape: shard the "
-                "inputs with credit_parallel.shard_tensor / shard_batch (they register it), or "
+                "inputs with credit_parallel.shard_tensor / shard_batch (they register it; a "
+                "hand-sliced input states it with credit_parallel.declare_global_shape), or "
                 "compile the model with credit_parallel.compile_blocks"
             )
         meta_args, meta_kwargs = global_inputs(mgr, token, args, kwargs)

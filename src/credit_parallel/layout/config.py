@@ -426,6 +426,13 @@ class ParallelDims:
         """FSDP2 shards over the flattened dp x domain axis (SPEC §4): fsdp2 with domain > 1."""
         return self.data == DataMode.FSDP2 and self.domain > 1
 
+    @property
+    def fsdp_group_size(self) -> int:
+        """Ranks of the group FSDP2 shards over (dp x domain; SPEC §4), 0 when data is not
+        fsdp2.  At 1 the library applies no ``fully_shard`` unless asked
+        (``trainer.fsdp2_single_rank``)."""
+        return self.dp * self.domain if self.data == DataMode.FSDP2 else 0
+
     def check_supported(self) -> None:
         """Refuse combinations that have a valid rank layout but no exact implementation."""
         problems = _support_problems(self.data, self.tp)

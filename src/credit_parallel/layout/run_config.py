@@ -249,6 +249,11 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "activation_checkpoint": (False, _flag("trainer", "activation_checkpoint")),
     # 0: every _fsdp2_shard block is its own FSDP2 unit (SPEC §4); N > 0 merges smaller ones
     "fsdp2_min_unit_params": (0, _number("trainer", "fsdp2_min_unit_params", int, 0)),
+    # SPEC §4: a one-rank shard group gets no fully_shard unless this keeps FSDP2 there
+    "fsdp2_single_rank": (False, _flag("trainer", "fsdp2_single_rank")),
+    # opt-in: explicit forward/backward prefetch of the next FSDP2 unit, the last unit not
+    # resharded after forward (fsdp.set_unit_prefetch)
+    "fsdp2_prefetch": (False, _flag("trainer", "fsdp2_prefetch")),
     # torch.compile per block after domain conversion / TP, before FSDP2 (credit_parallel.compile)
     "compile": (False, _flag("trainer", "compile")),
     "dist_timeout_s": (DEFAULT_DIST_TIMEOUT_S, _seconds),
@@ -429,6 +434,8 @@ class TrainerConfig:
     dtype: str = "float32"
     activation_checkpoint: bool = False
     fsdp2_min_unit_params: int = 0
+    fsdp2_single_rank: bool = False
+    fsdp2_prefetch: bool = False
     compile: bool = False
     dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
     save_dir: str | None = None

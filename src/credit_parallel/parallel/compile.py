@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .fsdp import is_activation_checkpointed
 from .inductor_options import BLOCK_INDUCTOR_OPTIONS
+from .precision import declared_autocast
 
 __all__ = ["compile_blocks", "compile_targets", "is_compiled"]
 
@@ -65,11 +66,13 @@ class _CompiledForward:
         self._seen: set = set()
 
     def _run(self, fn, args, kwargs):
-        # trainer.activation_checkpoint swaps the block's class later (fsdp.py); this instance
-        # forward shadows the class's, so the checkpoint is applied here, around the graph
-        if is_activation_checkpointed(self._block) and torch.is_grad_enabled():
-            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        return fn(*args, **kwargs)
+        # trainer.activation_checkpoint and a one-rank FSDP2 group's precision (precision.py)
+        # swap the block's class later; this instance forward shadows the class's, so the
+        # checkpoint and the autocast region are applied here, around the graph
+        with declared_autocast(self._block):
+            if is_activation_checkpointed(self._block) and torch.is_grad_enabled():
+                return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+            return fn(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         mgr = self._manager

@@ -15,8 +15,9 @@ reads the config:
 3. tensor > 1: ``apply_tensor_parallel`` on the "tp" axis; ``trainer.compile``: ``compile_blocks``
    (``torch.compile`` per block, before FSDP2, as torchtitan does);
 4. data "fsdp2": ``fully_shard_model`` over the flattened dp x domain axis when domain > 1
-   (gradients summed over domain, averaged over dp), else over "dp"; "ddp": ``apply_ddp`` over
-   "dp".
+   (gradients summed over domain, averaged over dp), else over "dp" — no ``fully_shard`` when
+   that group has one rank, unless ``trainer.fsdp2_single_rank`` (SPEC §4; ``fsdp.py``);
+   "ddp": ``apply_ddp`` over "dp".
 
 The mesh and the manager stay reachable from the returned model (``get_device_mesh``,
 ``get_domain_manager``); ``get_raw_model`` unwraps DDP.
@@ -57,7 +58,8 @@ __all__ = [
 class RecipeOptions:
     """The ``trainer.*`` settings the recipe reads besides the layout, parsed as the run config
     parses them: ``trainer.amp``, ``trainer.activation_checkpoint``,
-    ``trainer.fsdp2_min_unit_params`` (FSDP2), ``trainer.domain_nonlocal_policy`` and
+    ``trainer.fsdp2_min_unit_params``, ``trainer.fsdp2_single_rank``,
+    ``trainer.fsdp2_prefetch`` (FSDP2), ``trainer.domain_nonlocal_policy`` and
     ``trainer.domain_halo_chains`` (the domain conversion) and ``trainer.compile``
     (``compile_blocks`` before FSDP2)."""
 
@@ -67,6 +69,8 @@ class RecipeOptions:
     halo_chains: bool | str | int = False
     fsdp2_min_unit_params: int = FSDP2_MIN_UNIT_PARAMS
     compile: bool = False
+    fsdp2_single_rank: bool = False
+    fsdp2_prefetch: bool = False
 
     @classmethod
     def from_conf(cls, conf: dict) -> RecipeOptions:
@@ -78,6 +82,8 @@ class RecipeOptions:
             halo_chains=trainer_option(conf, "domain_halo_chains"),
             fsdp2_min_unit_params=trainer_option(conf, "fsdp2_min_unit_params"),
             compile=trainer_option(conf, "compile"),
+            fsdp2_single_rank=trainer_option(conf, "fsdp2_single_rank"),
+            fsdp2_prefetch=trainer_option(conf, "fsdp2_prefetch"),
         )
 
     @classmethod
@@ -90,6 +96,8 @@ class RecipeOptions:
             halo_chains=trainer.domain_halo_chains,
             fsdp2_min_unit_params=trainer.fsdp2_min_unit_params,
             compile=trainer.compile,
+            fsdp2_single_rank=trainer.fsdp2_single_rank,
+            fsdp2_prefetch=trainer.fsdp2_prefetch,
         )
 
 
@@ -165,10 +173,14 @@ def apply_data_parallel(
     amp: bool = False,
     activation_checkpoint: bool = False,
     min_unit_params: int = FSDP2_MIN_UNIT_PARAMS,
+    single_rank: bool = False,
+    prefetch: bool = False,
 ) -> nn.Module:
     """Step 4 of the recipe: FSDP2 (over dp x domain when domain > 1) or DDP over dp.
     ``amp`` / ``activation_checkpoint`` / ``min_unit_params``: FSDP2's bf16 policy, block
-    recomputation and the smallest block given its own unit (``fsdp.fsdp2_units``)."""
+    recomputation and the smallest block given its own unit (``fsdp.fsdp2_units``);
+    ``single_rank``: FSDP2 even when its group has one rank (``trainer.fsdp2_single_rank``);
+    ``prefetch``: ``fsdp.set_unit_prefetch`` (``trainer.fsdp2_prefetch``)."""
     if dims.data == DataMode.FSDP2:
         # over dp x domain FSDP's reduce-scatter must sum over the domain ranks (each holds its
         # rows' share of the gradient) and average over dp only
@@ -180,6 +192,8 @@ def apply_data_parallel(
             activation_checkpoint=activation_checkpoint,
             gradient_divide_factor=divide,
             min_unit_params=min_unit_params,
+            single_rank=single_rank,
+            prefetch=prefetch,
         )
     if dims.data == DataMode.DDP:
         return apply_ddp(model, meshes.axis(MeshAxis.DP))
@@ -230,4 +244,6 @@ def parallelize_dims(
         amp=options.amp,
         activation_checkpoint=options.activation_checkpoint,
         min_unit_params=options.fsdp2_min_unit_params,
+        single_rank=options.fsdp2_single_rank,
+        prefetch=options.fsdp2_prefetch,
     )

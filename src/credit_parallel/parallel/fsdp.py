@@ -14,6 +14,14 @@ Recipe of :func:`fully_shard_model` (the order matters; it takes typed arguments
 4. over the flattened dp x domain axis: the gradient divide factor dp (sum over domain ranks,
    average over dp; SPEC §4).
 
+A shard group of ONE rank (one GPU, or dp 1 x domain 1) gets no ``fully_shard`` (SPEC §4, as
+torchtitan enables FSDP only for a shard degree > 1): FSDP2 would shard nothing there and only
+cost its per-unit work (1.5-2.7x the step of the CrossFormer on one H100, issue 33).  Steps 1-2
+still hold: ``trainer.amp`` computes in bf16 through :func:`~.precision.compute_in` (autocast,
+fp32 master weights) and the opted-in blocks are still checkpointed.  The parameters stay plain
+tensors (not DTensors), which is all a user's own FSDP2-specific code sees differently;
+``trainer.fsdp2_single_rank: true`` (``single_rank=True``) keeps FSDP2 there for such code.
+
 Models declare only ``_fsdp2_shard``; they know nothing else about data parallelism.  Parameters
 that tensor parallelism already turned into DTensors on the "tp" axis of the same mesh are
 sharded again over the dp (or dp_domain) axis by FSDP2 (2-D FSDP2 + TP, as torchtitan does); that
@@ -39,17 +47,21 @@ from ..layout.device import device_for_process_group
 from ..layout.run_config import trainer_option
 from .grad_overlap import OVERLAP_ATTR
 from .inductor_options import guard_inductor_layout
+from .precision import compute_in
 
 __all__ = [
     "apply_ddp",
     "apply_fsdp2",
     "FSDP2_MIN_UNIT_PARAMS",
+    "fsdp2_applies",
+    "fsdp2_layout_note",
     "fsdp2_blocks",
     "fsdp2_precision",
     "fully_shard_model",
     "fsdp2_units",
     "is_activation_checkpointed",
     "no_grad_sync",
+    "set_unit_prefetch",
 ]
 
 _FSDP2_OPT_IN = "_fsdp2_shard"
@@ -167,6 +179,26 @@ def _apply_activation_checkpointing(blocks: list[tuple[str, nn.Module]]) -> None
             module.__class__ = _checkpointed_class(type(module))
 
 
+def fsdp2_applies(group_size: int, single_rank: bool = False) -> bool:
+    """SPEC §4: whether ``fully_shard`` is applied over a shard group of ``group_size`` ranks:
+    when it shards (more than one rank), or at one rank when the user keeps FSDP2 there
+    (``trainer.fsdp2_single_rank: true``)."""
+    return group_size > 1 or single_rank
+
+
+def fsdp2_layout_note(group_size: int, single_rank: bool, amp: bool) -> str | None:
+    """The line ``plan`` and the run's first lines print about FSDP2 at a one-rank shard group
+    (None when FSDP2 is applied, or the group has several ranks)."""
+    if fsdp2_applies(group_size, single_rank):
+        return None
+    precision = "bf16 compute under torch.autocast, fp32 weights" if amp else "fp32, as declared"
+    return (
+        "FSDP2 not applied: its shard group (dp x domain) has one rank, where it would shard "
+        f"nothing and only cost; parameters stay plain tensors ({precision}); "
+        "trainer.fsdp2_single_rank: true keeps FSDP2 there"
+    )
+
+
 def fsdp2_precision(amp: bool) -> dict[str, torch.dtype | None]:
     """``param_dtype`` / ``reduce_dtype`` of :func:`fully_shard_model` for ``trainer.amp``:
     bf16 parameters and compute with fp32 gradient reduction, or fp32 throughout (None, None)."""
@@ -211,6 +243,8 @@ def apply_fsdp2(
     """
     amp = _trainer_flag(conf, "amp")
     activation_checkpoint = _trainer_flag(conf, "activation_checkpoint")
+    single_rank = _trainer_flag(conf, "fsdp2_single_rank")
+    prefetch = _trainer_flag(conf, "fsdp2_prefetch")
     min_unit_params = (
         trainer_option(conf, "fsdp2_min_unit_params") if conf is not None else FSDP2_MIN_UNIT_PARAMS
     )
@@ -221,6 +255,8 @@ def apply_fsdp2(
         activation_checkpoint=activation_checkpoint,
         gradient_divide_factor=gradient_divide_factor,
         min_unit_params=min_unit_params,
+        single_rank=single_rank,
+        prefetch=prefetch,
     )
 
 
@@ -233,8 +269,16 @@ def fully_shard_model(
     activation_checkpoint: bool = False,
     gradient_divide_factor: float | None = None,
     min_unit_params: int = FSDP2_MIN_UNIT_PARAMS,
+    single_rank: bool = False,
+    prefetch: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 over the 1-D data-parallel mesh ``dp_mesh``; in place.
+
+    A ``dp_mesh`` of one rank gets no ``fully_shard`` unless ``single_rank`` (see the module
+    docstring): ``param_dtype`` is then the autocast dtype of the forward
+    (:func:`~.precision.compute_in`), the parameters stay plain tensors, and the model's class
+    is not an ``FSDPModule``.  ``prefetch`` (``trainer.fsdp2_prefetch``):
+    :func:`set_unit_prefetch` on the units.
 
     ``fully_shard`` is applied to every submodule with ``_fsdp2_shard = True`` (children before
     parents; with ``min_unit_params`` = ``trainer.fsdp2_min_unit_params`` > 0 only those holding
@@ -249,9 +293,6 @@ def fully_shard_model(
     if dp_mesh is None:
         dp_mesh = _world_dp_mesh(model)
     _require_1d(dp_mesh, "apply_fsdp2")
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    guard_inductor_layout(dp_mesh.device_type, param_dtype)
-
     blocks = fsdp2_blocks(model)
     if activation_checkpoint:
         if not blocks:
@@ -261,14 +302,38 @@ def fully_shard_model(
                 stacklevel=2,
             )
         _apply_activation_checkpointing(blocks)
+    if not fsdp2_applies(dp_mesh.size(), single_rank):
+        return compute_in(model, param_dtype, dp_mesh.device_type)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    guard_inductor_layout(dp_mesh.device_type, param_dtype)
     # Bottom-up: a parent's fully_shard must see its children already managed so that it only
     # takes the parameters left over.
-    for _, block in reversed(fsdp2_units(model, min_unit_params)):
+    units = [block for _, block in fsdp2_units(model, min_unit_params)]
+    for block in reversed(units):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    if prefetch:
+        set_unit_prefetch(units)
     if gradient_divide_factor is not None:
         _set_gradient_divide_factor(model, dp_mesh, gradient_divide_factor)
     return model
+
+
+def set_unit_prefetch(units: list[nn.Module]) -> None:
+    """torch's knobs that cut FSDP2's per-unit waiting (``trainer.fsdp2_prefetch: true``):
+    each unit's forward all-gathers the next unit's parameters (explicit forward prefetch), each
+    unit's backward the previous one's (explicit backward prefetch), and the last unit keeps its
+    parameters unsharded from its forward to its backward (``reshard_after_forward=False``: it
+    runs first in backward, so resharding it would gather it straight back; torchtitan does the
+    same).  ``units``: the ``fully_shard`` blocks in forward order (the model's module order,
+    :func:`fsdp2_units`); a unit prefetched out of its real order only loses the overlap, never
+    the result.  The last unit's parameters stay gathered through the forward: that memory more."""
+    for unit, nxt in zip(units, units[1:]):
+        unit.set_modules_to_forward_prefetch([nxt])
+    for unit, prev in zip(units[1:], units):
+        unit.set_modules_to_backward_prefetch([prev])
+    if units:
+        units[-1].set_reshard_after_forward(False)
 
 
 def _set_gradient_divide_factor(model: nn.Module, dp_mesh: DeviceMesh, factor: float) -> None:

@@ -34,7 +34,7 @@ from ..domain.rows import shard_sizes
 from ..layout.config import DataMode, ParallelDims, domain_degrees, parse_parallelism_conf
 from ..layout.mesh import full_rank_layout
 from ..layout.run_config import TrainerConfig, trainer_option
-from ..parallel.fsdp import FSDP2_MIN_UNIT_PARAMS
+from ..parallel.fsdp import FSDP2_MIN_UNIT_PARAMS, fsdp2_layout_note
 from .cost import (
     PLAN_DEVICES,
     DomainLayerPlan,
@@ -124,6 +124,8 @@ class Plan:
     tile_layers: list = field(default_factory=list)
     # ``split.SplitProjection`` of every (P, Q) with P x Q = the domain size (plan --world-size)
     splits: list = field(default_factory=list)
+    # SPEC §4: False when data is fsdp2 but its shard group has one rank (no fully_shard)
+    fsdp2_applied: bool = True
 
     @property
     def ok(self) -> bool:
@@ -535,6 +537,17 @@ def make_plan(
     n, lon = domain_degrees(block["domain"])
     dims, dp = _layout(block, world_size, dims, violations, notes)
     batch_size, amp, policy, chains = _run_settings(conf, trainer, violations)
+    single_rank = (
+        trainer.fsdp2_single_rank if trainer is not None
+        else trainer_option(conf, "fsdp2_single_rank")
+    )  # fmt: skip
+    fsdp_note = None
+    if data == DataMode.FSDP2 and dims is not None:
+        fsdp_note = fsdp2_layout_note(dims.fsdp_group_size, single_rank, amp)
+    if fsdp_note is not None:
+        notes.append(fsdp_note)
+    # what step 4 of the recipe applies: nothing for FSDP2 at a one-rank group
+    applied = DataMode.NONE if fsdp_note is not None else data
 
     # ---- the model, on meta, traced once
     model, model_type, shapes = _meta_model(conf, model, input_shapes)
@@ -554,7 +567,7 @@ def make_plan(
 
     # ---- memory and communication
     memory, tp_listed, units, local_numels = _memory(
-        model, trace, layers, shapes, levels, data=data, dp=dp, tp=tp, n=n, batch_size=batch_size, amp=amp,
+        model, trace, layers, shapes, levels, data=applied, dp=dp, tp=tp, n=n, batch_size=batch_size, amp=amp,
         violations=violations, notes=notes, device=device, q=lon,
         tile_layers=tile_layers or None,
         min_unit_params=(
@@ -565,7 +578,7 @@ def make_plan(
     act_bytes = memory.activation_dtype_bytes
     halo_per_rank = _halo_bytes_per_rank(tile_layers or layers, batch_size, act_bytes, n * lon)
     collectives = _collectives(
-        tile_layers or layers, data, dp, tp, n * lon, tp_listed, units, local_numels
+        tile_layers or layers, applied, dp, tp, n * lon, tp_listed, units, local_numels
     )
     if n > 1 and layers:
         notes.append(_FIRST_STEP_NOTE)
@@ -604,4 +617,5 @@ def make_plan(
         tile_levels=tile_levels,
         tile_layers=tile_layers,
         splits=splits,
+        fsdp2_applied=fsdp_note is None,
     )

@@ -205,7 +205,9 @@ def _memory_section(plan: Plan) -> list[str]:
     out: list[str] = []
     m = plan.memory
     out.append("== Memory per rank (estimate) ==")
-    if plan.data == DataMode.FSDP2:
+    if plan.data == DataMode.FSDP2 and not plan.fsdp2_applied:
+        sharding = "not sharded: FSDP2 not applied at a one-rank shard group (see the notes)"
+    elif plan.data == DataMode.FSDP2:
         size = plan.domain * plan.domain_shape[1]  # P x Q on a lat x lon domain
         over = max(plan.dp, 1) * size
         sharding = (

@@ -137,6 +137,8 @@ def run_training(
     save_dir = Path(tc.save_dir or out_dir / "checkpoints")
     resumed = _resume(trainer, save_dir, resume)
     report = _Progress(stream, tc.steps, trainer.step, tc.log_every, rank == 0 and progress)
+    for note in trainer.layout_notes:
+        report.write(note)
     for line in resumed:
         report.write(line)
     validation = []

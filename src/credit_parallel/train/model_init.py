@@ -312,6 +312,8 @@ def build_parallel_model(
         "amp": options.amp,
         "activation_checkpoint": options.activation_checkpoint,
         "min_unit_params": options.fsdp2_min_unit_params,
+        "single_rank": options.fsdp2_single_rank,
+        "prefetch": options.fsdp2_prefetch,
     }
     if meshes is not None:
         model = apply_model_parallel(

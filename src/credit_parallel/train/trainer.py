@@ -41,6 +41,7 @@ from ..layout.credit_gen2 import credit_gen2_conf
 from ..layout.device import autocast_for, batch_to_device, device_for_process_group
 from ..models import build_model
 from ..parallel.composition import RecipeOptions, get_domain_manager, parallelize_dims
+from ..parallel.fsdp import fsdp2_layout_note
 from .checkpoint import (
     CheckpointError,
     config_hash,
@@ -182,6 +183,17 @@ class Trainer:
         # the model's schedule (CREDIT: one optimizer, the weights an extra param group)
         self.loss_scheduler = build_scheduler(self.loss_optimizer, self.tc)
 
+    @property
+    def layout_notes(self) -> list[str]:
+        """What the run's first lines say about the layout beyond the config: FSDP2 not applied
+        at a one-rank shard group (SPEC §4)."""
+        note = None
+        if self.dims.fsdp_group_size:
+            note = fsdp2_layout_note(
+                self.dims.fsdp_group_size, self.tc.fsdp2_single_rank, self.tc.amp
+            )
+        return [note] if note else []
+
     def _build_model(self, model):
         """The parallel model with identical initial weights on every rank.
 
@@ -271,7 +283,8 @@ class Trainer:
             )
 
     def _autocast(self):
-        # FSDP2 applies its own bf16 policy; autocast only for the other layouts
+        # FSDP2 applies its own bf16 policy, and where its group has one rank the model computes
+        # under its own autocast (parallel/precision.py); autocast here only for the others
         return autocast_for(self.device, self.tc.amp and self.dims.data != DataMode.FSDP2)
 
     # ------------------------------------------------------------------ one step
