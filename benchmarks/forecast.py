@@ -184,6 +184,7 @@ def _rank(args) -> dict:
         "written_mb": result["write_bytes"] / 1e6,
         "cpu_s": cpu,
         "peak_mib": peak,
+        "baseline_mib": rss_before,  # ru_maxrss with the libraries imported (CPU)
     }
     print(RESULT_PREFIX + json.dumps(out), flush=True)
     dist.destroy_process_group()

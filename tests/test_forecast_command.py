@@ -463,3 +463,46 @@ def test_parallelism_flag_overrides_the_config_before_the_world_is_checked(setup
     argv += ["--output", str(tmp_path / "o"), "--init-times", INITS[0], "--device", "cpu"]
     assert cli.main([*argv, "--parallelism", "data=none,tensor=1,domain=1", "--nproc", "1"]) == 0
     assert xr.open_zarr(tmp_path / "o" / "forecast.zarr")["complete"].values.tolist() == [1]
+
+
+_FREED_PROBE = """
+import sys
+import numpy as np
+from credit_parallel.forecast.command import fix_mmap_threshold
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 1024
+
+fixed = fix_mmap_threshold() if sys.argv[1] == "fixed" else None
+np.ones(2**22, dtype=np.float32)  # 16 MiB mapped, freed: glibc's default threshold rises to it
+before = rss_mib()
+np.ones(2**22 - 1024, dtype=np.float32)  # a field a little smaller, touched, freed
+print(fixed, rss_mib() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc (Linux)")
+def test_fixed_mmap_threshold_returns_a_freed_field_to_the_system():
+    import platform
+    import subprocess
+    import sys
+
+    from credit_parallel.forecast.command import MMAP_THRESHOLD, fix_mmap_threshold
+
+    assert fix_mmap_threshold(environ={"MALLOC_MMAP_THRESHOLD_": "65536"}) is None
+    assert fix_mmap_threshold(environ={"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1"}) is None
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    kept = {}
+    for mode in ("default", "fixed"):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
+        out = subprocess.run(
+            [sys.executable, "-c", _FREED_PROBE, mode], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        threshold, grown = out.stdout.split()
+        kept[mode] = float(grown)
+        assert threshold == (str(MMAP_THRESHOLD) if mode == "fixed" else "None")
+    # glibc's default keeps the freed 16 MiB in the heap; the fixed threshold unmaps it
+    assert kept["default"] > 12 and kept["fixed"] < 2, kept
