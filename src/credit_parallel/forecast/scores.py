@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import gc
 import json
 import math
 from collections.abc import Sequence
@@ -472,6 +473,10 @@ def _time_mean_from_dataset(conf: dict, domain_shard, block: int = 8) -> np.ndar
         first_new = covered + 1 - (s + 1)  # y[j] is time s + 1 + j
         total += y[first_new:].sum(axis=0)
         covered = s + k
+    del probe, ds
+    # the datasets' read buffers sit in reference cycles: freed now, not whenever the cyclic
+    # collector next runs (that left ~270 MiB per rank in a 0.1-degree forecast at domain 8)
+    gc.collect()
     return total / n_times
 
 
