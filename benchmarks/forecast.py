@@ -165,6 +165,7 @@ def _rank(args) -> dict:
         + [str(t) for t in times]
     )
     flags.progress = False
+    command.fix_mmap_threshold()  # as the forecast command's worker does
     cpu = time.process_time()
     result = run_forecast(_config(args, world), flags, stream=io.StringIO())
     cpu = time.process_time() - cpu  # the whole run (setup, scores); the loop's share below

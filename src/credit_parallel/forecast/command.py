@@ -29,7 +29,8 @@ the age of the oldest); its first line states the writer's steps in flight, the 
 they cost and the chunks, its last line the share of the loop spent waiting for writes and the
 writer's throughput.
 
-Host memory: :func:`fix_mmap_threshold` (at the start of :func:`run_forecast`) fixes glibc's
+Host memory: :func:`fix_mmap_threshold` (in the command's worker processes, :func:`main`, and the
+benchmark's ranks; not in :func:`run_forecast`, which a caller's own process may run) fixes glibc's
 mmap threshold at 1 MiB, so every field-sized buffer is its own mapping, returned to the system
 when freed (glibc's default threshold rises to 32 MiB after the first large free, and a domain
 rank's 13-40 MB fields then fragment the heap: docs/performance.md "0.1 degrees under domain 8").
@@ -560,7 +561,6 @@ def run_forecast(conf: dict, args, *, stream=None) -> dict:
     ``overwrite``, ``progress``) under ``conf``'s layout; every rank calls it.  Returns this
     rank's summary (store path, initial times computed, scores rows, timings)."""
     stream = stream if stream is not None else sys.stdout
-    fix_mmap_threshold()
     run = _Run(conf, args, stream)
     result = run.run()
     if run.rank == 0:
@@ -656,6 +656,7 @@ def main(argv=None) -> int:
         from ..train.preflight import dist_timeout_s
 
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
+    fix_mmap_threshold()  # the worker process's whole allocator: not in run_forecast's callers'
     run_forecast(conf, args)
     if dist.is_initialized():
         dist.destroy_process_group()
