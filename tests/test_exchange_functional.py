@@ -67,6 +67,7 @@ def _compiled_worker(rank, world):
 
     from credit_parallel.domain.sharding import shard_tensor
 
+    counters.clear()  # a forked rank inherits the parent's counts of earlier tests
     torch.set_default_dtype(torch.float64)
     mgr = DomainParallelManager(world, world)
     torch.manual_seed(0)

@@ -94,7 +94,7 @@ def _no_launch(monkeypatch):
     started = []
     import credit_parallel.tools.launcher as launcher_mod
 
-    def fake_launch(nproc, module, args):
+    def fake_launch(nproc, module, args, **options):
         started.append((nproc, module, os.environ.get(DEVICE_ENV)))
         return 0
 

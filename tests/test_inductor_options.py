@@ -126,8 +126,10 @@ def _fsdp2_guard_args(rank, world):
 
     seen = []
     fsdp.guard_inductor_layout = lambda device, dtype: seen.append((device, dtype)) or False
-    apply_fsdp2(_Net(), None, {"trainer": {"amp": True}})
-    apply_fsdp2(_Net(), None, {"trainer": {"amp": False}})
+    # one rank: FSDP2 is applied only where the user keeps it there (SPEC §4)
+    apply_fsdp2(_Net(), None, {"trainer": {"amp": True, "fsdp2_single_rank": True}})
+    apply_fsdp2(_Net(), None, {"trainer": {"amp": False, "fsdp2_single_rank": True}})
+    apply_fsdp2(_Net(), None, {"trainer": {"amp": True}})  # not applied: the guard not asked
     return seen
 
 

@@ -139,7 +139,9 @@ def _variance(obj):
         return None
     import numpy as np
 
-    return np.asarray(var.cpu() if hasattr(var, "cpu") else var, dtype=float).ravel()
+    if hasattr(var, "numpy") and not isinstance(var, np.ndarray):
+        var = var.numpy(force=True)  # a torch tensor, on whichever device it lives
+    return np.asarray(var, dtype=float).ravel()
 
 
 def check_scaler(scaler: Mapping, source: str, wanted: Mapping[str, Sequence[str]], where: str):
