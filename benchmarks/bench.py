@@ -2,7 +2,7 @@
 
 .venv/bin/python benchmarks/bench.py                       # default suite, outputs/bench/
 .venv/bin/python benchmarks/bench.py --quick               # smoke run
-.venv/bin/python benchmarks/bench.py --docs docs/performance.md
+.venv/bin/python benchmarks/bench.py --docs outputs/bench/performance.md   # not docs/: it replaces the whole page
 .venv/bin/python benchmarks/bench.py --models conv_stack/large --layouts 1x1x1,1x1x2
 """
 
