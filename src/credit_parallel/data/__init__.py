@@ -5,7 +5,8 @@ the row-reading training loader of domain-parallel runs.
 - ``store``: ``ByteCountingStore`` (bytes read), ``compute_normalization_stats``,
   ``default_stats_path``;
 - ``dataset``: ``ERA5Dataset`` (whole globe, or one domain rank's rows), ``latitude_weights``,
-  ``dataset_from_conf``; ``diagnostic``: its output-only (diagnostic) channels;
+  ``dataset_from_conf``; ``era5_schema``: what it reads (dims, variables, channels, grid,
+  statistics), worked out once; ``diagnostic``: its output-only (diagnostic) channels;
 - ``multistore``: several stores as one time axis (a glob of per-year stores), the static
   fields' own store; ``credit_stats``: the normalisation statistics, CREDIT's netCDF files
   included;

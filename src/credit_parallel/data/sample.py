@@ -196,31 +196,9 @@ def _encoding(ds: xr.Dataset, chunk: int, rows: int, compress: bool) -> dict:
     return encoding
 
 
-def write_sample_dataset(
-    path,
-    n_times: int = 64,
-    nlat: int = 33,
-    nlon: int = 64,
-    levels: Sequence[float] = (500, 850),
-    seed: int = 0,
-    *,
-    start: str = "2020-01-01T00:00",
-    stats_path=None,
-    time_chunk: int = 32,
-    lat_chunk: int | None = None,
-    compress: bool = True,
-) -> Path:
-    """Write the sample store to ``path`` (overwritten) and its statistics; return ``Path(path)``.
-
-    ``nlat`` latitudes from 90 to -90 inclusive (so ``nlat`` >= 2 and both poles are rows),
-    ``nlon`` longitudes from 0 eastward at spacing 360/nlon, ``n_times`` 6-hourly steps from
-    ``start``, ``levels`` pressure levels in hPa (coordinate ``level``).  Statistics go to
-    ``stats_path`` (default ``default_stats_path(path)``).  Float32 data, chunked
-    ``time_chunk`` steps at a time and ``lat_chunk`` latitude rows at a time (default: all rows,
-    one chunk per time block, as ERA5 stores usually are).  ``compress=False`` stores chunks
-    uncompressed, so the bytes read from the store equal the decoded bytes (what a test of
-    "bytes read per rank" measures exactly); row chunks let a domain rank fetch only its rows.
-    """
+def _checked_arguments(n_times, nlat, nlon, time_chunk, lat_chunk, levels) -> tuple[float, ...]:
+    """``write_sample_dataset``'s sizes checked (integers >= their minimum) and its levels as
+    distinct pressures in hPa; the levels as floats."""
     for name, value, minimum in (
         ("n_times", n_times, 1),
         ("nlat", nlat, 2),
@@ -239,7 +217,11 @@ def write_sample_dataset(
         )
     if len(set(levels)) != len(levels):
         raise ValueError(f"write_sample_dataset: levels must be distinct, got {levels!r}")
+    return levels
 
+
+def _sample_fields(n_times, nlat, nlon, levels, seed: int, start: str) -> xr.Dataset:
+    """The sample store's variables, coordinates and units (see :func:`write_sample_dataset`)."""
     lat = np.linspace(90.0, -90.0, nlat)
     lon = np.arange(nlon) * (360.0 / nlon)
     times = np.datetime64(start, "h") + np.arange(n_times) * np.timedelta64(_TIME_STEP_HOURS, "h")
@@ -280,6 +262,36 @@ def write_sample_dataset(
     for name, unit in units.items():
         ds[name].attrs["units"] = unit
     ds["level"].attrs["units"] = "hPa"
+    return ds
+
+
+def write_sample_dataset(
+    path,
+    n_times: int = 64,
+    nlat: int = 33,
+    nlon: int = 64,
+    levels: Sequence[float] = (500, 850),
+    seed: int = 0,
+    *,
+    start: str = "2020-01-01T00:00",
+    stats_path=None,
+    time_chunk: int = 32,
+    lat_chunk: int | None = None,
+    compress: bool = True,
+) -> Path:
+    """Write the sample store to ``path`` (overwritten) and its statistics; return ``Path(path)``.
+
+    ``nlat`` latitudes from 90 to -90 inclusive (so ``nlat`` >= 2 and both poles are rows),
+    ``nlon`` longitudes from 0 eastward at spacing 360/nlon, ``n_times`` 6-hourly steps from
+    ``start``, ``levels`` pressure levels in hPa (coordinate ``level``).  Statistics go to
+    ``stats_path`` (default ``default_stats_path(path)``).  Float32 data, chunked
+    ``time_chunk`` steps at a time and ``lat_chunk`` latitude rows at a time (default: all rows,
+    one chunk per time block, as ERA5 stores usually are).  ``compress=False`` stores chunks
+    uncompressed, so the bytes read from the store equal the decoded bytes (what a test of
+    "bytes read per rank" measures exactly); row chunks let a domain rank fetch only its rows.
+    """
+    levels = _checked_arguments(n_times, nlat, nlon, time_chunk, lat_chunk, levels)
+    ds = _sample_fields(n_times, nlat, nlon, levels, seed, start)
 
     path = Path(path)
     rows = nlat if lat_chunk is None else min(lat_chunk, nlat)

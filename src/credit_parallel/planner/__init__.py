@@ -2,7 +2,9 @@
 
 ``trace.py`` builds the model on the meta device and records every domain-layer call;
 ``cost.py`` asks each layer for its geometry and estimates halo bytes, collectives and memory;
-``make.py`` puts the rank layout, the levels and the constraints together (:func:`make_plan`);
+``make.py`` puts the rank layout, the levels and the constraints together (:func:`make_plan`)
+from ``layer_calls.py`` (the traced layer calls: plans, fused exchanges, levels, tiles, splits)
+and ``per_rank.py`` (one rank's memory and collectives);
 ``report.py`` prints it (:func:`format_plan`); ``fsdp_merge.py`` prices merging small FSDP2
 units (a note of the plan); ``tiles.py`` plans the exchanges of lat x lon tiles per rank and
 ``split.py`` projects every P x Q split of the domain ranks (the plan's note on the best one).

@@ -124,6 +124,27 @@ def _data_vs_model(
         )
         return
     keys = _model_keys(conf_model, len(model_shapes))
+    mismatched = _input_mismatches(names, keys, model_shapes, data_shapes, how, violations)
+    out_channels = conf_model.get("out_channels")
+    if mismatched and isinstance(out_channels, int) and len(target_shapes) == 1:
+        # the meta forward needs matching inputs; the declared output width is still checked
+        if out_channels != target_shapes[0][0]:
+            violations.append(
+                f"model.out_channels = {out_channels} but one forecast step of the target has "
+                f"{target_shapes[0][0]} channels{_target_split(dataset, target_shapes[0][0])}: "
+                f"set model.out_channels: {target_shapes[0][0]}"
+            )
+        return
+    if mismatched or meta_model is None:
+        return
+    _output_mismatches(
+        conf_model, dataset, keys, meta_model, model_shapes, target_shapes, violations
+    )
+
+
+def _input_mismatches(names, keys, model_shapes, data_shapes, how: str, violations: list) -> bool:
+    """Each model input's dims, channels, levels and grid against the data's; whether any
+    differs (then the meta forward of :func:`_output_mismatches` cannot run)."""
     mismatched = False
     for name, key, want, got in zip(names, keys, model_shapes, data_shapes):
         if len(want) != len(got):
@@ -155,19 +176,14 @@ def _data_vs_model(
                     f"{key_name} = {w} but the data grid has {g} {axis} points: set "
                     f"{key_name}: {g} (the grid of data.path)"
                 )
-    out_channels = conf_model.get("out_channels")
-    if mismatched and isinstance(out_channels, int) and len(target_shapes) == 1:
-        # the meta forward needs matching inputs; the declared output width is still checked
-        if out_channels != target_shapes[0][0]:
-            violations.append(
-                f"model.out_channels = {out_channels} but one forecast step of the target has "
-                f"{target_shapes[0][0]} channels{_target_split(dataset, target_shapes[0][0])}: "
-                f"set model.out_channels: {target_shapes[0][0]}"
-            )
-        return
-    if mismatched or meta_model is None:
-        return
-    # outputs: one forward on meta tensors, compared with one forecast step of the target
+    return mismatched
+
+
+def _output_mismatches(
+    conf_model, dataset, keys, meta_model, model_shapes, target_shapes, violations: list
+) -> None:
+    """The model's outputs (one forward on meta tensors) against one forecast step of the
+    target."""
     try:
         dtype = next((p.dtype for p in meta_model.parameters()), torch.get_default_dtype())
         inputs = [torch.empty((1, *s), device="meta", dtype=dtype) for s in model_shapes]

@@ -153,69 +153,79 @@ def run_suite(
     rows: list[Row] = []
     for spec in models:
         log(f"{spec.describe()}")
-        # the jobs of one round: ("ref", threads, batch scale) and ("run", layout, overlap)
-        jobs: list[tuple] = [("ref", 1, 1)]
-        plans = {}
-        for layout in layouts:
-            if layout.tp > 1 and not spec.has_tensor_parallel:
-                continue
-            plan = _plan(spec, layout)
-            if plan.violations:
-                log(f"  {layout.name}: skipped ({plan.violations[0]})")
-                continue
-            plans[layout] = plan
-            if ("ref", layout.world, layout.dp) not in jobs:
-                jobs.append(("ref", layout.world, layout.dp))
-            if layout.world > 1:
-                for overlap in overlap_modes if layout.domain > 1 else (True,):
-                    jobs.append(("run", layout, overlap))
+        jobs, plans = _jobs(spec, layouts, overlap_modes, log)
         results: dict[tuple, list[dict]] = {}
         for round_index in range(rounds):
             for job in jobs:
                 first = round_index == 0
-                if job[0] == "ref":
-                    _, threads, scale = job
-                    log(
-                        f"  [{round_index + 1}/{rounds}] 1 rank, {threads} thread(s), batch x{scale}"
-                    )
-                    out = measure(
-                        spec,
-                        Layout(),
-                        steps=steps,
-                        warmup=warmup,
-                        threads=threads,
-                        batch_scale=scale,
-                        memory=memory and first and job == ("ref", 1, 1),
-                    )
-                else:
-                    _, layout, overlap = job
-                    state = f", overlap {'on' if overlap else 'off'}" if layout.domain > 1 else ""
-                    log(f"  [{round_index + 1}/{rounds}] {layout.name}{state}")
-                    out = measure(
-                        spec,
-                        layout,
-                        overlap=overlap,
-                        steps=steps,
-                        warmup=warmup,
-                        memory=memory and first,
-                    )
+                log(f"  [{round_index + 1}/{rounds}] {_job_label(job)}")
+                out = _measure_job(spec, job, steps=steps, warmup=warmup, memory=memory and first)
                 if first:
                     results[job] = out
                 else:
                     _pool(results[job], out)
-        single = results[("ref", 1, 1)][0]
-        for layout, plan in plans.items():
-            reference_s = results[("ref", layout.world, layout.dp)][0]["median_s"]
-            if layout.world == 1:
-                rows.append(_row(spec, layout, True, [single], reference_s, single, plan))
-                continue
+        rows.extend(_model_rows(spec, plans, results, overlap_modes))
+    return rows
+
+
+def _jobs(spec: ModelSpec, layouts: list[Layout], overlap_modes, log) -> tuple[list, dict]:
+    """The jobs of one round of ``spec``: ("ref", threads, batch scale) for each reference and
+    ("run", layout, overlap) for each run; and ``{layout: plan}`` of the layouts it runs (a
+    layout the planner refuses is skipped, with its first violation logged)."""
+    jobs: list[tuple] = [("ref", 1, 1)]
+    plans = {}
+    for layout in layouts:
+        if layout.tp > 1 and not spec.has_tensor_parallel:
+            continue
+        plan = _plan(spec, layout)
+        if plan.violations:
+            log(f"  {layout.name}: skipped ({plan.violations[0]})")
+            continue
+        plans[layout] = plan
+        if ("ref", layout.world, layout.dp) not in jobs:
+            jobs.append(("ref", layout.world, layout.dp))
+        if layout.world > 1:
             for overlap in overlap_modes if layout.domain > 1 else (True,):
-                out = results[("run", layout, overlap)]
-                rows.append(_row(spec, layout, overlap, out, reference_s, single, plan))
-        # the share of the halo time overlap hides, per layout with both settings
-        by_key = {(r.model, r.layout, r.overlap): r for r in rows if r.model == spec.label}
-        for (model, name, overlap), row in by_key.items():
-            off = by_key.get((model, name, False))
-            if overlap and off is not None and off.halo_s > 0:
-                row.halo_hidden = 1.0 - row.halo_s / off.halo_s
+                jobs.append(("run", layout, overlap))
+    return jobs, plans
+
+
+def _job_label(job: tuple) -> str:
+    if job[0] == "ref":
+        return f"1 rank, {job[1]} thread(s), batch x{job[2]}"
+    _, layout, overlap = job
+    state = f", overlap {'on' if overlap else 'off'}" if layout.domain > 1 else ""
+    return f"{layout.name}{state}"
+
+
+def _measure_job(spec: ModelSpec, job: tuple, *, steps: int, warmup: int, memory: bool):
+    """One job's per-rank measurements; a reference's memory only for the 1-thread one."""
+    if job[0] == "ref":
+        _, threads, scale = job
+        return measure(
+            spec, Layout(), steps=steps, warmup=warmup, threads=threads, batch_scale=scale,
+            memory=memory and job == ("ref", 1, 1),
+        )  # fmt: skip
+    _, layout, overlap = job
+    return measure(spec, layout, overlap=overlap, steps=steps, warmup=warmup, memory=memory)
+
+
+def _model_rows(spec: ModelSpec, plans: dict, results: dict, overlap_modes) -> list[Row]:
+    """The rows of one model from its jobs' results, with the share of the halo time overlap
+    hides per layout measured with both settings."""
+    rows: list[Row] = []
+    single = results[("ref", 1, 1)][0]
+    for layout, plan in plans.items():
+        reference_s = results[("ref", layout.world, layout.dp)][0]["median_s"]
+        if layout.world == 1:
+            rows.append(_row(spec, layout, True, [single], reference_s, single, plan))
+            continue
+        for overlap in overlap_modes if layout.domain > 1 else (True,):
+            out = results[("run", layout, overlap)]
+            rows.append(_row(spec, layout, overlap, out, reference_s, single, plan))
+    by_key = {(r.model, r.layout, r.overlap): r for r in rows}
+    for (model, name, overlap), row in by_key.items():
+        off = by_key.get((model, name, False))
+        if overlap and off is not None and off.halo_s > 0:
+            row.halo_hidden = 1.0 - row.halo_s / off.halo_s
     return rows
