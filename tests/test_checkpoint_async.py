@@ -258,3 +258,18 @@ def test_checkpoint_keys_are_validated():
         TrainerConfig.from_conf({"trainer": {"stop_signals": ["SIGKILL"]}})
     with pytest.raises(ValueError, match="trainer.checkpoint_keep must be >= 1"):
         TrainerConfig.from_conf({"trainer": {"checkpoint_keep": 0}})
+
+
+def test_plan_states_the_staging_host_memory(store):
+    from credit_parallel.planner.make import make_plan
+
+    conf = _conf(store)  # use_ema: parameters, two AdamW moments and the shadow
+    plan = make_plan(conf, 1)
+    param_bytes = plan.memory.param_bytes
+    line = next(n for n in plan.notes if n.startswith("checkpoints:"))
+    assert line == (
+        f"checkpoints: asynchronous saves stage {4 * param_bytes / 2**20:.1f} MiB of host memory "
+        "per rank (parameters + AdamW moments + EMA shadow; pinned on CUDA), held for the run"
+    )
+    sync = make_plan(_conf(store, checkpoint_async=False, use_ema=False), 1)
+    assert "checkpoints: synchronous (trainer.checkpoint_async: false)" in "".join(sync.notes)

@@ -144,7 +144,7 @@ class _Run:
         from .store import STORE_NAME, check_existing_store
         from .weights import load_forecast_weights
 
-        self.conf, self.args = conf, args
+        self.conf, self.args, self.stream = conf, args, stream
         self.rank, world = _world()
         self.dims = ParallelDims.from_conf(conf, world)
         self.coords = self.dims.coords(self.rank)
@@ -413,12 +413,15 @@ class _Run:
         if fences:
             self._complete(writer, fences[-1], pending[(len(fences) - 1) * dp : len(fences) * dp])
         finished = min(len(fences) * dp, len(pending))
-        self.report.write(
-            f"forecast: stopping after {finished} of {len(pending)} initial time(s) "
-            f"({verdict.reason}): those are complete in {self.store_path}; continue with "
-            f"--resume (exit status {STOPPED_EXIT_CODE})"
-        )
         self.report.close()
+        if self.rank == 0:  # said also without a progress report (why and where)
+            print(
+                f"forecast: stopping after {finished} of {len(pending)} initial time(s) "
+                f"({verdict.reason}): those are complete in {self.store_path}; continue with "
+                f"--resume (exit status {STOPPED_EXIT_CODE})",
+                file=self.stream,
+                flush=True,
+            )
         computed = [str(self.times.init_times[i]) for i in pending[:finished]]
         return {"store": str(self.store_path), "computed": computed, "stopped": verdict.reason}
 
