@@ -72,7 +72,10 @@ def store(tmp_path_factory):
 
 
 def _conf(store, parallelism=None, batch_size=2, **trainer):
+    # synchronous saves: a rank killed right after a save must find it complete (the killed
+    # asynchronous save: tests/test_preemption.py)
     keys = dict(steps=STEPS, lr=0.01, warmup_steps=2, seed=5, dtype="float64")
+    keys["checkpoint_async"] = False
     keys.update(trainer)
     return unet_run_conf(
         store,

@@ -14,7 +14,10 @@ rows) while the next step computes, and scored
 against the dataset's truth where it has one (:class:`.scores.ScoreAccumulator`, exact global
 sums).  After each round every rank flushes its writer, all meet at a barrier, and rank 0 marks
 the round's initial times complete; a rank that dies leaves its peers waiting at most
-``trainer.dist_timeout_s`` (every collective's bound), and the complete times intact.
+``trainer.dist_timeout_s`` (every collective's bound), and the complete times intact.  A stop
+signal on any rank (``trainer.stop_signals``: :mod:`credit_parallel.train.preemption`) stops
+every rank before the next round, the finished initial times marked complete, and the worker
+exits with status 75 (``--resume`` continues).
 
 Everything that can be wrong with the input is checked before the store is created: initial
 times (dataset, history, forcing), the checkpoint (keys and shapes), the store
@@ -29,17 +32,14 @@ the age of the oldest); its first line states the writer's steps in flight, the 
 they cost and the chunks, its last line the share of the loop spent waiting for writes and the
 writer's throughput.
 
-Host memory: :func:`fix_mmap_threshold` (in the command's worker processes, :func:`main`, and the
-benchmark's ranks; not in :func:`run_forecast`, which a caller's own process may run) fixes glibc's
-mmap threshold at 1 MiB, so every field-sized buffer is its own mapping, returned to the system
-when freed (glibc's default threshold rises to 32 MiB after the first large free, and a domain
-rank's 13-40 MB fields then fragment the heap: docs/performance.md "0.1 degrees under domain 8").
+Host memory: :func:`~.allocator.fix_mmap_threshold` (in the command's worker processes,
+:func:`main`, and the benchmark's ranks; not in :func:`run_forecast`) fixes glibc's mmap
+threshold at 1 MiB.  The flags and their up-front checks: :mod:`.arguments`.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -49,45 +49,27 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..train.preemption import STOPPED_EXIT_CODE, StopRequest
+from .allocator import MMAP_THRESHOLD, fix_mmap_threshold
+from .arguments import apply_overrides, build_arguments, preflight
 from .fields import Fields, Progress, dataset_layout, store_variables
 
-__all__ = ["main", "run_forecast"]
+# the flags and the up-front checks live in .arguments, the allocator in .allocator; their names
+# stay importable from here (the CLI, the tests and the benchmarks import them from here)
+__all__ = [
+    "MMAP_THRESHOLD",
+    "apply_overrides",
+    "build_arguments",
+    "fix_mmap_threshold",
+    "main",
+    "preflight",
+    "run_forecast",
+]
 
 # a test hook: "RANK:ROUND" makes that rank fail at the start of that round (0-based)
 FAIL_ENV = "CREDIT_PARALLEL_FORECAST_FAIL_AT"
 # steps handed to the writer before the rollout waits for it (docs/forecast.md "Writing")
 WRITES_IN_FLIGHT = 2
-# glibc's mmap threshold during a forecast (bytes; fix_mmap_threshold)
-MMAP_THRESHOLD = 1 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
-TRIM_THRESHOLD = 128 * 1024  # glibc's default, which its dynamic threshold may have raised
-
-
-def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD, environ=None) -> int | None:
-    """Fix glibc's mmap threshold at ``threshold`` bytes (``mallopt(M_MMAP_THRESHOLD)``, which
-    also stops glibc raising it after each large free) and its trim threshold at glibc's default:
-    allocations of ``threshold`` or more are mapped and unmapped on their own instead of
-    fragmenting the heap.  Each is left alone where the user declared it
-    (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` or ``GLIBC_TUNABLES``'
-    ``mmap_threshold`` / ``trim_threshold`` in ``environ``, default ``os.environ``); nothing off
-    glibc.  Returns the mmap threshold set, else None."""
-    import ctypes
-
-    environ = os.environ if environ is None else environ
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if "MALLOC_MMAP_THRESHOLD_" in environ or "mmap_threshold" in tunables:
-        return None
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return None
-    if mallopt(_M_MMAP_THRESHOLD, int(threshold)) != 1:
-        return None
-    # the free heap top each arena keeps: back to glibc's default (a large free before this
-    # raised it to twice the old threshold, up to 64 MiB per arena), unless declared
-    if "MALLOC_TRIM_THRESHOLD_" not in environ and "trim_threshold" not in tunables:
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    return threshold
 
 
 def _world() -> tuple[int, int]:
@@ -162,12 +144,13 @@ class _Run:
         from .store import STORE_NAME, check_existing_store
         from .weights import load_forecast_weights
 
-        self.conf, self.args = conf, args
+        self.conf, self.args, self.stream = conf, args, stream
         self.rank, world = _world()
         self.dims = ParallelDims.from_conf(conf, world)
         self.coords = self.dims.coords(self.rank)
         tc = TrainerConfig.from_conf(conf)
         self.seed, self.amp = tc.seed, tc.amp
+        self.stop_signals = tc.stop_signals  # a clean stop between rounds (train/preemption.py)
         self.dtype = torch.float64 if tc.dtype == "float64" else torch.float32
         self.device = device_for_process_group()
         # latitude rows, or (P, Q) tiles of rows x columns (SPEC §3b)
@@ -423,6 +406,25 @@ class _Run:
         if self.rank == 0:
             self.store.mark_complete(items)
 
+    def _stopped(self, writer, fences: list, pending: list, verdict) -> dict:
+        """Every rank agreed to stop before round ``len(fences)``: the last round's rows are
+        flushed and its initial times marked complete; no scores (``--resume`` continues)."""
+        dp = self.slots
+        if fences:
+            self._complete(writer, fences[-1], pending[(len(fences) - 1) * dp : len(fences) * dp])
+        finished = min(len(fences) * dp, len(pending))
+        self.report.close()
+        if self.rank == 0:  # said also without a progress report (why and where)
+            print(
+                f"forecast: stopping after {finished} of {len(pending)} initial time(s) "
+                f"({verdict.reason}): those are complete in {self.store_path}; continue with "
+                f"--resume (exit status {STOPPED_EXIT_CODE})",
+                file=self.stream,
+                flush=True,
+            )
+        computed = [str(self.times.init_times[i]) for i in pending[:finished]]
+        return {"store": str(self.store_path), "computed": computed, "stopped": verdict.reason}
+
     def run(self) -> dict:
         from .writer import StepWriter, summary
 
@@ -440,20 +442,24 @@ class _Run:
         rounds = -(-len(pending) // dp)
         clock = {"steps": 0, "start": time.perf_counter()}
         fences: list[int] = []
-        try:
-            for r in range(rounds):
-                _maybe_fail(self.rank, r)
-                j = r * dp + group
-                self.forecast_one(
-                    pending[min(j, len(pending) - 1)], j < len(pending), writer, acc, clock
-                )
-                fences.append(writer.fence())
-                if r > 0:  # round r-1's rows are written while round r computed
-                    self._complete(writer, fences[r - 1], pending[(r - 1) * dp : r * dp])
-            if rounds:
-                self._complete(writer, fences[-1], pending[(rounds - 1) * dp :])
-        finally:
-            writer.close()
+        with StopRequest(self.stop_signals, device=self.device) as stop:
+            try:
+                for r in range(rounds):
+                    verdict = stop.agreed() if r > 0 else None  # every rank, every round
+                    if verdict is not None and verdict.stop:
+                        return self._stopped(writer, fences, pending, verdict)
+                    _maybe_fail(self.rank, r)
+                    j = r * dp + group
+                    self.forecast_one(
+                        pending[min(j, len(pending) - 1)], j < len(pending), writer, acc, clock
+                    )
+                    fences.append(writer.fence())
+                    if r > 0:  # round r-1's rows are written while round r computed
+                        self._complete(writer, fences[r - 1], pending[(r - 1) * dp : r * dp])
+                if rounds:
+                    self._complete(writer, fences[-1], pending[(rounds - 1) * dp :])
+            finally:
+                writer.close()
         elapsed = time.perf_counter() - clock["start"]
         skipped_items = [i for i in range(len(done)) if done[i]]
         for i in skipped_items[group::dp]:  # complete before this run: scored from the store
@@ -519,42 +525,6 @@ def _finish(run: _Run, result: dict, stream) -> None:
     )
 
 
-def preflight(conf: dict, args) -> None:
-    """What can be checked in one process before any rank starts, each problem one line
-    (``ValueError`` / ``CheckpointError``): the initial times against the dataset's time axis
-    (history, forcing), the store (``--resume`` / ``--overwrite``) and the checkpoint's keys
-    and shapes against the model (built on the meta device, no tensor read)."""
-    from ..data.dataset import dataset_from_conf
-    from .inputs import resolve_init_times
-    from .store import STORE_NAME, check_existing_store
-    from .weights import check_weights
-
-    data = {k: v for k, v in conf["data"].items() if k not in ("time_slice", "valid_time_slice")}
-    dataset = dataset_from_conf(
-        {**conf, "data": data}, forecast_len=1, rows=(0, 0), cache_limit_bytes=0
-    )
-    times = resolve_init_times(
-        dataset.times,
-        init_times=args.init_times,
-        init_range=args.init_range,
-        steps=args.steps,
-        history_len=dataset.history_len,
-        needs_forcing=dataset.n_forcing > 0,
-    )
-    store = Path(args.output) / STORE_NAME
-    layout = dataset_layout(dataset, getattr(args, "layout", None))
-    check_existing_store(
-        store,
-        args.resume,
-        args.overwrite,
-        times,
-        store_variables(dataset, layout),
-        args.members,
-        layout,
-    )
-    check_weights(conf["model"], args.checkpoint, ema=getattr(args, "ema", False))
-
-
 def run_forecast(conf: dict, args, *, stream=None) -> dict:
     """Forecast as ``args`` says (the flags of ``credit-parallel forecast``: ``checkpoint``,
     ``steps``, ``output``, ``init_times`` / ``init_range``, ``members``, ``resume``,
@@ -563,70 +533,10 @@ def run_forecast(conf: dict, args, *, stream=None) -> dict:
     stream = stream if stream is not None else sys.stdout
     run = _Run(conf, args, stream)
     result = run.run()
-    if run.rank == 0:
+    if run.rank == 0 and not result.get("stopped"):
         _finish(run, result, stream)
     _barrier()
     return result
-
-
-def build_arguments(ap: argparse.ArgumentParser) -> None:
-    """The flags of ``credit-parallel forecast`` (SPEC §7), shared by the CLI and the worker."""
-    ap.add_argument("--config", required=True)
-    ap.add_argument(
-        "--checkpoint",
-        required=True,
-        help="step_* directory, a directory of them, or a miles-credit checkpoint file",
-    )
-    ap.add_argument("--steps", type=int, required=True, help="forecast steps (dataset time steps)")
-    ap.add_argument("--output", required=True, help="DIR: DIR/forecast.zarr, scores, map")
-    times = ap.add_mutually_exclusive_group(required=True)
-    times.add_argument("--init-times", nargs="+", metavar="T", help="ISO initial times")
-    times.add_argument(
-        "--init-range",
-        nargs=3,
-        metavar=("START", "END", "STEP"),
-        help="initial times START..END every STEP (hours, 6h, 1d)",
-    )
-    ap.add_argument("--members", type=int, default=1, help="ensemble members (default 1)")
-    ap.add_argument(
-        "--ema",
-        action="store_true",
-        help="forecast with the checkpoint's moving average of the weights (trainer.use_ema)",
-    )
-    ap.add_argument(
-        "--parallelism",
-        default=None,
-        help="data=MODE,tensor=T,domain=N or domain=PxQ (lat x lon; also lat=P,lon=Q); overrides "
-        "trainer.parallelism",
-    )
-    ap.add_argument(
-        "--climatology",
-        default=None,
-        help="climatology file (default: the time mean of data.time_slice)",
-    )
-    ap.add_argument(
-        "--resume", action="store_true", help="skip complete initial times of DIR/forecast.zarr"
-    )
-    ap.add_argument("--overwrite", action="store_true", help="replace DIR/forecast.zarr")
-    ap.add_argument(
-        "--layout",
-        choices=("default", "weatherbench2"),
-        default="default",
-        help="the store's names: the dataset's (default), or WeatherBench 2's (time, "
-        "prediction_timedelta, number; ERA5 long names; levels in hPa)",
-    )
-
-
-def apply_overrides(conf: dict, args) -> dict:
-    """``conf`` with ``--parallelism`` applied (a copy)."""
-    from .inputs import parse_parallelism_flag
-
-    conf = copy.deepcopy(conf)
-    if args.parallelism:
-        conf.setdefault("trainer", {})["parallelism"] = parse_parallelism_flag(args.parallelism)
-    if isinstance(args.members, bool) or args.members < 1:
-        raise ValueError(f"--members must be an integer >= 1, got {args.members!r}")
-    return conf
 
 
 def _resume_after_restart(args) -> None:
@@ -657,10 +567,10 @@ def main(argv=None) -> int:
 
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
     fix_mmap_threshold()  # the worker process's whole allocator: not in run_forecast's callers'
-    run_forecast(conf, args)
+    result = run_forecast(conf, args)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return STOPPED_EXIT_CODE if result.get("stopped") else 0
 
 
 if __name__ == "__main__":

@@ -115,6 +115,28 @@ def _seconds(value):
     return float(value)
 
 
+def _signals(value):
+    import signal
+
+    names = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(names, (list, tuple))
+        or not all(
+            isinstance(n, str)
+            and isinstance(getattr(signal, n, None), signal.Signals)
+            and n.startswith("SIG")
+            and not n.startswith("SIG_")
+            for n in names
+        )
+        or {"SIGKILL", "SIGSTOP"} & set(names)
+    ):
+        raise ValueError(
+            "trainer.stop_signals must be a list of signal names (SIGTERM, SIGUSR1, SIGINT, "
+            f"...; not SIGKILL or SIGSTOP), got {value!r}"
+        )
+    return tuple(names)
+
+
 def _decay(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ValueError(f"trainer.ema_decay must be a number in [0, 1], got {value!r}")
@@ -245,6 +267,16 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "checkpoint_every": (0, _number("trainer", "checkpoint_every", int, 0)),
     # the last step's checkpoint is written at the end of every run unless this is false
     "final_checkpoint": (True, _flag("trainer", "final_checkpoint")),
+    # saves staged into host buffers and written behind the step loop (train/async_save.py)
+    "checkpoint_async": (True, _flag("trainer", "checkpoint_async")),
+    # a save that fails (a full disk, a permission): stop the run, or go on without it
+    "checkpoint_on_error": (
+        "stop",
+        _choice("trainer", "checkpoint_on_error", ("stop", "continue")),
+    ),
+    "checkpoint_keep": (3, _number("trainer", "checkpoint_keep", int, 1)),
+    # signals that stop every rank at the same step boundary with a checkpoint (preemption)
+    "stop_signals": (("SIGTERM", "SIGUSR1", "SIGINT"), _signals),
     "dtype": ("float32", _choice("trainer", "dtype", ("float32", "float64"))),
     "activation_checkpoint": (False, _flag("trainer", "activation_checkpoint")),
     # 0: every _fsdp2_shard block is its own FSDP2 unit (SPEC §4); N > 0 merges smaller ones
@@ -431,6 +463,10 @@ class TrainerConfig:
     val_batches: int = 2
     checkpoint_every: int = 0
     final_checkpoint: bool = True
+    checkpoint_async: bool = True
+    checkpoint_on_error: str = "stop"
+    checkpoint_keep: int = 3
+    stop_signals: tuple = ("SIGTERM", "SIGUSR1", "SIGINT")
     dtype: str = "float32"
     activation_checkpoint: bool = False
     fsdp2_min_unit_params: int = 0

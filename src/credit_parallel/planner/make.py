@@ -195,6 +195,28 @@ def _run_settings(conf: dict, trainer, violations: list) -> tuple:
     return tuple(settings)
 
 
+def _staging_note(conf: dict, trainer, param_bytes: int) -> str:
+    """Host memory a checkpoint save stages per rank (train/async_save.py): the parameters'
+    shards, AdamW's two moments, and the EMA shadow under trainer.use_ema (the buffers: not
+    counted here)."""
+
+    def option(key):
+        try:
+            return getattr(trainer, key) if trainer is not None else trainer_option(conf, key)
+        except ValueError:
+            return TrainerConfig.__dataclass_fields__[key].default
+
+    ema = option("use_ema")
+    staged = param_bytes * (3 + int(ema))
+    parts = "parameters + AdamW moments" + (" + EMA shadow" if ema else "")
+    if not option("checkpoint_async"):
+        return "checkpoints: synchronous (trainer.checkpoint_async: false), no staging memory"
+    return (
+        f"checkpoints: asynchronous saves stage {staged / 2**20:.1f} MiB of host memory per "
+        f"rank ({parts}; pinned on CUDA), held for the run"
+    )
+
+
 def _meta_model(conf: dict, model: nn.Module | None, input_shapes):
     """The model on the meta device (built from ``conf["model"]`` unless given), its type name
     and the per-sample input shapes (given, or the model's input-shape rules)."""
@@ -294,6 +316,7 @@ def make_plan(
     )
     if n > 1 and layers:
         notes.append(_FIRST_STEP_NOTE)
+    notes.append(_staging_note(conf, trainer, memory.param_bytes))
     splits = split_projections(
         model, trace, (n, lon), refusals, notes, batch_size=batch_size, dtype_bytes=act_bytes,
         double=double, dp=max(dp, 1),

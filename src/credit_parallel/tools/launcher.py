@@ -3,21 +3,52 @@
 ``launch_local(nproc, module, args)`` runs ``python -m <module> <args>`` on ``nproc`` local ranks
 with ``torch.distributed.run``, each inside :func:`credit_parallel.tools.forensics.run_worker`
 (``python -m credit_parallel.tools.launcher <module> <args>``); on a failure it prints ONE line
-naming the rank that failed first (:func:`~credit_parallel.tools.forensics.describe_failures`).
+naming the rank that failed first (:func:`~credit_parallel.tools.forensics.describe_failures`),
+or, when every rank stopped on request (SIGTERM / SIGUSR1: :mod:`credit_parallel.train.preemption`),
+one line saying so, and returns their exit status 75.  The agent forwards SIGUSR1 to the ranks
+as it does SIGTERM and SIGINT (``TORCHELASTIC_SIGNALS_TO_HANDLE``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
 
+from ..train.preemption import STOPPED_EXIT_CODE
 from .forensics import STATUS_DIR_ENV, _one_line, describe_failures, run_worker
 
-__all__ = ["UNSHARED_STORE_ENV", "launch_local"]
+__all__ = ["SIGNALS_ENV", "UNSHARED_STORE_ENV", "launch_local", "stopped_line"]
 
 UNSHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# the signals torchrun's agent catches and forwards to the ranks (its default, plus SIGUSR1: a
+# scheduler's walltime warning must reach the ranks, not kill the agent)
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
+def stopped_line(status_dir: str, nproc: int, exit_codes: dict | None = None) -> str | None:
+    """The one line of a run whose every rank stopped on request (exit status 75, a checkpoint
+    written: train/preemption.py), else None."""
+    codes = dict(exit_codes or {})
+    for rank in range(nproc):
+        if rank in codes:
+            continue
+        try:
+            with open(os.path.join(status_dir, f"rank{rank}.json")) as fh:
+                message = json.load(fh).get("message", "")
+        except (OSError, ValueError):
+            return None
+        codes[rank] = STOPPED_EXIT_CODE if message.endswith(f"status {STOPPED_EXIT_CODE}") else 1
+    if len(codes) != nproc or any(c != STOPPED_EXIT_CODE for c in codes.values()):
+        return None
+    return (
+        f"credit-parallel: stopped on request: all {nproc} ranks saved at the same step and "
+        f"exited with status {STOPPED_EXIT_CODE}; run the same command with --resume auto "
+        "(forecast: --resume) to continue"
+    )
 
 
 def launch_local(nproc: int, module: str, args: list[str], *, max_restarts: int = 0) -> int:
@@ -26,10 +57,12 @@ def launch_local(nproc: int, module: str, args: list[str], *, max_restarts: int 
     ``max_restarts``: torchrun's ``--max-restarts``: when a rank fails, its elastic agent stops
     every rank and starts them all again, up to this many times (the workers see
     ``TORCHELASTIC_RESTART_COUNT`` and continue from their newest checkpoint).
-    Returns 0 on success; otherwise prints ``credit-parallel: <who failed and how>`` on one line
+    Returns 0 on success; 75 when every rank stopped on request (:func:`stopped_line`);
+    otherwise prints ``credit-parallel: <who failed and how>`` on one line
     (:func:`describe_failures`, about the last start) and returns 1.
     """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
@@ -49,6 +82,7 @@ def launch_local(nproc: int, module: str, args: list[str], *, max_restarts: int 
     ]
     # OMP threads per rank: share this machine's cores between the ranks.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault(SIGNALS_ENV, AGENT_SIGNALS)
     if max_restarts:
         # restarted ranks must not share the agent's rendezvous store: there they read the
         # addresses of the ranks they replace and gloo waits on a closed port (torch #135712)
@@ -60,6 +94,10 @@ def launch_local(nproc: int, module: str, args: list[str], *, max_restarts: int 
         torchrun.main(argv)
     except ChildFailedError as exc:
         codes = {int(r): f.exitcode for r, f in exc.failures.items()}
+        stopped = stopped_line(status_dir, nproc, codes)
+        if stopped:
+            print(stopped, file=sys.stderr)
+            return STOPPED_EXIT_CODE
         print(f"credit-parallel: {describe_failures(status_dir, nproc, codes)}", file=sys.stderr)
         return 1
     except SystemExit as exc:  # torchrun exits through sys.exit on its own errors
@@ -70,6 +108,17 @@ def launch_local(nproc: int, module: str, args: list[str], *, max_restarts: int 
                 file=sys.stderr,
             )
         return code
+    except SignalException as exc:  # the agent was signalled and forwarded it to the ranks
+        stopped = stopped_line(status_dir, nproc)
+        if stopped:
+            print(stopped, file=sys.stderr)
+            return STOPPED_EXIT_CODE
+        print(
+            f"credit-parallel: the launcher received {exc.sigval.name}: "
+            f"{describe_failures(status_dir, nproc)}",
+            file=sys.stderr,
+        )
+        return 1
     except Exception as exc:  # noqa: BLE001 - the launcher itself failed
         print(
             f"credit-parallel: launcher failed: {type(exc).__name__}: {_one_line(exc)}",

@@ -2,10 +2,14 @@
 
 Layout on disk: ``<dir>/step_00000040/`` holds the DCP shards of ``{"model", "optim"}`` state
 dicts (fully qualified names, so dp/tp/domain sizes and the data mode may change between save
-and load), ``manifest.json`` (step, layout, config hash, library version, extra state) and a
-``COMPLETE`` marker.  A save goes to ``step_N.tmp`` first and is renamed, then marked complete, so
-a crash mid-save leaves the previous checkpoint untouched and loadable; loading picks the newest
-directory with a marker and can fall back to older ones.
+and load), ``manifest.json`` (step, layout, config hash, library version, extra state, the
+SHA-256 of every file, computed as it was written) and a ``COMPLETE`` marker.  A save goes to
+``step_N.tmp`` first (every file fsynced), is renamed, then marked complete, so a crash mid-save
+leaves the previous checkpoint untouched and loadable; a save that fails (a full disk, a
+permission) raises :class:`CheckpointSaveError` on every rank and removes its partial directory;
+retention (``keep``) removes old checkpoints only after the new one is complete.  Loading picks
+the newest directory with a marker and can fall back to older ones.  ``train/async_save.py``
+writes the same checkpoints behind the step loop.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -28,12 +33,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSaveError",
+    "checkpoint_state",
     "config_hash",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "save_checkpoint",
     "verify_files",
+    "write_checkpoint",
 ]
 
 MARKER = "COMPLETE"
@@ -42,6 +50,15 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or does not match the model."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (a full disk, a permission, a killed writer); the previous checkpoints are
+    intact.  ``path``: the directory it was writing; ``cause``: ``Type: message``."""
+
+    def __init__(self, message: str, *, path=None, cause: str = ""):
+        super().__init__(message)
+        self.path, self.cause = path, cause
 
 
 def _is_dist() -> bool:
@@ -90,6 +107,18 @@ def latest_checkpoint(directory) -> Path | None:
     return found[-1] if found else None
 
 
+def checkpoint_state(model, optimizer=None, extra: dict | None = None) -> dict:
+    """What a checkpoint holds: ``{"model", "optim"}`` state dicts (fully qualified names) and
+    the ``extra`` top-level state dicts beside them (the EMA shadow: ``train/ema.py``)."""
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+    else:
+        state = {"model": get_state_dict(model, [])[0]}
+    state.update(extra or {})
+    return state
+
+
 def save_checkpoint(
     directory,
     step: int,
@@ -101,39 +130,142 @@ def save_checkpoint(
     extra: dict | None = None,
 ) -> Path:
     """Save model (and optimizer) state atomically; every rank must call it.  ``extra``: more
-    top-level state dicts saved beside them (the EMA shadow: ``train/ema.py``)."""
+    top-level state dicts saved beside them (the EMA shadow: ``train/ema.py``).  Synchronous:
+    the checkpoint is complete when this returns (``train/async_save.py`` writes it behind
+    the step loop).  Raises :class:`CheckpointSaveError` (previous checkpoints intact)."""
+    state = checkpoint_state(model, optimizer, extra)
+    return write_checkpoint(
+        state, directory, step, manifest=manifest, has_optimizer=optimizer is not None, keep=keep
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: message`` of the first failure (DCP's CheckpointException wraps each rank's)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        exc = first[0] if isinstance(first, tuple) else first
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text[:400]}"
+
+
+def _everyone(error: str | None, group) -> str | None:
+    """Rank 0's error, known to every rank (``group`` spans the world: its rank 0 is rank 0)."""
+    if not _is_dist():
+        return error
+    box = [error]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _failed(step: int, tmp: Path, directory: Path, cause: str) -> CheckpointSaveError:
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+    latest = latest_checkpoint(directory)
+    kept = f"newest complete checkpoint {latest} intact" if latest else "no complete checkpoint yet"
+    return CheckpointSaveError(
+        f"checkpoint save of step {step} to {tmp} failed: {cause}; {kept}", path=tmp, cause=cause
+    )
+
+
+def write_checkpoint(
+    state: dict,
+    directory,
+    step: int,
+    *,
+    manifest: dict | None = None,
+    has_optimizer: bool = True,
+    keep: int = 3,
+    group=None,
+) -> Path:
+    """Write ``state`` (live or staged) as the checkpoint of ``step``; every rank calls it.
+
+    ``step_N.tmp`` first: DCP's files, each fsynced, their SHA-256 computed as they are written;
+    then rank 0 writes the manifest (every rank's checksums), renames the directory and writes
+    ``COMPLETE`` once every rank's files are durable, and only then removes checkpoints beyond
+    the newest ``keep``.  ``group``: the process group of the collectives (default: the world).
+    A failure on any rank raises the same :class:`CheckpointSaveError` on every rank (its path
+    and cause in one line); the partial directory is removed and older checkpoints are intact.
+    """
+    from .async_save import HashingWriter
+
     directory = Path(directory)
     final = _step_dir(directory, step)
     tmp = final.with_name(final.name + ".tmp")
+    error = None
     if _rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    _barrier()
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        except OSError as exc:
+            error = _one_line(exc)
+    error = _everyone(error, group)
+    if error is not None:
+        raise _failed(step, tmp, directory, error)
+    writer = HashingWriter(tmp)
+    try:
+        dcp.save(state, checkpoint_id=str(tmp), storage_writer=writer, process_group=group)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - named, on every rank
+        error = _one_line(exc)
+    digests = writer.digests if error is None else {}
+    if _is_dist():
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (error, digests), group=group)
     else:
-        state = {"model": get_state_dict(model, [])[0]}
-    state.update(extra or {})
-    dcp.save(state, checkpoint_id=str(tmp))
-    _barrier()
+        gathered = [(error, digests)]
+    error = next((e for e, _ in gathered if e is not None), None)
+    if error is not None:
+        raise _failed(step, tmp, directory, error)
     if _rank() == 0:
-        info = dict(manifest or {})
-        info.update(step=step, has_optimizer=optimizer is not None)
-        from .. import __version__
-
-        info.setdefault("library_version", __version__)
-        info["files"] = {f.name: _sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}
-        (tmp / MANIFEST).write_text(json.dumps(info, indent=2, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        (final / MARKER).write_text("ok\n")
-        for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        files = {}
+        for _, part in gathered:
+            files.update(part)
+        try:
+            _finish(directory, tmp, final, step, manifest, has_optimizer, files, keep)
+        except OSError as exc:
+            error = _one_line(exc)
+    error = _everyone(error, group)
+    if error is not None:
+        raise _failed(step, tmp, directory, error)
     return final
+
+
+def _finish(directory, tmp, final, step, manifest, has_optimizer, files, keep) -> None:
+    """Rank 0: manifest, rename, marker (each durable), then retention."""
+    info = dict(manifest or {})
+    info.update(step=step, has_optimizer=has_optimizer)
+    from .. import __version__
+
+    info.setdefault("library_version", __version__)
+    info["files"] = dict(sorted(files.items()))
+    with open(tmp / MANIFEST, "w") as fh:
+        fh.write(json.dumps(info, indent=2, default=str))
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
+    (final / MARKER).write_text("ok\n")
+    _fsync_dir(final)
+    # retention only now: the newest complete checkpoint is the new one
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _sha256(path: Path) -> str:
@@ -235,11 +367,7 @@ def load_checkpoint(path, model, optimizer=None, *, extra: dict | None = None) -
     manifest = read_manifest(path)
     if optimizer is not None and not manifest.get("has_optimizer", False):
         raise CheckpointError(f"checkpoint {path} has no optimizer state")
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_state_dict(model, [])[0]}
+    state = checkpoint_state(model, optimizer)
     _verify_everywhere(path)
     _check_matches(path, {"model": state["model"]})
     state.update(extra or {})

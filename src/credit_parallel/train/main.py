@@ -8,7 +8,9 @@ output directory.  ``--resume PATH`` continues from a checkpoint written under a
 ``--resume auto`` from the run's own newest complete checkpoint (:mod:`.resume`).  Checkpoints go to
 ``trainer.save_dir`` (default ``OUTPUT/checkpoints``) every ``trainer.checkpoint_every`` steps
 and, unless ``trainer.final_checkpoint: false``, after the last step (what ``credit-parallel
-forecast --checkpoint`` starts from).
+forecast --checkpoint`` starts from); asynchronously unless ``trainer.checkpoint_async: false``
+(:mod:`.async_save`).  A stop signal (SIGTERM, SIGUSR1: :mod:`.preemption`) on any rank stops
+every rank at the same step with a checkpoint there; the worker then exits with status 75.
 """
 
 from __future__ import annotations
@@ -118,6 +120,101 @@ def _resume(trainer, save_dir: Path, resume: str | None) -> list[str]:
     return resume_run(trainer, save_dir, resume, restarts=elastic_restart_count())
 
 
+class _Saves:
+    """The run's checkpoints: when they are due, what a failed one does
+    (``trainer.checkpoint_on_error``), and the lines that say so."""
+
+    def __init__(self, trainer, save_dir: Path, report):
+        self.trainer, self.save_dir, self.report = trainer, save_dir, report
+        self.saved_at = trainer.step  # a resumed run's step is saved already
+        self.count = 0
+
+    def first_line(self) -> str | None:
+        tc = self.trainer.tc
+        if not (tc.checkpoint_every or tc.final_checkpoint):
+            return None
+        every = f"every {tc.checkpoint_every} steps and " if tc.checkpoint_every else ""
+        if not tc.checkpoint_async:
+            how = "synchronous (trainer.checkpoint_async: false)"
+        else:
+            kind = "pinned host" if self.trainer.device.type == "cuda" else "host"
+            how = (
+                f"asynchronous: staged into {self.trainer.staging_bytes / 1e6:.1f} MB of {kind} "
+                "memory per rank, written behind the step loop, one save in flight"
+            )
+        return f"checkpoints: {every}at the end, to {self.save_dir}; {how}"
+
+    def save(self, *, wait: bool) -> None:
+        """Save this step (unless saved already); a failed save (this one or the one in
+        flight) stops the run or is reported, as trainer.checkpoint_on_error says."""
+        from .checkpoint import CheckpointSaveError
+
+        if self.saved_at == self.trainer.step:
+            if wait:
+                self.wait()
+            return
+        self.wait()  # the save in flight first: its failure is named before this one starts
+        self.saved_at = self.trainer.step
+        try:
+            self.trainer.save(self.save_dir, wait=wait)
+            self.count += 1
+        except CheckpointSaveError as exc:
+            self._failed(exc)
+
+    def wait(self) -> None:
+        from .checkpoint import CheckpointSaveError
+
+        checkpointer = self.trainer.checkpointer
+        try:
+            if checkpointer is not None:
+                checkpointer.wait()
+        except CheckpointSaveError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc) -> None:
+        if self.trainer.tc.checkpoint_on_error == "stop":
+            raise exc
+        self.report.write(f"{exc} (trainer.checkpoint_on_error: continue: training goes on)")
+
+    @property
+    def failed(self) -> bool:
+        checkpointer = self.trainer.checkpointer
+        return checkpointer is not None and checkpointer.failed
+
+    def summary(self) -> str | None:
+        c = self.trainer.checkpointer
+        if c is None or not self.count:
+            return None
+        return (
+            f"checkpoints: {self.count} saved; the step loop waited {c.wait_s:.2f} s in all for "
+            f"saves in flight ({c.waits} save(s) found one), the last staging took "
+            f"{c.stage_s:.3f} s"
+        )
+
+
+def _stop_here(trainer, saves: _Saves, report, verdict) -> dict:
+    """Every rank agreed to stop at this step: save it, wait for the write, say why/where."""
+    report.write(f"stopping at step {trainer.step}: {verdict.reason}; saving a checkpoint there")
+    saves.save(wait=True)
+    from .preemption import STOPPED_EXIT_CODE
+
+    path = saves.save_dir / f"step_{trainer.step:08d}"
+    report.write(
+        f"stopped at step {trainer.step} ({verdict.reason}): checkpoint {path} complete; "
+        f"continue with --resume auto (exit status {STOPPED_EXIT_CODE})"
+    )
+    return {"step": trainer.step, "signal": verdict.signum, "rank": verdict.rank}
+
+
+def _validate(trainer, report, validation: list) -> None:
+    metrics = trainer.evaluate()
+    metrics["step"] = trainer.step
+    validation.append(metrics)
+    rmse = [v for k, v in metrics.items() if k.startswith("rmse/")]
+    if rmse:
+        report.write(f"step {trainer.step}: validation mean RMSE {sum(rmse) / len(rmse):.4f}")
+
+
 def run_training(
     conf: dict, out_dir: Path, *, progress: bool = True, resume: str | None = None, stream=None
 ) -> dict:
@@ -126,8 +223,11 @@ def run_training(
     ``resume``: a checkpoint (a ``step_*`` directory or a directory of them) written under any
     layout, or ``"auto"`` (the newest complete one in the run's save_dir, else a fresh start);
     training continues from it into ``out_dir``.  ``stream``: where rank 0 reports
-    (default stdout): a bar when it is a terminal, plain lines otherwise.
+    (default stdout): a bar when it is a terminal, plain lines otherwise.  A stop signal
+    (``trainer.stop_signals``, :mod:`.preemption`) ends the run early at a step every rank
+    agrees on, checkpointed: the result's ``stopped`` says where and why (else None).
     """
+    from .preemption import StopRequest
     from .trainer import Trainer
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -137,38 +237,45 @@ def run_training(
     save_dir = Path(tc.save_dir or out_dir / "checkpoints")
     resumed = _resume(trainer, save_dir, resume)
     report = _Progress(stream, tc.steps, trainer.step, tc.log_every, rank == 0 and progress)
-    for note in trainer.layout_notes:
-        report.write(note)
-    for line in resumed:
-        report.write(line)
-    validation = []
+    saves = _Saves(trainer, save_dir, report)
+    for line in [*trainer.layout_notes, saves.first_line(), *resumed]:
+        if line:
+            report.write(line)
+    validation, stopped = [], None
     samples_per_step = tc.batch_size * tc.grad_accum * trainer.dp_size
     t0, s0 = time.perf_counter(), trainer.step
-    while trainer.step < tc.steps:
-        record = trainer.train_step()
-        elapsed = max(1e-9, time.perf_counter() - t0)
-        record["samples_per_s"] = (trainer.step - s0) * samples_per_step / elapsed
-        report.step(record, last=trainer.step == tc.steps)
-        if tc.validate_every and trainer.step % tc.validate_every == 0:
-            metrics = trainer.evaluate()
-            metrics["step"] = trainer.step
-            validation.append(metrics)
-            rmse = [v for k, v in metrics.items() if k.startswith("rmse/")]
-            if rmse:
-                mean = sum(rmse) / len(rmse)
-                report.write(f"step {trainer.step}: validation mean RMSE {mean:.4f}")
-        if tc.checkpoint_every and trainer.step % tc.checkpoint_every == 0:
-            trainer.save(save_dir)
-    report.close()
-    trainer.close()
-    saved_last = bool(tc.checkpoint_every) and trainer.step % tc.checkpoint_every == 0
-    if trainer.step > s0 and not saved_last and (tc.checkpoint_every or tc.final_checkpoint):
-        trainer.save(save_dir)  # the final checkpoint (trainer.final_checkpoint, default true)
+    with StopRequest(tc.stop_signals, device=trainer.device) as stop:
+        while trainer.step < tc.steps:
+            started = time.perf_counter()
+            record = trainer.train_step()
+            elapsed = max(1e-9, time.perf_counter() - t0)
+            record["samples_per_s"] = (trainer.step - s0) * samples_per_step / elapsed
+            report.step(record, last=trainer.step == tc.steps)
+            verdict = stop.agreed(failed=saves.failed)
+            if verdict.failed:  # a write in flight failed on some rank: every rank learns it
+                saves.wait()
+            if verdict.stop:
+                stopped = _stop_here(trainer, saves, report, verdict)
+                break
+            if tc.validate_every and trainer.step % tc.validate_every == 0:
+                _validate(trainer, report, validation)
+            if tc.checkpoint_every and trainer.step % tc.checkpoint_every == 0:
+                saves.save(wait=trainer.step == tc.steps)
+            stop.timed(started)
+        report.close()
+        trainer.close()
+        if stopped is None and trainer.step > s0 and (tc.checkpoint_every or tc.final_checkpoint):
+            saves.save(wait=True)  # the final checkpoint (trainer.final_checkpoint, default true)
+        saves.wait()
+        trainer.wait_for_save()
     result = {"steps": trainer.step, "history": trainer.history, "validation": validation}
+    result["stopped"] = stopped
     if rank == 0 and trainer.history:
         _write_metrics(out_dir, trainer.history, validation)
         png = _plot(out_dir, trainer.history, validation)
         first, last = trainer.history[0]["loss"], trainer.history[-1]["loss"]
+        for line in filter(None, [saves.summary()]):
+            print(line, file=stream, flush=True)
         print(
             f"loss {first:.4f} -> {last:.4f} over {len(trainer.history)} steps; metrics and "
             f"{png.name} in {out_dir}",
@@ -196,11 +303,15 @@ def main(argv=None) -> int:
         from .preflight import dist_timeout_s
 
         init_distributed_from_env(timeout_s=dist_timeout_s(conf))
-    run_training(conf, Path(args.output), resume=args.resume)
+    result = run_training(conf, Path(args.output), resume=args.resume)
     # only after success: after a failure the process group's teardown can block (NCCL), and
     # the launcher's worker wrapper leaves at once instead
     if dist.is_initialized():
         dist.destroy_process_group()
+    if result["stopped"] is not None:
+        from .preemption import STOPPED_EXIT_CODE
+
+        return STOPPED_EXIT_CODE
     return 0
 
 

@@ -42,12 +42,14 @@ from ..layout.device import autocast_for, batch_to_device, device_for_process_gr
 from ..models import build_model
 from ..parallel.composition import RecipeOptions, get_domain_manager, parallelize_dims
 from ..parallel.fsdp import fsdp2_layout_note
+from .async_save import AsyncCheckpointer, staging_bytes_estimate
 from .checkpoint import (
     CheckpointError,
+    checkpoint_state,
     config_hash,
     list_checkpoints,
     load_checkpoint,
-    save_checkpoint,
+    write_checkpoint,
 )
 from .credit_loss import TOP as LOSS_TOP
 from .credit_loss import credit_base_loss, loss_state, restore_loss_state
@@ -115,6 +117,7 @@ class Trainer:
         self.domain_split = self.dims.domain_shape if self.dims.is_2d else self.dims.domain
         self._train_source, self._val_source = dataset, val_dataset
         self.step = 0
+        self.checkpointer: AsyncCheckpointer | None = None  # the first async save creates it
         self._start_loader()
         self.dataset = self.loader.dataset  # this rank's rows (a RowView of a dataset passed in)
         self.model = self._build_model(model)
@@ -442,20 +445,54 @@ class Trainer:
         return self.climatology
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, directory) -> Path:
-        return save_checkpoint(
-            directory,
-            self.step,
-            self.model,
-            self.optimizer,
+    def save(self, directory, *, wait: bool = True) -> Path:
+        """Checkpoint this step into ``directory`` (every rank calls it); the path it has once
+        complete.  Under ``trainer.checkpoint_async`` the state is staged into reused host
+        buffers and written by a writer thread (``train/async_save.py``): with ``wait=False``
+        this returns as soon as the state is staged (a save still in flight is waited for
+        first).  Raises :class:`~credit_parallel.train.checkpoint.CheckpointSaveError` for a
+        failed write (of this save, or of the previous one)."""
+        directory = Path(directory)
+        write = partial(
+            write_checkpoint,
+            directory=directory,
+            step=self.step,
             manifest={
                 "layout": self.block,
                 "world_size": self.world,
                 "config_hash": config_hash(self.conf),
                 "ema": self.ema is not None,
             },
-            extra=self._extra_state(),
+            has_optimizer=True,
+            keep=self.tc.checkpoint_keep,
         )
+        state = partial(checkpoint_state, self.model, self.optimizer, self._extra_state())
+        if not self.tc.checkpoint_async:
+            return write(state())
+        if self.checkpointer is None:
+            self.checkpointer = AsyncCheckpointer(
+                self.device, dist_timeout_s=self.tc.dist_timeout_s
+            )
+        self.checkpointer.save(lambda staged, group: write(staged, group=group), state)
+        if wait:
+            self.checkpointer.wait()
+        return directory / f"step_{self.step:08d}"
+
+    def wait_for_save(self) -> None:
+        """Wait for the save in flight (raising its error); the writer thread stops."""
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.wait()
+            finally:
+                self.checkpointer.close()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes an async save stages on this rank (the buffers' size once allocated,
+        else the estimate from the parameters: model, AdamW moments, EMA shadow)."""
+        if self.checkpointer is not None and self.checkpointer.stager.buffers:
+            return self.checkpointer.stager.nbytes
+        return staging_bytes_estimate(self.model, ema=self.ema is not None)
 
     def _extra_state(self, template: bool = False) -> dict | None:
         """What the checkpoint holds beside the model and the optimizer: the EMA shadow, the
