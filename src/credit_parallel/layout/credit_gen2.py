@@ -39,6 +39,7 @@ from .credit_gen2_blocks import (
 )
 from .credit_resume import credit_resume_keys
 from .credit_scaler_blocks import base_loss_section
+from .extras import require
 
 __all__ = ["credit_gen2_conf", "is_credit_gen2"]
 
@@ -87,6 +88,7 @@ def is_credit_gen2(conf) -> bool:
 def _inject_flat_var_keys(data: dict) -> dict:
     """miles-credit's ``inject_flat_var_keys`` on a copy: ``variables``, ``surface_variables``,
     ``diagnostic_variables`` as CREDIT's gen-2 trainer derives them."""
+    require("cftime", "data.source (CREDIT's gen-2 data schema)")
     try:
         from credit.trainers.utils import inject_flat_var_keys
     except ImportError as err:

@@ -31,6 +31,8 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 
+from .extras import require
+
 __all__ = [
     "LOG_BASES",
     "base_loss_section",
@@ -113,13 +115,8 @@ def load_scaler(path: str, where: str):
             f"{where} = {path!r} does not exist; CREDIT's preblock would start fitting a new "
             "scaler there (`credit preprocess`): fit it first and point the key at the JSON file"
         )
-    try:
-        from bridgescaler import load_scaler_dict
-    except ImportError as err:  # a dependency of the package; named when an install lacks it
-        raise ValueError(
-            f"{where}: reading a bridgescaler JSON needs `bridgescaler` ({err})"
-        ) from err
-    return load_scaler_dict(path)
+    # the optional extra credit-parallel[credit]: named before any rank starts when absent
+    return require("bridgescaler", where).load_scaler_dict(path)
 
 
 def scalers_of(scaler: Mapping, data_type: str, source: str, where: str) -> Mapping:
