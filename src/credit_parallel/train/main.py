@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .progress import RankZeroReport
+from .schedule import job_end_step
 
 __all__ = ["main", "run_training"]
 
@@ -144,7 +145,8 @@ def run_training(
     validation = []
     samples_per_step = tc.batch_size * tc.grad_accum * trainer.dp_size
     t0, s0 = time.perf_counter(), trainer.step
-    while trainer.step < tc.steps:
+    end = job_end_step(tc, s0)  # trainer.steps, or CREDIT's num_epoch epochs of this job
+    while trainer.step < end:
         record = trainer.train_step()
         elapsed = max(1e-9, time.perf_counter() - t0)
         record["samples_per_s"] = (trainer.step - s0) * samples_per_step / elapsed
@@ -159,11 +161,20 @@ def run_training(
                 report.write(f"step {trainer.step}: validation mean RMSE {mean:.4f}")
         if tc.checkpoint_every and trainer.step % tc.checkpoint_every == 0:
             trainer.save(save_dir)
+    if trainer.step < tc.steps:
+        report.write(
+            f"trainer.job_epochs (CREDIT's num_epoch = {tc.job_epochs['num_epoch']}): this job "
+            f"stops at step {trainer.step} of {tc.steps}; its checkpoint goes to {save_dir}, "
+            "`--resume auto` goes on"
+        )
     report.close()
     trainer.close()
     saved_last = bool(tc.checkpoint_every) and trainer.step % tc.checkpoint_every == 0
-    if trainer.step > s0 and not saved_last and (tc.checkpoint_every or tc.final_checkpoint):
+    job_ends = trainer.step < tc.steps  # CREDIT's num_epoch: a resumed job goes on from here
+    wanted = tc.checkpoint_every or tc.final_checkpoint or job_ends
+    if trainer.step > s0 and not saved_last and wanted:
         trainer.save(save_dir)  # the final checkpoint (trainer.final_checkpoint, default true)
+
     result = {"steps": trainer.step, "history": trainer.history, "validation": validation}
     if rank == 0 and trainer.history:
         _write_metrics(out_dir, trainer.history, validation)

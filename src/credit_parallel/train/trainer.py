@@ -64,7 +64,8 @@ from .ema import (
 )
 from .model_init import build_parallel_model
 from .preflight import check_run
-from .schedule import build_scheduler
+from .schedule import TOP as SCHEDULE_TOP
+from .schedule import build_scheduler, schedule_state, step_scheduler
 from .step import (
     TrainStep,
     advance_state,
@@ -324,9 +325,8 @@ class Trainer:
                 self.loss_optimizer.step()
             if self.ema is not None:
                 self.ema.update(self.model)
-        self.scheduler.step()
-        if self.loss_scheduler is not None:
-            self.loss_scheduler.step()
+        step_scheduler(self.scheduler, float(loss))  # CREDIT's plateau steps on the loss
+        step_scheduler(self.loss_scheduler, float(loss))
         self.step += 1
         self.history.append(record)
         return record
@@ -466,6 +466,7 @@ class Trainer:
             extra.update(make(self.ema, self.model))
         if self.loss_optimizer is not None:
             extra.update(loss_state(self.credit_loss.learnable, self.loss_optimizer, template))
+        extra.update(schedule_state(self.scheduler, template))  # CREDIT's plateau state
         return extra or None
 
     def load(self, path) -> dict:
@@ -477,6 +478,8 @@ class Trainer:
         learnable = self.loss_optimizer is not None and has_top_level(path, LOSS_TOP)
         if learnable:
             extra.update(loss_state(self.credit_loss.learnable, self.loss_optimizer, True))
+        if has_top_level(path, SCHEDULE_TOP):
+            extra.update(schedule_state(self.scheduler, True))
         manifest = load_checkpoint(path, self.model, self.optimizer, extra=extra or None)
         if EMA_TOP in extra:
             restore_ema(self.ema, extra)
@@ -485,11 +488,14 @@ class Trainer:
         if learnable:
             restore_loss_state(self.credit_loss.learnable, self.loss_optimizer, extra)
         self.step = int(manifest["step"])
+        state = extra.get(SCHEDULE_TOP, {}).get("state")
         self.scheduler = build_scheduler(
-            self.optimizer, self.tc, step=self.step, resumed=self._credit_resumed
+            self.optimizer, self.tc, step=self.step, resumed=self._credit_resumed, state=state
         )
         if self.loss_optimizer is not None:  # the same schedule, at the same step
-            self.loss_scheduler = build_scheduler(self.loss_optimizer, self.tc, step=self.step)
+            self.loss_scheduler = build_scheduler(
+                self.loss_optimizer, self.tc, step=self.step, state=state
+            )
         self._start_loader()  # the data stream continues at the loaded step
         return manifest
 
