@@ -36,6 +36,7 @@ from ..data.prefetch import DevicePrefetcher
 from ..domain.guard import FunctionalCallGuard, guard_requested
 from ..forecast.metrics import spatial_acc, spatial_mse
 from ..forecast.scores import climatology, flatten_channels
+from ..forecast.units import ForecastUnits
 from ..layout.config import DataMode, has_process_group
 from ..layout.credit_gen2 import credit_gen2_conf
 from ..layout.device import autocast_for, batch_to_device, device_for_process_group
@@ -434,11 +435,13 @@ class Trainer:
         """Set ``climatology`` (what ``evaluate``'s ACC is against): the time mean of the
         training range at each grid point of this rank's rows, read by rows from the store
         (:func:`credit_parallel.forecast.scores.climatology`; ``path``: a climatology file
-        instead), in the data's normalised units.  Reads the whole training range once."""
+        instead), in the model's units: the run's own normalisation (mean / std, or CREDIT's
+        preblock chain as on a target: ``forecast/units.py``).  Reads the whole training range
+        once."""
         raw = climatology(self.conf, domain_shard=(self.domain_rank, self.domain_split), path=path)
-        mean = torch.as_tensor(self.dataset.output_mean).view(-1, 1, 1)
-        std = torch.as_tensor(self.dataset.output_std).view(-1, 1, 1)
-        self.climatology = ((raw - mean) / std).to(device=self.device, dtype=torch.float64)
+        units = ForecastUnits(self.dataset, "cpu")
+        clim = units.climatology_in_model_units(raw)
+        self.climatology = clim.to(device=self.device, dtype=torch.float64)
         return self.climatology
 
     # ------------------------------------------------------------------ checkpoints
