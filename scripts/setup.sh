@@ -15,9 +15,10 @@ want="$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
     .venv/bin/python -m pip install --quiet torch==2.13.0 numpy
-    # -e .: the package's dependencies, h5netcdf / h5py (CREDIT's netCDF statistics) and cftime
-    # (miles-credit's config helpers, for CREDIT gen-2 configs) among them
-    .venv/bin/python -m pip install --quiet -e ".[dev]"
+    # -e .[dev,credit]: the package's dependencies, the test tools, and the optional extra
+    # `credit` (bridgescaler, h5netcdf / h5py, cftime: what only CREDIT's configs need; a core
+    # install is `pip install credit-parallel`, CREDIT users add `[credit]`)
+    .venv/bin/python -m pip install --quiet -e ".[dev,credit]"
     # test dependencies: miles-credit's and timm's own model classes
     # (tests/test_domain_attention.py, tests/test_timm_swin.py).
     # --no-deps: their model files import torchvision & co. only at import time;

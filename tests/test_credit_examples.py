@@ -95,7 +95,8 @@ def test_the_example_as_written_maps_whole_to_credit_parallel_keys(store):
     assert data["diagnostic_variables"] == _DIAGNOSTIC
     assert data["time_slice"] == ["1979-01-01", "2018-12-31"]
     assert data["valid_time_slice"] == ["2018-01-01", "2019-12-31"]
-    assert trainer["steps"] == 500000 and trainer["warmup_steps"] == 1000
+    assert trainer["steps"] == 500000
+    assert trainer["credit_scheduler"]["scheduler"]["warmup_steps"] == 1000
     for gone in ("save_loc", "inference", "pbs", "preblocks", "validation_data"):
         assert gone not in conf
     assert trainer["use_ema"] is True and trainer["ema_decay"] == 0.9999
@@ -114,8 +115,14 @@ def test_the_rewritten_example_reads_as_credit_parallel_keys(store):
     assert d.time_slice == ("2020-01-01", "2020-01-02T18") and d.timestep == "6h"
     assert (d.num_workers, d.prefetch_factor) == (0, 4)
     assert (t.lr, t.batch_size, t.grad_accum, t.seed) == (1e-3, 2, 1, 1000)
-    assert (t.steps, t.warmup_steps, t.grad_clip) == (2, 1, 0.0)
-    assert t.min_lr_ratio == pytest.approx(1e-2)
+    assert (t.steps, t.grad_clip) == (2, 0.0)
+    scheduler = {"scheduler_type": "linear-warmup-cosine", "warmup_steps": 1, "total_steps": 2}
+    assert t.credit_scheduler == {  # CREDIT's own class, stepped per batch (no epoch counted)
+        "scheduler": {**scheduler, "min_lr": 1e-5},
+        "steps_per_epoch": None,
+        "batches_per_epoch": None,
+        "grad_accum": 1,
+    }
     assert t.activation_checkpoint and dict(run.parallelism)["domain"] == 2
     # what is not honoured, named: a second source, 3-D static fields, another scheduler
     bad = copy.deepcopy(conf)
@@ -169,7 +176,10 @@ def test_the_rewritten_example_trains_at_domain_2_as_on_one_process(store):
     ref_records, ref_params = _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
     records, params = run_on_ranks(_domain2_worker, 2, store, timeout=300)[0]
     _assert_trained_alike(records, params, ref_records, ref_params)
-    assert ref_records[0]["loss"] > 0 and ref_records[0]["lr"] == pytest.approx(1e-3)
+    # CREDIT's LinearWarmupCosineScheduler (warmup_steps 1, stepped per batch): its warmup
+    # starts at 0 (step / warmup_steps), then the cosine from learning_rate
+    assert ref_records[0]["loss"] > 0 and ref_records[0]["lr"] == 0.0
+    assert ref_records[1]["lr"] == pytest.approx(1e-3, rel=1e-15)
 
 
 def _domain3_worker(rank, world, store):

@@ -20,6 +20,7 @@ import copy
 import warnings
 
 import pytest
+import torch
 import yaml
 
 from credit_examples import DIAGNOSTIC as _DIAGNOSTIC
@@ -123,7 +124,7 @@ def test_the_template_trains_credits_count_and_says_so_in_one_line():
     """``example-v2026.2.yml``: CREDIT trains 70 epochs x 5 batches = 350 optimizer steps;
     ``scheduler.total_steps: 500000`` is only the learning-rate schedule's length (its cosine
     runs over 500000 steps, of which the run trains 350)."""
-    from credit_parallel.train.schedule import lr_lambda
+    from credit_parallel.train.schedule import build_scheduler
 
     conf = _with_normaliser(_v2026(), "/m.nc", "/s.nc")
     with pytest.warns(UserWarning) as caught:
@@ -137,8 +138,13 @@ def test_the_template_trains_credits_count_and_says_so_in_one_line():
     ]
     with pytest.warns(UserWarning):
         tc = RunConfig.from_conf(conf).trainer
-    fn = lr_lambda(tc)  # warmup 1000 then the cosine over 500000 steps, not over 350
-    assert fn(999) == 1.0 and fn(1000 + 249500) == pytest.approx(0.5 * (1 + 1e-5 / 1e-3))
+    # CREDIT's LinearWarmupCosineScheduler, stepped per batch: warmup 1000 then the cosine
+    # over 500000 steps, not over 350 (5 batches per epoch, an optimizer step each)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=tc.lr)
+    schedule = build_scheduler(optimizer, tc, step=999)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(tc.lr * 999 / 1000, rel=1e-15)
+    schedule.seek(1000 + 249500)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 * (1e-3 + 1e-5), rel=1e-12)
     assert tc.steps == 350 and tc.schedule_steps == 500000
 
 

@@ -181,33 +181,37 @@ def test_forcing_files_give_the_single_stores_samples(npj):
 
 # --------------------------------------------------------------------------- the schedule
 def test_cosine_annealing_is_credits_own_class_stepped_per_epoch():
-    from credit_parallel.train.schedule import EpochTable, credit_epoch_lrs
+    from credit_parallel.train.schedule import CreditSchedule
 
-    scheduler = {"scheduler_type": "cosine-annealing", "T_max": 3, "last_epoch": -1}
-    lrs = credit_epoch_lrs(scheduler, 5, lr=1e-3)
+    block = {"scheduler_type": "cosine-annealing", "T_max": 3, "last_epoch": -1}
+    spec = {"scheduler": block, "steps_per_epoch": 2}
+
+    def rates(epochs, **kw):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        schedule = CreditSchedule(optimizer, spec, lr=1e-3, **kw)
+        seen = []
+        for _ in range(2 * epochs):
+            seen.append(optimizer.param_groups[0]["lr"])
+            schedule.step()
+        return seen
+
     param = torch.nn.Parameter(torch.zeros(1))
     theirs = torch.optim.AdamW([param], lr=1e-3)
     reference = torch.optim.lr_scheduler.CosineAnnealingLR(theirs, T_max=3)
-    for epoch in range(5):
-        assert lrs[epoch] == theirs.param_groups[0]["lr"], epoch  # bitwise
+    expected = []
+    for _ in range(5):
+        expected += [theirs.param_groups[0]["lr"]] * 2  # each epoch's 2 optimizer steps
         theirs.step()
         reference.step()
-    assert lrs[1] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi / 3)), rel=1e-12)
+    assert rates(5) == expected  # bitwise
+    assert expected[2] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi / 3)), rel=1e-12)
     # a loaded state continues where the checkpoint's scheduler stopped, CosineAnnealingLR's
     # recursive step from the optimizer's current rate (here a fresh optimizer's 1e-3, as in
     # CREDIT's trainer when the scheduler is loaded and the optimizer is not)
     state = {**reference.state_dict(), "last_epoch": 1}
-    continued = credit_epoch_lrs(scheduler, 2, lr=1e-3, scheduler_state=state)
+    continued = rates(2, resumed={"scheduler_state": state})
     ratio = (1 + math.cos(2 * math.pi / 3)) / (1 + math.cos(math.pi / 3))
-    assert continued == [1e-3, pytest.approx(1e-3 * ratio, rel=1e-12)]
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    table = EpochTable(optimizer, lrs, steps_per_epoch=2)
-    seen = []
-    for _ in range(6):
-        seen.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        table.step()
-    assert seen == [lrs[0], lrs[0], lrs[1], lrs[1], lrs[2], lrs[2]]
+    assert continued[::2] == [1e-3, pytest.approx(1e-3 * ratio, rel=1e-12)]
 
 
 # --------------------------------------------------------------------------- the example
@@ -239,6 +243,8 @@ def test_the_example_maps_with_its_forcing_files_resume_and_schedule(npj):
     assert t["credit_scheduler"] == {
         "scheduler": {"scheduler_type": "cosine-annealing", "T_max": 3, "last_epoch": -1},
         "steps_per_epoch": 1,
+        "batches_per_epoch": 1,
+        "grad_accum": 1,
     }
     # weights only, no training log: CREDIT starts at start_epoch 0 (3 epochs), no scheduler
     conf = _conf(npj, one, load_optimizer=False)

@@ -1,6 +1,6 @@
-"""CREDIT's ``bridgescaler_transform`` / ``log_transform`` preblocks and their postblock twins
-(``bridgescaler_transform`` with ``method: inverse_transform``, ``exp_transform``), run through
-the ``bridgescaler`` package itself.
+"""CREDIT's ``bridgescaler_transform`` / ``log_transform`` / ``sqrt_transform`` preblocks and
+their postblock twins (``bridgescaler_transform`` with ``method: inverse_transform``,
+``exp_transform``, ``square_transform``), run through the ``bridgescaler`` package itself.
 
 miles-credit 2026.2 (``credit/preblock/scaler.py``, ``credit/postblock/scaler.py``) keeps a
 sample as ``{data_type: {source: {var_key: (B, levels, T, H, W)}}}`` with ``var_key`` =
@@ -20,9 +20,11 @@ statistics, so the transform is exact under any layout.
   the ordered preblock chain (``pre``) and postblock chain (``post``).
 * :meth:`ScalerBlocks.sample_transform` for the dataset (raw float32 in, the model's units out:
   the input scaler on ``x`` / ``forcing``, the target scaler on ``y``, as CREDIT's preblock).
-* :meth:`ScalerBlocks.physical` for the loss: a prediction (or the target twin) in the model's
-  units back to physical units per variable (CREDIT's postblocks ``y_processed`` /
-  ``y_target_processed``), differentiable.
+* :meth:`ScalerBlocks.physical` for the loss and the forecast: a prediction (or the target
+  twin) in the model's units back to physical units per variable (CREDIT's postblocks
+  ``y_processed`` / ``y_target_processed``), differentiable;
+* :meth:`ScalerBlocks.model_units` for the forecast: a composed input, one step's forcing or a
+  climatology through the preblock chain.
 * :func:`check_scaler`: a missing ``scaler_path`` and a zero variance of a listed variable are
   refused naming the key / the variable (CREDIT falls back to fitting a new scaler, and divides
   by the variance without an epsilon).
@@ -101,6 +103,11 @@ class ScalerBlocks:
             selected = [k for k in select_keys(step.get("variables"), keys_present) if k in tensors]
             if not selected:
                 continue
+            if step["type"] in ("sqrt_transform", "square_transform"):
+                op = torch.sqrt if step["type"] == "sqrt_transform" else torch.square
+                for k in selected:
+                    tensors[k] = op(tensors[k])
+                continue
             if step["type"] in ("log_transform", "exp_transform"):
                 base, eps = str(step.get("base", "e")), float(step.get("eps", 1e-8))
                 log_eps = LOG_BASES[base](eps)
@@ -152,6 +159,12 @@ class ScalerBlocks:
             t = self._run(chain, {s.key: t}, data_type, keys, layout)[s.key]
             parts.append(t.reshape(*batch_shape, s.width, *grid))
         return torch.cat(parts, dim=-3)
+
+    def model_units(self, flat: torch.Tensor, data_type: str, slots, layout) -> torch.Tensor:
+        """``flat`` ``(..., C, h, w)`` (raw, its channels the variables of ``slots``) in the
+        model's units: the preblock chain as on ``data_type`` (``input``: a composed input or
+        one step's forcing; ``target``: the output channels, e.g. a climatology)."""
+        return self._flat(flat, data_type, slots, self.pre, layout)
 
     # ------------------------------------------------------------------ the loss
     def physical(self, output: torch.Tensor, layout) -> dict:

@@ -18,7 +18,7 @@ a prognostic variable absent from them, or a variable in one file only, is an er
 The values are those CREDIT computes: bitwise ``ERA5Normalizer``'s float32 arithmetic on a
 domain rank's rows (row mode), and ``Normalize_ERA5_and_Forcing``'s float64 arithmetic
 rounded once on the whole globe (tests/test_credit_stores.py).  Reading netCDF needs an xarray
-engine: ``h5netcdf`` (a dependency of the package).
+engine: ``h5netcdf``, of the optional extra ``credit-parallel[credit]`` (``layout/extras.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import xarray as xr
 
+from ..layout.extras import extra_hint, require
 from .store import default_stats_path, load_channel_stats
 
 __all__ = ["dataset_stats", "load_netcdf_stats"]
@@ -37,6 +38,7 @@ def _open(path, key: str, what: str) -> xr.Dataset:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{what}: data.{key} {str(path)!r} does not exist")
+    require("h5netcdf", f"{what}: data.{key}")
     try:
         with xr.open_dataset(path) as ds:
             return ds.load()
@@ -44,7 +46,7 @@ def _open(path, key: str, what: str) -> xr.Dataset:
         raise ValueError(
             f"{what}: data.{key} {str(path)!r} cannot be read as netCDF ({err}); "
             "CREDIT's statistics files are read with xarray's h5netcdf engine "
-            "(pip install h5netcdf)"
+            f"({extra_hint()})"
         ) from err
 
 

@@ -25,6 +25,8 @@ import xarray as xr
 import zarr
 from zarr.storage import LocalStore, WrapperStore
 
+from ..layout.extras import require
+
 __all__ = [
     "LAT_NAMES",
     "LEVEL_NAMES",
@@ -164,6 +166,7 @@ def open_fields(path, what: str) -> tuple[xr.Dataset, ByteCountingStore | FileCo
     path = Path(path)
     if path.is_dir() or not path.exists():
         return open_store(path, what)
+    require("h5netcdf", f"{what}: the netCDF file {str(path)!r}")
     try:
         return xr.open_dataset(path, engine="h5netcdf", chunks=None, cache=False), FileCounter()
     except (OSError, ValueError) as err:

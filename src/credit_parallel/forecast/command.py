@@ -313,6 +313,7 @@ class _Run:
 
         ds = self.dataset
         sample = ds.compose_input(ds.read_steps(position - ds.history_len + 1, position + 1))
+        sample = self.fields.units.model_input(sample)  # the run's preblocks (units.py)
         keys = next(k for k in INPUT_KEYS if all(name in sample for name in k))
         state = tuple(self._tensor(sample[k].numpy()) for k in keys)
         extra = ds.n_forcing + ds.n_static
@@ -327,6 +328,7 @@ class _Run:
 
         def at(k: int) -> torch.Tensor:
             step = ds.read_steps(position + k, position + k + 1)[0, ds.forcing_channels]
+            step = self.fields.units.model_forcing(step)
             return self._tensor(step).expand(members, -1, -1, -1)
 
         return at

@@ -35,13 +35,14 @@ class Progress(RankZeroReport):
 
 
 class Fields:
-    """Model outputs (normalised, this rank's rows) -> physical channels and store variables."""
+    """Model outputs (normalised, this rank's rows) -> physical channels and store variables,
+    in the run's own units (``units``: mean / std, or CREDIT's pre- and postblocks)."""
 
     def __init__(self, dataset, device):
+        from .units import ForecastUnits
+
         self.dataset = dataset
-        # the output channels: prognostic, then diagnostic (output-only, 2-D)
-        self.mean = torch.as_tensor(dataset.output_mean, device=device).view(-1, 1, 1)
-        self.std = torch.as_tensor(dataset.output_std, device=device).view(-1, 1, 1)
+        self.units = ForecastUnits(dataset, device)
         n_levels = len(dataset.levels)
         self.slices = []
         c = 0
@@ -55,12 +56,11 @@ class Fields:
     def physical(self, outputs) -> torch.Tensor:
         from .scores import flatten_channels
 
-        return flatten_channels(outputs).double() * self.std + self.mean  # (B, C, rows, W)
+        return self.units.physical(flatten_channels(outputs))  # (B, C, rows, W)
 
     def truth(self, step: np.ndarray, device) -> torch.Tensor:
         """One time step of :meth:`ERA5Dataset.read_steps` in physical units, ``(1, C, rows, W)``."""
-        output = torch.from_numpy(step[: self.dataset.channels_out_per_step]).to(device)
-        return (output.double() * self.std + self.mean).unsqueeze(0)
+        return self.units.truth(step, device)
 
     def from_store(
         self, store, index: tuple, rows: tuple, device, columns=None, layout=None

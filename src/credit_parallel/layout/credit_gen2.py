@@ -39,6 +39,11 @@ from .credit_gen2_blocks import (
 )
 from .credit_resume import credit_resume_keys
 from .credit_scaler_blocks import base_loss_section
+from .extras import require
+
+# CREDIT's schedulers (credit/scheduler.py: update_on_batch, update_on_epoch), called
+PER_BATCH = ("cosine-annealing-restarts", "linear-warmup-cosine")
+PER_EPOCH = ("lambda", "plateau", "cosine-annealing")
 
 __all__ = ["credit_gen2_conf", "is_credit_gen2"]
 
@@ -58,6 +63,8 @@ _TRAINER_DROPPED = (
     "save_backup_weights",
     "save_best_weights",
     "skip_validation",
+    "training_metric",  # read by a plateau schedule (_schedule), else CREDIT's bookkeeping
+    "training_metric_direction",
     "stopping_patience",
     "valid_batch_size",
     "valid_thread_workers",
@@ -66,8 +73,6 @@ _TRAINER_DROPPED = (
     "save_metric_vars",
 )
 _TRAINER_OFF_ONLY = {"cpu_offload": "parameters stay on the device"}
-# CREDIT's schedulers that step once per epoch and that credit-parallel calls (credit/scheduler.py)
-_EPOCH_SCHEDULERS = ("cosine-annealing",)
 _GEN2_TRAINER_TYPES = ("era5-gen2", "gen2")
 _LOSS_AS_OURS = {
     "training_loss": "mse",
@@ -87,6 +92,7 @@ def is_credit_gen2(conf) -> bool:
 def _inject_flat_var_keys(data: dict) -> dict:
     """miles-credit's ``inject_flat_var_keys`` on a copy: ``variables``, ``surface_variables``,
     ``diagnostic_variables`` as CREDIT's gen-2 trainer derives them."""
+    require("cftime", "data.source (CREDIT's gen-2 data schema)")
     try:
         from credit.trainers.utils import inject_flat_var_keys
     except ImportError as err:
@@ -218,43 +224,67 @@ def _data_section(conf: Mapping, problems: list[str]) -> dict:
 
 
 def _schedule(t: dict, out: dict, problems: list[str]) -> None:
-    """``trainer.scheduler``: ``linear-warmup-cosine`` as credit-parallel's warmup + cosine
-    (``total_steps`` its length: ``schedule_steps``, not the run's), an epoch-level scheduler
-    of CREDIT's (``cosine-annealing``) as ``credit_scheduler``: CREDIT's own class, called,
-    stepped once per epoch (``train/credit_schedule.py``)."""
+    """``trainer.scheduler``: every scheduler of CREDIT's ``credit/scheduler.py`` as
+    ``credit_scheduler``: CREDIT's own class, called, stepped where CREDIT's trainer steps it
+    (``train/schedule.py``); ``linear-warmup-cosine``'s ``total_steps`` is also kept as
+    ``schedule_steps`` (the schedule's length, said beside the run's count)."""
     if t.pop("use_scheduler", False) is not True:
         t.pop("scheduler", None)
         return
     sched = dict(t.pop("scheduler", None) or {})
     kind = sched.get("scheduler_type")
-    if kind in _EPOCH_SCHEDULERS:
-        per_epoch = epoch_steps({**t, "grad_accum_every": out.get("grad_accum", 1)}, per_epoch=True)
-        if per_epoch is None:
-            problems.append(
-                f"trainer.scheduler.scheduler_type = {kind!r} steps once per epoch: it needs "
-                "trainer.batches_per_epoch > 0 (the epoch's length)"
-            )
-            return
-        out["credit_scheduler"] = {"scheduler": sched, "steps_per_epoch": per_epoch}
-        return
-    sched.pop("scheduler_type", None)
-    if kind != "linear-warmup-cosine":
+    if kind not in PER_BATCH + PER_EPOCH:
         problems.append(
-            f"trainer.scheduler.scheduler_type = {kind!r}: credit-parallel's schedules are a "
-            "linear warmup then cosine decay ('linear-warmup-cosine') and CREDIT's own "
-            f"epoch-level {', '.join(map(repr, _EPOCH_SCHEDULERS))}; choose one or set "
-            "trainer.use_scheduler: false"
+            f"trainer.scheduler.scheduler_type = {kind!r}: CREDIT's schedulers are "
+            f"{', '.join(map(repr, PER_BATCH + PER_EPOCH))} (credit/scheduler.py); choose one "
+            "or set trainer.use_scheduler: false"
         )
         return
-    if "warmup_steps" in sched:
-        out["warmup_steps"] = sched.pop("warmup_steps")
-    if "total_steps" in sched:
-        out["schedule_steps"] = sched.pop("total_steps")
-    if "min_lr" in sched:
-        lr = out.get("lr", t.get("lr", 1e-3))
-        out["min_lr_ratio"] = sched.pop("min_lr") / lr if lr else 0.0
-    for key in sorted(sched):
-        problems.append(f"trainer.scheduler.{key} is not read by credit-parallel's schedule")
+    accum = out.get("grad_accum", 1)
+    per_epoch = epoch_steps({**t, "grad_accum_every": accum}, per_epoch=True)
+    if kind in PER_EPOCH and per_epoch is None:
+        problems.append(
+            f"trainer.scheduler.scheduler_type = {kind!r} steps once per epoch: it needs "
+            "trainer.batches_per_epoch > 0 (the epoch's length)"
+        )
+        return
+    if kind == "plateau":
+        metric = t.get("training_metric", "train_loss" if t.get("skip_validation") else None)
+        if metric != "train_loss":
+            problems.append(
+                "trainer.scheduler.scheduler_type = 'plateau' steps on CREDIT's "
+                f"training_metric ({metric or 'valid_loss'!r} without skip_validation: true); "
+                "credit-parallel validates every trainer.validate_every steps, not per epoch: "
+                "set trainer.skip_validation: true (or training_metric: train_loss) to step "
+                "it on the epoch's training loss"
+            )
+            return
+    if kind == "linear-warmup-cosine" and "total_steps" in sched:
+        out["schedule_steps"] = sched["total_steps"]
+    batches = int(t.get("batches_per_epoch") or 0) or None
+    out["credit_scheduler"] = {
+        "scheduler": sched,
+        "steps_per_epoch": per_epoch,
+        "batches_per_epoch": batches,
+        "grad_accum": accum,
+    }
+
+
+def _job_epochs(t: dict, out: dict, notes: list[str]) -> None:
+    """CREDIT's ``num_epoch`` (the epochs one job runs from ``start_epoch``) as
+    ``job_epochs``; with ``batches_per_epoch: 0`` an epoch's length is not counted here, so
+    one job trains the whole run (said in one line)."""
+    num = t.get("num_epoch")
+    if num is None:
+        return
+    per_epoch = epoch_steps({**t, "grad_accum_every": out.get("grad_accum", 1)}, per_epoch=True)
+    if per_epoch is None:
+        notes.append(
+            f"CREDIT gen-2 config: trainer.num_epoch = {num} with batches_per_epoch: 0 (the "
+            "whole dataset per epoch): one job trains the whole run"
+        )
+        return
+    out["job_epochs"] = {"num_epoch": int(num), "steps_per_epoch": per_epoch}
 
 
 def _run_length(t: dict, out: dict, problems: list[str], notes: list[str]) -> None:
@@ -315,6 +345,7 @@ def _trainer_section(
     elif norm is not None:
         out["grad_clip"] = norm
     _schedule(t, out, problems)
+    _job_epochs(t, out, notes)
     _run_length(t, out, problems, notes)
     dropped.extend(f"trainer.{k}" for k in _TRAINER_DROPPED if t.pop(k, None) is not None)
     if "seed" not in t and "seed" in conf:

@@ -8,9 +8,10 @@ split from ``validation_data`` (the ``data`` schema again, another date range). 
   variables into one channels-first tensor), ``to_device``, ``reconstruct`` (the flat output
   split back per variable), and ``era5_normalizer``, whose ``mean_path`` / ``std_path``
   become ``data.mean_path`` / ``data.std_path`` (CREDIT's netCDF statistics, read by
-  ``data/credit_stats.py``); ``bridgescaler_transform``, ``log_transform`` and
-  ``exp_transform`` become ``data.bridgescaler`` (``credit_scaler_blocks.py``); every other
-  block type (``fill_values``, ``sqrt_transform``, ...) is refused by its full key;
+  ``data/credit_stats.py``); ``bridgescaler_transform``, ``log_transform`` /
+  ``exp_transform`` and ``sqrt_transform`` / ``square_transform`` become ``data.bridgescaler``
+  (``credit_scaler_blocks.py``); every other block type (``fill_values``, ...) is refused by
+  its full key;
 * ``validation_data`` gives ``data.valid_time_slice``; its source must read the training
   stores with the training variables (credit-parallel validates on the training store):
   every differing key is named;

@@ -31,6 +31,8 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 
+from .extras import require
+
 __all__ = [
     "LOG_BASES",
     "base_loss_section",
@@ -43,7 +45,13 @@ __all__ = [
     "var_key",
 ]
 
-SCALER_BLOCKS = ("bridgescaler_transform", "log_transform", "exp_transform")
+SCALER_BLOCKS = (
+    "bridgescaler_transform",
+    "log_transform",
+    "exp_transform",
+    "sqrt_transform",
+    "square_transform",
+)
 LOG_BASES = {"e": math.log, "2": math.log2, "10": math.log10}
 _ARGS = {
     ("preblocks", "bridgescaler_transform"): (
@@ -64,6 +72,10 @@ _ARGS = {
     ),
     ("preblocks", "log_transform"): ("variables", "data_types", "base", "eps"),
     ("postblocks", "exp_transform"): ("variables", "eps", "base", "key"),
+    # credit/preblock/sqrt.py SqrtTransform (y = sqrt(x)), credit/postblock/square.py
+    # SquareTransform (x = y ** 2)
+    ("preblocks", "sqrt_transform"): ("variables", "data_types"),
+    ("postblocks", "square_transform"): ("variables", "key"),
 }
 _METHOD = {"preblocks": "transform", "postblocks": "inverse_transform"}
 _TARGET_TWIN = "y_target_processed"
@@ -113,13 +125,8 @@ def load_scaler(path: str, where: str):
             f"{where} = {path!r} does not exist; CREDIT's preblock would start fitting a new "
             "scaler there (`credit preprocess`): fit it first and point the key at the JSON file"
         )
-    try:
-        from bridgescaler import load_scaler_dict
-    except ImportError as err:  # a dependency of the package; named when an install lacks it
-        raise ValueError(
-            f"{where}: reading a bridgescaler JSON needs `bridgescaler` ({err})"
-        ) from err
-    return load_scaler_dict(path)
+    # the optional extra credit-parallel[credit]: named before any rank starts when absent
+    return require("bridgescaler", where).load_scaler_dict(path)
 
 
 def scalers_of(scaler: Mapping, data_type: str, source: str, where: str) -> Mapping:
@@ -218,7 +225,7 @@ def scaler_step(section: str, where: str, kind: str, args: Mapping, problems: li
             method=method,
             spatial_variables=list(args.get("spatial_variables") or []),
         )
-    else:
+    elif kind in ("log_transform", "exp_transform"):
         base = str(args.get("base", "e"))
         if base not in LOG_BASES:
             problems.append(f"{where}.args.base = {base!r}: CREDIT's bases are {sorted(LOG_BASES)}")

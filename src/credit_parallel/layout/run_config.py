@@ -242,13 +242,13 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "steps": (100, _number("trainer", "steps", int, 1)),
     # the learning-rate schedule's length (CREDIT's scheduler.total_steps); None: ``steps``
     "schedule_steps": (None, _optional_number("trainer", "schedule_steps", int, 1)),
-    # CREDIT's own epoch-level scheduler (cosine-annealing), called: {"scheduler": CREDIT's
-    # trainer.scheduler block, "steps_per_epoch": optimizer steps per epoch}
-    # (train/credit_schedule.py); None: the linear warmup + cosine schedule below
-    "credit_scheduler": (
-        None,
-        _optional_mapping("credit_scheduler", ("scheduler", "steps_per_epoch")),
-    ),
+    # CREDIT's own scheduler class, called: {"scheduler": CREDIT's trainer.scheduler block,
+    # "steps_per_epoch", "batches_per_epoch", "grad_accum"} (train/schedule.py); None: the
+    # linear warmup + cosine schedule below
+    "credit_scheduler": (None, _optional_mapping("trainer", "credit_scheduler")),
+    # CREDIT's num_epoch: {"num_epoch", "steps_per_epoch"}: one job trains that many epochs
+    # from the one it starts in, then saves and stops (train/schedule.py job_end_step)
+    "job_epochs": (None, _optional_mapping("trainer", "job_epochs")),
     # resume from a CREDIT checkpoint: {"checkpoint": .../checkpoint.pt, "load_optimizer",
     # "load_scheduler"} (CREDIT's load_weights; train/credit_resume.py)
     "credit_resume": (None, _optional_mapping("credit_resume", ("checkpoint",))),
@@ -448,6 +448,7 @@ class TrainerConfig:
     steps: int = 100
     schedule_steps: int | None = None
     credit_scheduler: dict | None = None
+    job_epochs: dict | None = None
     credit_resume: dict | None = None
     batch_size: int = 2
     grad_accum: int = 1

@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..layout.extras import extra_hint, require
+
 __all__ = [
     "build_ema",
     "ema_tracker_class",
@@ -54,13 +56,14 @@ def build_ema(model: torch.nn.Module, decay: float):
 def ema_tracker_class():
     """miles-credit's ``EMATracker`` class, or a ``ValueError`` naming what its import lacks
     (preflight asks before any rank starts)."""
+    require("cftime", "trainer.use_ema (miles-credit's EMATracker)")
     try:
         from credit.trainers.base_trainer import EMATracker
     except ImportError as err:
         raise ValueError(
             "trainer.use_ema: the moving average is miles-credit's own EMATracker "
             f"(credit.trainers.base_trainer), which cannot be imported ({err}); its import "
-            "chain needs miles-credit 2026.2 with cftime installed (pip install cftime), or "
+            f"chain needs miles-credit 2026.2 with cftime ({extra_hint()}), or "
             "set trainer.use_ema: false"
         ) from err
     return EMATracker

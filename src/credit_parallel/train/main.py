@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .progress import RankZeroReport
+from .schedule import job_end_step
 
 __all__ = ["main", "run_training"]
 
@@ -244,8 +245,9 @@ def run_training(
     validation, stopped = [], None
     samples_per_step = tc.batch_size * tc.grad_accum * trainer.dp_size
     t0, s0 = time.perf_counter(), trainer.step
+    end = job_end_step(tc, s0)  # trainer.steps, or CREDIT's num_epoch epochs of this job
     with StopRequest(tc.stop_signals, device=trainer.device) as stop:
-        while trainer.step < tc.steps:
+        while trainer.step < end:
             started = time.perf_counter()
             record = trainer.train_step()
             elapsed = max(1e-9, time.perf_counter() - t0)
@@ -260,11 +262,19 @@ def run_training(
             if tc.validate_every and trainer.step % tc.validate_every == 0:
                 _validate(trainer, report, validation)
             if tc.checkpoint_every and trainer.step % tc.checkpoint_every == 0:
-                saves.save(wait=trainer.step == tc.steps)
+                saves.save(wait=trainer.step == end)
             stop.timed(started)
+        job_ends = stopped is None and trainer.step < tc.steps  # CREDIT's num_epoch
+        if job_ends:
+            report.write(
+                f"trainer.job_epochs (CREDIT's num_epoch = {tc.job_epochs['num_epoch']}): this "
+                f"job stops at step {trainer.step} of {tc.steps}; its checkpoint goes to "
+                f"{save_dir}, `--resume auto` goes on"
+            )
         report.close()
         trainer.close()
-        if stopped is None and trainer.step > s0 and (tc.checkpoint_every or tc.final_checkpoint):
+        wanted = tc.checkpoint_every or tc.final_checkpoint or job_ends
+        if stopped is None and trainer.step > s0 and wanted:
             saves.save(wait=True)  # the final checkpoint (trainer.final_checkpoint, default true)
         saves.wait()
         trainer.wait_for_save()

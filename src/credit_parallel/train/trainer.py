@@ -36,6 +36,7 @@ from ..data.prefetch import DevicePrefetcher
 from ..domain.guard import FunctionalCallGuard, guard_requested
 from ..forecast.metrics import spatial_acc, spatial_mse
 from ..forecast.scores import climatology, flatten_channels
+from ..forecast.units import ForecastUnits
 from ..layout.config import DataMode, has_process_group
 from ..layout.credit_gen2 import credit_gen2_conf
 from ..layout.device import autocast_for, batch_to_device, device_for_process_group
@@ -66,7 +67,8 @@ from .ema import (
 )
 from .model_init import build_parallel_model
 from .preflight import check_run
-from .schedule import build_scheduler
+from .schedule import TOP as SCHEDULE_TOP
+from .schedule import build_scheduler, schedule_state, step_scheduler
 from .step import (
     TrainStep,
     advance_state,
@@ -327,9 +329,8 @@ class Trainer:
                 self.loss_optimizer.step()
             if self.ema is not None:
                 self.ema.update(self.model)
-        self.scheduler.step()
-        if self.loss_scheduler is not None:
-            self.loss_scheduler.step()
+        step_scheduler(self.scheduler, float(loss))  # CREDIT's plateau steps on the loss
+        step_scheduler(self.loss_scheduler, float(loss))
         self.step += 1
         self.history.append(record)
         return record
@@ -437,11 +438,13 @@ class Trainer:
         """Set ``climatology`` (what ``evaluate``'s ACC is against): the time mean of the
         training range at each grid point of this rank's rows, read by rows from the store
         (:func:`credit_parallel.forecast.scores.climatology`; ``path``: a climatology file
-        instead), in the data's normalised units.  Reads the whole training range once."""
+        instead), in the model's units: the run's own normalisation (mean / std, or CREDIT's
+        preblock chain as on a target: ``forecast/units.py``).  Reads the whole training range
+        once."""
         raw = climatology(self.conf, domain_shard=(self.domain_rank, self.domain_split), path=path)
-        mean = torch.as_tensor(self.dataset.output_mean).view(-1, 1, 1)
-        std = torch.as_tensor(self.dataset.output_std).view(-1, 1, 1)
-        self.climatology = ((raw - mean) / std).to(device=self.device, dtype=torch.float64)
+        units = ForecastUnits(self.dataset, "cpu")
+        clim = units.climatology_in_model_units(raw)
+        self.climatology = clim.to(device=self.device, dtype=torch.float64)
         return self.climatology
 
     # ------------------------------------------------------------------ checkpoints
@@ -503,6 +506,7 @@ class Trainer:
             extra.update(make(self.ema, self.model))
         if self.loss_optimizer is not None:
             extra.update(loss_state(self.credit_loss.learnable, self.loss_optimizer, template))
+        extra.update(schedule_state(self.scheduler, template))  # CREDIT's plateau state
         return extra or None
 
     def load(self, path) -> dict:
@@ -514,6 +518,8 @@ class Trainer:
         learnable = self.loss_optimizer is not None and has_top_level(path, LOSS_TOP)
         if learnable:
             extra.update(loss_state(self.credit_loss.learnable, self.loss_optimizer, True))
+        if has_top_level(path, SCHEDULE_TOP):
+            extra.update(schedule_state(self.scheduler, True))
         manifest = load_checkpoint(path, self.model, self.optimizer, extra=extra or None)
         if EMA_TOP in extra:
             restore_ema(self.ema, extra)
@@ -522,11 +528,14 @@ class Trainer:
         if learnable:
             restore_loss_state(self.credit_loss.learnable, self.loss_optimizer, extra)
         self.step = int(manifest["step"])
+        state = extra.get(SCHEDULE_TOP, {}).get("state")
         self.scheduler = build_scheduler(
-            self.optimizer, self.tc, step=self.step, resumed=self._credit_resumed
+            self.optimizer, self.tc, step=self.step, resumed=self._credit_resumed, state=state
         )
         if self.loss_optimizer is not None:  # the same schedule, at the same step
-            self.loss_scheduler = build_scheduler(self.loss_optimizer, self.tc, step=self.step)
+            self.loss_scheduler = build_scheduler(
+                self.loss_optimizer, self.tc, step=self.step, state=state
+            )
         self._start_loader()  # the data stream continues at the loaded step
         return manifest
 
