@@ -46,6 +46,7 @@ from ..layers.resample import DomainParallelInterpolate
 from ..manager import resolve_manager
 from ..wrap import DomainWrapper
 from .fuxi import INTERP_MODELS, credit_model_decision
+from .nextgen import nextgen_model_decision
 from .stand_ins import _Key, _RecordingPadding, _ShardedPadding, _swapped
 from .tensor_padding import PADDING_MODES, is_tensor_padding, padded_model_decision
 
@@ -177,6 +178,9 @@ def credit_adapter_decision(module: nn.Module, path: str, manager, *args, **kwar
     (:func:`interp_model_decision`), else a model padded by ``TensorPadding``
     (``tensor_padding.padded_model_decision``)."""
     decided = credit_model_decision(module, path, manager, *args, **kwargs)
+    if decided is not None:
+        return decided
+    decided = nextgen_model_decision(module, path, manager)
     if decided is not None:
         return decided
     decided = interp_model_decision(module, path, manager)

@@ -352,26 +352,11 @@ class DomainFuxi(DomainWrapper):
 # client classes whose forward mixes every grid point through a parameter over the flattened
 # H x W nodes (a shard's rows would meet the wrong columns of the matrix): refused by name, or run
 # on the gathered globe under nonlocal_policy="gather" (exact)
-NONLOCAL_CLASSES = {
-    "credit.models.wxformer.wxformer_next.SpectralGNNBottleneck": (
-        "aggregates all H x W grid points to its virtual spectral nodes with the learned "
-        "(K, H*W) matrix agg_w and scatters back with scatter_w (H*W, K): every output row "
-        "depends on every input row, and the matrices are sized for the whole grid"
-    ),
-}
+NONLOCAL_CLASSES: dict[str, str] = {}  # (miles-credit's SpectralGNNBottleneck: adapters/nextgen.py)
 
 # whole CREDIT models whose own forward reads the global grid in ways no layer rule can see
-_WHOLE_MODEL_REASONS = {
-    "credit.models.wxformer.wxformer_next.NextGenWXFormer": (
-        "miles-credit's nextgen_wxformer cannot be domain parallel: its forward calls "
-        "F.interpolate itself (bilinear from stage to stage on each shard's own sizes, which "
-        "needs rows of the neighbours, and last to the stored global image_height x "
-        "image_width), and its spectral_bottleneck (SpectralGNNBottleneck) mixes all H x W "
-        "grid points through the matrices agg_w / scatter_w sized for the whole grid; use "
-        "domain: 1 (tensor parallelism is exact for it), or "
-        "trainer.domain_nonlocal_policy: gather to run it whole on every domain rank"
-    ),
-}
+# (miles-credit's NextGenWXFormer is made exact by adapters/nextgen.py)
+_WHOLE_MODEL_REASONS: dict[str, str] = {}
 
 
 # miles-credit models whose interpolation to the global image size (after the unpad, before
