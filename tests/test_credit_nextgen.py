@@ -190,3 +190,87 @@ def test_nextgen_wxformer_tp2_x_domain2_under_fsdp2_matches_single_process():
         assert grads.keys() == ref_grads.keys()
         for name, grad in grads.items():
             assert (grad - ref_grads[name]).abs().max() <= TOL, name
+
+
+# --------------------------------------------------------------------------- a CREDIT config
+def _nextgen_config(store: str, domain: int) -> dict:
+    """CREDIT's 0.25-degree gen-2 example on the sample store (tests/test_credit_examples.py)
+    with its model block a ``nextgen_wxformer`` one (CREDIT's keys, spectral norm on)."""
+    from test_credit_examples import _on_sample
+
+    conf = _on_sample(store, {"data": "none", "tensor": 1, "domain": domain})
+    conf["model"] = {
+        "type": "nextgen_wxformer",
+        "image_height": 32,
+        "image_width": 64,
+        "frames": 1,
+        "channels": 3,
+        "levels": 2,
+        "surface_channels": 2,
+        "input_only_channels": 3,
+        "output_only_channels": 0,
+        "dim": [4, 8, 16, 32],
+        "depth": [1, 1, 1, 1],
+        "dim_head": 4,
+        "global_window_size": [2, 2, 2, 1],
+        "local_window_size": 2,
+        "cross_embed_kernel_sizes": [[2, 4], [2, 4], [2, 4], [2, 4]],
+        "cross_embed_strides": [2, 2, 2, 2],
+        "col_attn_heads": 1,
+        "col_attn_stride": 2,
+        "decoder_col_attn": True,
+        "num_spectral_nodes": 4,
+    }
+    return conf
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from credit_parallel.data import write_sample_dataset
+
+    import_credit("credit.trainers.utils")  # miles-credit's inject_flat_var_keys
+    import_credit("credit.models.wxformer.wxformer_next")
+    path = tmp_path_factory.mktemp("data") / "s.zarr"
+    return str(write_sample_dataset(path, n_times=16, nlat=32, nlon=64))
+
+
+def _config_worker(rank, world, store):
+    from test_credit_examples import _train
+
+    return _train(_nextgen_config(store, world))
+
+
+@pytest.mark.slow
+def test_a_nextgen_wxformer_config_trains_2_steps_at_domain_2_as_on_one_process(store):
+    from test_credit_examples import _assert_trained_alike, _train
+
+    ref_records, ref_params = _train(_nextgen_config(store, 1))
+    records, params = run_on_ranks(_config_worker, 2, store, timeout=400)[0]
+    _assert_trained_alike(records, params, ref_records, ref_params)
+    assert any(name.endswith("spectral_bottleneck.agg_w") for name in params)
+
+
+# --------------------------------------------------------------------------- plan
+def test_plan_shows_the_bottlenecks_all_reduce_and_memory():
+    """``plan`` at domain 2: the bottleneck is a collective layer whose comm/call is the ring
+    all-reduce of its (B, C, K) sums, counted forward and backward, and its act/rank its rows
+    plus the sums; the model plans without a refusal."""
+    from credit_parallel.planner.make import make_plan
+    from credit_parallel.planner.report import format_plan
+
+    conf = {
+        "model": {"type": "nextgen_wxformer"},
+        "trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": 2}},
+    }
+    model = _nextgen(stride=2, decoder=True)
+    plan = make_plan(conf, 2, model=model, input_shapes=[(IN_CHANNELS, FRAMES, H, W)])
+    assert plan.ok and not plan.violations
+    (layer,) = [layer for layer in plan.layers if layer.kind == "spectral_bottleneck"]
+    channels, k = 32, 3
+    itemsize = plan.memory.activation_dtype_bytes
+    assert layer.form == "collective" and layer.in_height == 2
+    assert layer.communication_bytes == 2 * (2 - 1) * 1 * channels * k * itemsize  # batch 1
+    assert layer.activation_bytes == (channels * 2 * 1 + channels * k) * itemsize
+    assert plan.collectives["domain_all_reduce_bottleneck"] == 2
+    text = format_plan(plan)
+    assert "spectral_bottleneck" in text and "domain_all_reduce_bottleneck 2" in text

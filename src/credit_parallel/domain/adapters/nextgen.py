@@ -35,6 +35,8 @@ float64 <= 1e-10 against one process (``tests/test_credit_nextgen.py``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -132,6 +134,7 @@ class DomainSpectralBottleneck(DomainWrapper):
     """miles-credit's ``SpectralGNNBottleneck`` on shards or tiles; see the module docstring."""
 
     _domain_parallel = False  # its GroupNorm is converted like anywhere else
+    domain_form = "collective"  # row-local plus one all-reduce (domain/geometry.py)
     domain_kind = "spectral_bottleneck"
     tile_exact = True
 
@@ -143,6 +146,26 @@ class DomainSpectralBottleneck(DomainWrapper):
         super().__init__(module)
         self.manager = manager
         self.__dict__["_grid"] = _Key()
+
+    # ---- geometry and cost, for the planner (domain/geometry.py, domain/attention/cost.py)
+    def output_height(self, input_height: int) -> int:
+        return input_height
+
+    def input_windows(self, input_height: int, n: int) -> None:
+        return None  # no rows move: the (B, C, K) sums do
+
+    def communication_bytes(self, input_shape, n: int, itemsize: int) -> int:
+        """Bytes all ranks send in the forward's ring all-reduce of the (B, C, K) partial sums
+        (the backward sends as much again)."""
+        batch, channels = input_shape[0], input_shape[1]
+        return 2 * (n - 1) * batch * channels * self.wrapped.K * itemsize
+
+    def activation_bytes(self, input_shape, n: int, itemsize: int) -> int:
+        """The busiest rank's rows of the input plus the whole (B, C, K) sum it holds."""
+        height = input_shape[-2]
+        per_row = math.prod(input_shape) // max(height, 1)
+        spectral = input_shape[0] * input_shape[1] * self.wrapped.K
+        return (per_row * -(-height // n) + spectral) * itemsize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         module = self.wrapped
