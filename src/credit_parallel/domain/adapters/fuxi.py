@@ -53,6 +53,7 @@ from ..layers.resample import DomainParallelInterpolate
 from ..manager import resolve_manager
 from ..rows import conv_output_length, conv_transpose_output_length, shard_range
 from ..wrap import DomainWrapper, replace_outermost
+from .regional import NOISE_LAYER, NOISE_REASON, credit_refusal_reason
 from .stand_ins import _share, _swapped, tensor_padding_rows, tensor_unpadding_rows
 
 __all__ = [
@@ -352,7 +353,8 @@ class DomainFuxi(DomainWrapper):
 # client classes whose forward mixes every grid point through a parameter over the flattened
 # H x W nodes (a shard's rows would meet the wrong columns of the matrix): refused by name, or run
 # on the gathered globe under nonlocal_policy="gather" (exact)
-NONLOCAL_CLASSES: dict[str, str] = {}  # (miles-credit's SpectralGNNBottleneck: adapters/nextgen.py)
+# (miles-credit's SpectralGNNBottleneck is made exact by adapters/nextgen.py)
+NONLOCAL_CLASSES: dict[str, str] = {NOISE_LAYER: NOISE_REASON}
 
 # whole CREDIT models whose own forward reads the global grid in ways no layer rule can see
 # (miles-credit's NextGenWXFormer is made exact by adapters/nextgen.py)
@@ -366,6 +368,7 @@ INTERP_MODELS = frozenset(
         "credit.models.crossformer.CrossFormer",
         "credit.models.wxformer.crossformer.CrossFormer",
         "credit.models.camulator.Camulator",
+        "credit.models.wxformer.crossformer_diffusion.CrossFormerDiffusion",
     }
 )
 
@@ -410,7 +413,7 @@ def credit_model_decision(
         return module
     where = path or "<root>"
     whole = _WHOLE_MODEL_REASONS.get(f"{type(module).__module__}.{type(module).__qualname__}")
-    whole = whole or _global_grid_reason(module)
+    whole = whole or credit_refusal_reason(module) or _global_grid_reason(module)
     if whole is not None:  # before its attention is converted: gathered whole, or refused
         if nonlocal_policy != "gather":
             raise ValueError(
