@@ -182,3 +182,29 @@ def test_crossformer_with_noise_is_refused_whatever_its_interp_and_its_noise_lay
     )
     plan = plan_conversion(net, None, errors="record")
     assert [p for p, _ in plan.unsafe] == ["1"] and "randn" in plan.unsafe[0][1]
+
+
+def test_the_graph_model_is_refused_by_its_class_name():
+    """``credit.models.graph`` imports torch_geometric (not installed here): the rule is by
+    qualified class name, checked on a class of that name."""
+    graph = type("GraphResTransfGRU", (torch.nn.Module,), {"__module__": "credit.models.graph"})
+    with pytest.raises(ValueError, match=r"<root> \(GraphResTransfGRU\).*graph edges"):
+        plan_conversion(graph(), None)
+
+
+def _debugger_worker(rank, world):
+    from credit_parallel.testing import domain_parity_errors
+
+    m = import_credit("credit.models.debugger_model")
+
+    def build():
+        return m.DebuggerModel(frames=1, channels=1, levels=2, surface_channels=1,
+                               input_only_channels=1, image_height=9, image_width=8).double()  # fmt: skip
+
+    x = torch.randn(2, 4, 1, 9, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    return domain_parity_errors(build, x, DomainParallelManager(world, world))
+
+
+def test_the_debugger_model_is_exact_at_domain_2():
+    for key, (err, ref) in run_on_ranks(_debugger_worker, 2)[0].items():
+        assert err <= 1e-10 and ref > 0, (key, err, ref)

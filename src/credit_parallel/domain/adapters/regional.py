@@ -12,6 +12,7 @@ configurations of otherwise exact classes that are refused.
   (``param_outside``'s image size), to the interior's.  Their grid has no poles and no periodic
   longitude: nothing here gives it the global grid's rules (the ``earth`` padding, a longitude
   wrap); their own ``TensorPadding`` and ``ZeroPad2d`` are the boundaries the model declares.
+* ``graph`` (``GraphResTransfGRU``): messages along the edges of a graph of nodes, no rows;
 * ``crossformer-ensemble`` / ``crossformer-style`` (``CrossFormerWithNoise``), whatever its
   ``interp``: its ``StochasticDecompositionLayer`` s draw ``torch.randn(B, C, H, W)`` of the
   shape they are given (a shard's), so no rank draws its rows of one process's noise; the
@@ -71,6 +72,11 @@ NOISE_REASON = (
 )
 REFUSED_MODELS = {
     **REGIONAL_MODELS,
+    "credit.models.graph.GraphResTransfGRU": (
+        "miles-credit's GraphResTransfGRU (model.type graph) cannot be domain parallel: it "
+        "passes messages along graph edges between arbitrary nodes (torch_geometric), there "
+        "are no latitude rows to shard; use domain: 1"
+    ),
     "credit.models.wxformer.crossformer_ensemble.CrossFormerWithNoise": (
         "miles-credit's CrossFormerWithNoise (model.type crossformer-ensemble / "
         "crossformer-style) cannot be domain parallel: each of its StochasticDecompositionLayers "
