@@ -8,8 +8,13 @@ read from ``latlon_grid_path``.  Every grid point is computed from its own latit
 longitude only, so a domain rank computes its own rows (lat x lon tile) and nothing else:
 :class:`TISRSource` builds the grid with miles-credit's own ``_get_latlon_grid``, keeps the
 rank's rows and columns, and calls miles-credit's own ``_compute_tisr`` (with its CMIP6 total
-solar irradiance table) on them: the values are CREDIT's at those rows to float32 rounding (its vectorised float32
-sin / cos round a point by its position in the tensor: <= 2 ulps, not bitwise;
+solar irradiance table) on them, one latitude row at a time over the whole width (then keeps its columns).
+
+Why a row at a time: CREDIT computes in float32, and the vectorised float32 sin / cos round a
+point by its position in the flattened tensor, so the same point computed in a shard and in the
+whole grid can differ by an ulp or two.  A row over the whole width is the same tensor whatever
+the layout, so every layout (one process, rows, lat x lon tiles) gets bitwise the same field;
+it equals CREDIT's whole-grid ``TISRDataset`` values to float32 rounding (<= 2 ulps,
 ``tests/test_tisr_source.py``).  miles-credit 2026.2.0 is needed (an error names it).
 
 Not yet wired into the training data path: a gen-2 config with a ``tisr`` source is still
@@ -76,7 +81,7 @@ class TISRSource:
     """This rank's rows of CREDIT's tisr source; see the module docstring.  Build it with
     :meth:`from_source`; :meth:`at` gives the ``(1, 1, rows, columns)`` float32 field at a time."""
 
-    latitude: torch.Tensor  # (1, rows, columns), degrees: the rank's part of the grid
+    latitude: torch.Tensor  # (1, rows, width), degrees: the rank's rows of the grid
     longitude: torch.Tensor
     grid_shape: tuple[int, int]  # the whole grid
     rows: tuple[int, int]
@@ -108,8 +113,8 @@ class TISRSource:
         height, width = latitude.shape[-2:]
         (r0, r1), (c0, c1) = tisr_grid_rows(height, width, shape, coords)
         return cls(
-            latitude[:, r0:r1, c0:c1].contiguous(),
-            longitude[:, r0:r1, c0:c1].contiguous(),
+            latitude[:, r0:r1].contiguous(),  # whole rows: see the module docstring
+            longitude[:, r0:r1].contiguous(),
             (height, width),
             (r0, r1),
             (c0, c1),
@@ -121,12 +126,19 @@ class TISRSource:
     def at(self, time) -> torch.Tensor:
         """The tisr integrated over ``(time - timestep, time]`` at this rank's points, in
         CREDIT's sample layout ``(1, 1, rows, columns)`` (J/m^2, float32)."""
-        field = _credit_tisr()._compute_tisr(
-            pd.Timestamp(time),
-            self.integration_period,
-            self.num_integration_steps,
-            self.latitude,
-            self.longitude,
-            *self.tsi,
-        )
-        return field.unsqueeze(0).unsqueeze(0)
+        compute = _credit_tisr()._compute_tisr
+        time = pd.Timestamp(time)
+        rows = [
+            compute(
+                time,
+                self.integration_period,
+                self.num_integration_steps,
+                self.latitude[:, i : i + 1],
+                self.longitude[:, i : i + 1],
+                *self.tsi,
+            )
+            for i in range(self.latitude.shape[1])
+        ]
+        c0, c1 = self.columns
+        field = torch.cat(rows, dim=0) if rows else self.latitude[0, :, :0]
+        return field[:, c0:c1].unsqueeze(0).unsqueeze(0)
