@@ -616,60 +616,7 @@ def test_credit_example_config_verifies_with_its_own_data_and_trainer_blocks():
     ]
 
 
-# --------------------------------------------------------------------------- nextgen_wxformer x domain
-def _nextgen_wxformer():
-    m = import_credit("credit.models.wxformer.wxformer_next")
-    return m.NextGenWXFormer(
-        image_height=32,
-        image_width=32,
-        frames=1,
-        channels=1,
-        surface_channels=1,
-        input_only_channels=0,
-        output_only_channels=0,
-        levels=2,
-        dim=(8, 16, 32, 64),
-        depth=(1, 1, 1, 1),
-        dim_head=4,
-        global_window_size=(2, 1, 1, 1),
-        local_window_size=2,
-        cross_embed_kernel_sizes=((2, 4),) * 4,
-        cross_embed_strides=(2, 2, 2, 2),
-        col_attn_heads=1,
-        num_spectral_nodes=4,
-    ).double()
-
-
-def _nextgen_domain_worker(rank, world):
-    from credit_parallel import convert_to_domain_parallel, parallelize
-
-    torch.set_default_dtype(torch.float64)
-    conf = {"trainer": {"parallelism": {"data": "none", "tensor": 1, "domain": world}}}
-    with pytest.raises(ValueError) as refused:
-        parallelize(_nextgen_wxformer(), conf)
-    mgr = DomainParallelManager(world, world)
-    x = torch.randn(1, 3, 1, 32, 32, generator=torch.Generator().manual_seed(0))
-    with pytest.warns(UserWarning, match="nonlocal_policy='gather'"):
-        errors = domain_parity_errors(
-            _nextgen_wxformer,
-            x,
-            mgr,
-            convert=lambda m, g: convert_to_domain_parallel(m, g, nonlocal_policy="gather"),
-        )
-    return str(refused.value), errors
-
-
-def test_nextgen_wxformer_under_domain_parallel_is_refused_by_name_or_gathered_exactly():
-    """miles-credit's NextGenWXFormer at domain 2 used to crash inside its spectral bottleneck's
-    einsum (the (K, H*W) aggregation matrix against a shard's H/2*W nodes).  Its forward also
-    interpolates on its own, so no layer rule can make it exact: the converter refuses it by
-    name with the reasons, and under ``nonlocal_policy="gather"`` runs it whole (exact)."""
-    message, errors = run_on_ranks(_nextgen_domain_worker, 2)[0]
-    assert "<root> (NextGenWXFormer)" in message
-    for reason in ("F.interpolate", "SpectralGNNBottleneck", "agg_w", "domain: 1", "gather"):
-        assert reason in message, (reason, message)
-    assert "einsum" not in message
-    assert_parity(errors)
+# nextgen_wxformer x domain: exact, tests/test_credit_nextgen.py
 
 
 # --------------------------------------------------------------------------- legacy wxformer x tp
@@ -719,12 +666,3 @@ def test_undeclared_fused_message_states_when_a_tp_fused_entry_is_exact():
     assert "exact only when" in message and "heads = width // head_dim" in message
     assert "stored heads attribute" in message and "legacy wxformer" in message
     assert "declare _tp_fused" not in message
-
-
-def test_spectral_gnn_bottleneck_in_any_model_is_refused_by_name():
-    from credit_parallel.domain.convert import find_unsafe_modules
-
-    m = import_credit("credit.models.wxformer.wxformer_next")
-    net = nn.Sequential(nn.Conv2d(2, 8, 1), m.SpectralGNNBottleneck(8, 4, 4, 2))
-    ((path, reason),) = find_unsafe_modules(net)
-    assert path == "1" and reason.startswith("SpectralGNNBottleneck") and "agg_w" in reason

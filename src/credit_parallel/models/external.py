@@ -227,6 +227,8 @@ def _one_frame_class(base: type) -> type:
         # miles-credit builds some buffers from Python data, which a meta-device build drops:
         # model_init.build_parallel_model then builds the model whole on each rank instead
         "_whole_build_fallback": True,
+        # domain/adapters/nextgen.py keeps this forward's 4-D input / output
+        "_credit_one_frame": True,
     }
     return type(base.__name__, (base,), namespace)
 

@@ -305,10 +305,20 @@ def _declared_paths(module: nn.Module, attr: str, name: str) -> list[str]:
 _PLAN_STYLES = {"colwise": COLUMN, "rowwise": ROW}
 
 
+def _declarer(module: nn.Module) -> nn.Module:
+    """The module whose class and attributes hold the declarations: inside a domain-parallel
+    wrapper (``domain/wrap.py``: it shares the wrapped module's children, not its attributes;
+    CREDIT sets ``_tp_plan`` per instance) the wrapped module."""
+    while "wrapped" in module.__dict__:
+        module = module.__dict__["wrapped"]
+    return module
+
+
 def _declared_roles(module: nn.Module, name: str) -> tuple[list[str], list[str]]:
     """(column paths, row paths) a module declares, from ``_tp_col`` / ``_tp_row`` and from
     CREDIT's ``_tp_plan = {"to_q": "colwise", ..., "to_out": "rowwise"}``: both spellings of
     the one plan, read here only, so every entry point sees the same targets."""
+    module = _declarer(module)
     cols = _declared_paths(module, "_tp_col", name)
     rows = _declared_paths(module, "_tp_row", name)
     plan = getattr(module, "_tp_plan", None) or {}
@@ -340,8 +350,8 @@ def collect_tensor_parallel_targets(model: nn.Module) -> list[TensorParallelTarg
     targets: dict[str, TensorParallelTarget] = {}
     for name, module in model.named_modules():
         cols, rows = _declared_roles(module, name)
-        fused = getattr(module, "_tp_fused", None) or {}
-        head_dim = getattr(module, "_tp_head_dim", None)
+        fused = getattr(_declarer(module), "_tp_fused", None) or {}
+        head_dim = getattr(_declarer(module), "_tp_head_dim", None)
         if not isinstance(fused, dict):
             raise TypeError(
                 f"_tp_fused of module {_where(name)} must be a dict {{path: parts}}, got {fused!r}"
@@ -509,13 +519,15 @@ def build_tensor_parallel_plan(model: nn.Module, tp_size: int) -> dict[str, Para
     """
     _positive_int(tp_size, "tp_size")
     for _, module in model.named_modules():  # CREDIT's optional per-block check
+        module = _declarer(module)
         check = getattr(type(module), "_tp_constraints", None)
         if check is not None and getattr(module, "_tp_plan", None):
             check(module, tp_size)
     plan = {}
     for target in collect_tensor_parallel_targets(model):
         layer = _resolve(model, target)
-        check_stored_heads(model.get_submodule(target.declared_by), target, _is_fused_name)
+        owner = _declarer(model.get_submodule(target.declared_by))
+        check_stored_heads(owner, target, _is_fused_name)
         _check_layer(layer, target, tp_size)
         plan[target.path] = _style_for(layer, target)
     return plan

@@ -266,6 +266,8 @@ def predicted_collectives(
       statistics in forward and its adjoint all-reduce in backward (none for a norm whose
       statistics travel with the next conv's exchange, ``stats_with_exchange``); per gathered module
       (``nonlocal_policy="gather"``) one all-gather of its input rows;
+    * ``domain_all_reduce_bottleneck``: per ``SpectralGNNBottleneck`` call one all-reduce of its
+      (B, C, K) spectral sums in forward and one of their gradient in backward;
     * ``domain_grad_all_reduce``: buckets of ``sync_domain_gradients`` (domain > 1);
     * ``tp_all_reduce``: one per row-parallel layer (forward) plus one per column layer (backward);
     * ``tp_weight_regroup``: fused column layers regroup their weight (forward and backward);
@@ -281,6 +283,7 @@ def predicted_collectives(
             "domain_p2p",
             "domain_all_gather",
             "domain_all_reduce_norm",
+            "domain_all_reduce_bottleneck",
             "domain_grad_all_reduce",
             "tp_all_reduce",
             "tp_weight_regroup",
@@ -300,6 +303,9 @@ def predicted_collectives(
         gathers = sum(1 for layer in layers if layer.form == "gather")
         counts["domain_all_gather"] = norms + gathers
         counts["domain_all_reduce_norm"] = norms
+        # CREDIT's SpectralGNNBottleneck (domain/adapters/nextgen.py): forward and backward
+        bottlenecks = sum(1 for layer in layers if layer.kind == "spectral_bottleneck")
+        counts["domain_all_reduce_bottleneck"] = 2 * bottlenecks
         counts["domain_grad_all_reduce"] = _greedy_buckets(grad_sizes_bytes, cap)
     if tp > 1:
         counts["tp_all_reduce"] = tp_row_layers + tp_col_layers

@@ -295,7 +295,7 @@ def _communication_section(plan: Plan) -> list[str]:
     nonzero = {k: v for k, v in plan.collectives.items() if v}
     if nonzero:
         for kind, count in nonzero.items():
-            out.append(f"  {kind:<24} {count}")
+            out.append(f"  {kind:<28} {count}")
     else:
         out.append("  (none)")
     if plan.tp_targets and plan.tp > 1:

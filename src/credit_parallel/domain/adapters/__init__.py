@@ -12,4 +12,8 @@ imports none of them) and made exact under latitude sharding.
   arithmetic of ``TensorPadding``;
 * :mod:`.credit_interp` — the CrossFormer family's interpolation to the global image size
   (``model.interp: true``), and the converter's CREDIT-model step.
+* :mod:`.nextgen` — miles-credit's ``NextGenWXFormer``: its spectral GNN bottleneck (own columns
+  of ``agg_w``, one all-reduce), column attention and stage-to-stage interpolations;
+* :mod:`.regional` — the miles-credit classes refused whatever their configuration (the
+  regional ``wrf`` / ``dscale``, the noise-drawing ensemble, the graph model), with the reason.
 """

@@ -13,7 +13,9 @@ miles-credit's CrossFormer family ends its forward with::
         x = self.postblock({"y_pred": x, "x": x_copy})
 
 (``credit.models.crossformer.CrossFormer``, ``credit.models.wxformer.crossformer.CrossFormer``
-(``wxformer`` / ``wxformer_base``), ``credit.models.camulator.Camulator``).  On a shard that
+(``wxformer`` / ``wxformer_base``), ``credit.models.camulator.Camulator``,
+``crossformer_diffusion.CrossFormerDiffusion``: its time embedding is per sample, its
+``x_cond`` sharded like ``x``).  On a shard that
 ``F.interpolate`` would resample each shard's own rows to the whole globe's size.
 :class:`DomainInterpModel` runs the model's own forward with ``use_interp`` set off for the
 duration of the call, and applies :class:`~..layers.resample.DomainParallelInterpolate` (global
@@ -29,9 +31,8 @@ the ``(b, C, T, h, w)`` view it returns are the same.  Composed with the rest of
   block sees the interpolated prediction, as in CREDIT.
 
 The other gen-2 models that interpolate in their forward (``crossformer-ensemble``'s
-``CrossFormerWithNoise``: per-pixel noise; ``crossformer-diffusion``; the regional
-``swin_wrf`` / ``dscale_wrf`` with their boundary inputs) stay refused by name at domain > 1
-(``fuxi._global_grid_reason``).  Parameters, buffers and ``state_dict`` keys are the model's.
+``CrossFormerWithNoise``: per-pixel noise; the regional ``swin_wrf`` / ``dscale_wrf``) stay
+refused by name at domain > 1, whatever their ``interp`` (``regional.py``).  Parameters, buffers and ``state_dict`` keys are the model's.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..layers.resample import DomainParallelInterpolate
 from ..manager import resolve_manager
 from ..wrap import DomainWrapper
 from .fuxi import INTERP_MODELS, credit_model_decision
+from .nextgen import nextgen_model_decision
 from .stand_ins import _Key, _RecordingPadding, _ShardedPadding, _swapped
 from .tensor_padding import PADDING_MODES, is_tensor_padding, padded_model_decision
 
@@ -177,6 +179,9 @@ def credit_adapter_decision(module: nn.Module, path: str, manager, *args, **kwar
     (:func:`interp_model_decision`), else a model padded by ``TensorPadding``
     (``tensor_padding.padded_model_decision``)."""
     decided = credit_model_decision(module, path, manager, *args, **kwargs)
+    if decided is not None:
+        return decided
+    decided = nextgen_model_decision(module, path, manager)
     if decided is not None:
         return decided
     decided = interp_model_decision(module, path, manager)

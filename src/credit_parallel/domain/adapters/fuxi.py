@@ -53,6 +53,7 @@ from ..layers.resample import DomainParallelInterpolate
 from ..manager import resolve_manager
 from ..rows import conv_output_length, conv_transpose_output_length, shard_range
 from ..wrap import DomainWrapper, replace_outermost
+from .regional import NOISE_LAYER, NOISE_REASON, credit_refusal_reason
 from .stand_ins import _share, _swapped, tensor_padding_rows, tensor_unpadding_rows
 
 __all__ = [
@@ -352,26 +353,12 @@ class DomainFuxi(DomainWrapper):
 # client classes whose forward mixes every grid point through a parameter over the flattened
 # H x W nodes (a shard's rows would meet the wrong columns of the matrix): refused by name, or run
 # on the gathered globe under nonlocal_policy="gather" (exact)
-NONLOCAL_CLASSES = {
-    "credit.models.wxformer.wxformer_next.SpectralGNNBottleneck": (
-        "aggregates all H x W grid points to its virtual spectral nodes with the learned "
-        "(K, H*W) matrix agg_w and scatters back with scatter_w (H*W, K): every output row "
-        "depends on every input row, and the matrices are sized for the whole grid"
-    ),
-}
+# (miles-credit's SpectralGNNBottleneck is made exact by adapters/nextgen.py)
+NONLOCAL_CLASSES: dict[str, str] = {NOISE_LAYER: NOISE_REASON}
 
 # whole CREDIT models whose own forward reads the global grid in ways no layer rule can see
-_WHOLE_MODEL_REASONS = {
-    "credit.models.wxformer.wxformer_next.NextGenWXFormer": (
-        "miles-credit's nextgen_wxformer cannot be domain parallel: its forward calls "
-        "F.interpolate itself (bilinear from stage to stage on each shard's own sizes, which "
-        "needs rows of the neighbours, and last to the stored global image_height x "
-        "image_width), and its spectral_bottleneck (SpectralGNNBottleneck) mixes all H x W "
-        "grid points through the matrices agg_w / scatter_w sized for the whole grid; use "
-        "domain: 1 (tensor parallelism is exact for it), or "
-        "trainer.domain_nonlocal_policy: gather to run it whole on every domain rank"
-    ),
-}
+# (miles-credit's NextGenWXFormer is made exact by adapters/nextgen.py)
+_WHOLE_MODEL_REASONS: dict[str, str] = {}
 
 
 # miles-credit models whose interpolation to the global image size (after the unpad, before
@@ -381,6 +368,7 @@ INTERP_MODELS = frozenset(
         "credit.models.crossformer.CrossFormer",
         "credit.models.wxformer.crossformer.CrossFormer",
         "credit.models.camulator.Camulator",
+        "credit.models.wxformer.crossformer_diffusion.CrossFormerDiffusion",
     }
 )
 
@@ -425,7 +413,7 @@ def credit_model_decision(
         return module
     where = path or "<root>"
     whole = _WHOLE_MODEL_REASONS.get(f"{type(module).__module__}.{type(module).__qualname__}")
-    whole = whole or _global_grid_reason(module)
+    whole = whole or credit_refusal_reason(module) or _global_grid_reason(module)
     if whole is not None:  # before its attention is converted: gathered whole, or refused
         if nonlocal_policy != "gather":
             raise ValueError(

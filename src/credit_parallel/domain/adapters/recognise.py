@@ -33,6 +33,7 @@ from ..attention.relayout import DomainRowGroupAttention
 from ..attention.sequence import SEQUENCE_CORES, DomainSequenceAttention
 from ..attention.tokens import DomainTokenAttention
 from ..wrap import replace_outermost
+from .nextgen import nextgen_part_replacement
 from .swin import (
     DomainSwinBlock,
     DomainSwinPatchMerging,
@@ -103,6 +104,9 @@ def attention_replacement(module: nn.Module, manager, shard_dim: int = -2):
             )
     if name in SEQUENCE_CORES:
         return DomainSequenceAttention(module, shard_dim=shard_dim, manager=manager)
+    nextgen = nextgen_part_replacement(module, manager)  # ColumnAttention, SpectralGNNBottleneck
+    if nextgen is not None:
+        return nextgen
     if swin_family(module) is not None and swin_unshardable_reason(module) is None:
         # (B, H, W, C) blocks: H is their dim 1 whatever the model's shard_dim
         return DomainSwinBlock(module, manager=manager)
