@@ -162,7 +162,8 @@ def _rank_entries(dims: ParallelDims) -> tuple[list[RankEntry], int]:
         chosen = list(range(_SAMPLE_HEAD)) + list(range(world - _SAMPLE_TAIL, world))
     entries = []
     for g in chosen:
-        dp, tp, dom = layout.coords(g)
+        coords = layout.coords(g)  # (dp, [ensemble,] tp, domain)
+        dp, tp, dom = coords[0], coords[-2], coords[-1]
         entries.append(
             RankEntry(
                 g,
@@ -180,11 +181,11 @@ def _rank_entries(dims: ParallelDims) -> tuple[list[RankEntry], int]:
 def _layout(block: Mapping, world_size: int, dims, violations: list, notes: list):
     """(dims or None, dp) of the parallel degrees on ``world_size`` ranks; every problem of the
     layout, as :meth:`ParallelDims.problems` words it, is a violation."""
-    data, tp, n = block["data"], block["tensor"], block["domain"]
-    violations.extend(ParallelDims.problems(data, tp, n, world_size))
+    data, tp, n, ens = block["data"], block["tensor"], block["domain"], block.get("ensemble", 1)
+    violations.extend(ParallelDims.problems(data, tp, n, world_size, ens))
     if dims is None:
         try:
-            dims = ParallelDims(data, tp, n, world_size)
+            dims = ParallelDims(data, tp, n, world_size, ens)
         except ValueError:  # reported above
             notes.append("no rank layout: the world size does not fit the parallel degrees")
             return None, 0

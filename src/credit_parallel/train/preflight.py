@@ -210,7 +210,9 @@ def _parse_layout(conf: dict, world_size: int, violations: list[str]):
         violations.append(str(err))
         return None, None
     try:
-        dims = ParallelDims(block["data"], block["tensor"], block["domain"], world_size)
+        dims = ParallelDims(
+            block["data"], block["tensor"], block["domain"], world_size, block.get("ensemble", 1)
+        )
     except (ValueError, TypeError):
         dims = None  # ParallelDims.problems names why
     return block, dims
@@ -283,7 +285,13 @@ def _validate(conf: dict, world_size: int, dataset, model):
             violations.append(str(err))
     elif block is not None:
         violations.extend(
-            ParallelDims.problems(block["data"], block["tensor"], block["domain"], world_size)
+            ParallelDims.problems(
+                block["data"],
+                block["tensor"],
+                block["domain"],
+                world_size,
+                block.get("ensemble", 1),
+            )
         )
 
     # 4. the data against the model and the layout
