@@ -1,0 +1,365 @@
+"""Random draws that do not depend on the layout (SPEC §0): generate the global tensor, slice.
+
+A model converted for domain (or ensemble) parallelism that draws random numbers on its
+activations (``torch.randn_like(h)``, ``torch.randn(B, C, h, w)`` with its local sizes, dropout
+masks) would draw each shard's numbers from its own stream, a different function from one
+process's.  While such a model runs forward, :class:`LayoutIndependentDraws` (a
+``TorchFunctionMode``) intercepts the draws and, from the generator state every rank holds
+(one seed, the same calls in the same order), draws the GLOBAL tensor one process would draw,
+then keeps this rank's part:
+
+- a draw of 4 or more dims is a field ``(batch, ..., H, W)``: its local rows (and columns on
+  a lat x lon tile) are cut at this rank's offsets, which one small all-gather of the local
+  sizes over the domain group gives (any shard sizes, uneven included);
+- a draw of 2 or 3 dims is latent ``(batch, ...)``: the same on every domain rank of a member;
+- under an ensemble axis (E ranks, K/E members each, CREDIT's member order) dim 0 of every draw
+  of 2 or more dims is the batch of members: the one-process batch has the K members of each
+  sample, this rank keeps its K/E, so members differ as in one process and equal their
+  one-process selves;
+- dropout (``F.dropout``, ``dropout1d/2d/3d``, ``nn.Dropout*``): the mask comes from the same
+  function applied to a global tensor of ones (the same draws as on the global activation) and
+  multiplies the local activation; ``Tensor.normal_ / uniform_ / bernoulli_(p)``: global, sliced.
+
+Draws it cannot make layout-independent (``randint``, ``randperm``, ``multinomial``,
+``poisson``, ``torch.normal`` / ``bernoulli`` with tensor arguments on a field or an ensemble
+batch, alpha dropout, in-place draws other than the three above, ``out=``) are refused with a
+``ValueError`` naming the module that drew.  Generators passed explicitly are used as given
+(the caller's state must be the same on every rank, as the default one is).
+
+Memory: each draw holds its global tensor (K members x the global field for a field draw) for
+the duration of the call; a counter-based generator drawing only the local part is a later
+optimisation.  Communication: one all-gather of 2 integers per field draw over the domain group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "DrawLayout",
+    "LayoutIndependentDraws",
+    "draw_layout",
+    "install_layout_independent_draws",
+    "random_drawing_modules",
+]
+
+_FACTORIES = {torch.randn, torch.rand}
+_LIKE = {torch.randn_like, torch.rand_like}
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d}
+_INPLACE = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_}
+_REFUSED = {
+    torch.randint,
+    torch.randint_like,
+    torch.randperm,
+    torch.multinomial,
+    torch.poisson,
+    torch.Tensor.random_,
+    torch.Tensor.exponential_,
+    torch.Tensor.geometric_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_,
+    F.alpha_dropout,
+    F.feature_alpha_dropout,
+}
+_FIELD_NDIM = 4  # a draw of this many dims or more is a (batch, ..., H, W) field
+
+
+@dataclass(frozen=True)
+class DrawLayout:
+    """Where this rank's part of a draw lies: the domain ``manager`` (None: whole fields) and the
+    ensemble coordinate ``ensemble_rank`` of ``ensemble_size`` ranks, each holding
+    ``local_members`` consecutive members of every sample."""
+
+    manager: object | None = None
+    ensemble_rank: int = 0
+    ensemble_size: int = 1
+    local_members: int = 1
+
+    @property
+    def splits_domain(self) -> bool:
+        return self.manager is not None and self.manager.domain_world_size > 1
+
+    @property
+    def is_trivial(self) -> bool:
+        return not self.splits_domain and self.ensemble_size == 1
+
+
+class LayoutIndependentDraws(TorchFunctionMode):
+    """The mode of the module docstring; ``where()`` names the module drawing (for errors)."""
+
+    def __init__(self, layout: DrawLayout, where=lambda: "<model>"):
+        super().__init__()
+        self.layout = layout
+        self.where = where
+
+    # ------------------------------------------------------------------ global <-> local
+    def _refuse(self, func, why: str):
+        name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
+        raise ValueError(
+            f"{self.where()}: its random draw {name} {why}; it cannot be made the same at every "
+            "layout (SPEC §0), so this model cannot run domain- or ensemble-parallel as written"
+        )
+
+    def _domain_extent(self, local: tuple[int, ...]):
+        """(global H, W, first row, first column) of a field whose local (h, w) is given."""
+        from ..layout.small_collectives import gather_small
+
+        manager = self.layout.manager
+        p, q = getattr(manager, "domain_shape", (manager.domain_world_size, 1))
+        lat, lon = divmod(manager.domain_rank, q)
+        mine = torch.tensor(local[-2:], dtype=torch.int64, device=manager.device)
+        sizes = gather_small(mine, manager.domain_group).view(p, q, 2).tolist()
+        height = sum(sizes[r][0][0] for r in range(p))
+        width = sum(sizes[lat][c][1] for c in range(q))
+        first_row = sum(sizes[r][0][0] for r in range(lat))
+        first_col = sum(sizes[lat][c][1] for c in range(lon))
+        return height, width, first_row, first_col
+
+    def global_view(self, func, local: tuple[int, ...]):
+        """(global shape, cut) for a draw of ``local`` shape: ``cut(global) -> local part``."""
+        local = tuple(int(s) for s in local)
+        shape, cuts = list(local), []
+        lay = self.layout
+        if lay.ensemble_size > 1 and len(local) >= 2:
+            if local[0] % lay.local_members:
+                self._refuse(
+                    func,
+                    f"has batch {local[0]}, not a multiple of the {lay.local_members} members "
+                    "this rank holds of each sample",
+                )
+            samples, k, e = local[0] // lay.local_members, lay.local_members, lay.ensemble_rank
+            shape[0] = samples * k * lay.ensemble_size
+
+            def cut_members(g, samples=samples, k=k, e=e):
+                rest = g.shape[1:]
+                return g.reshape(samples, -1, k, *rest)[:, e].reshape(samples * k, *rest)
+
+            cuts.append(cut_members)
+        if lay.splits_domain and len(local) >= _FIELD_NDIM:
+            height, width, r0, c0 = self._domain_extent(local)
+            shape[-2], shape[-1] = height, width
+            h, w = local[-2], local[-1]
+            cuts.append(lambda g: g[..., r0 : r0 + h, c0 : c0 + w])
+
+        def cut(g):
+            for step in cuts:
+                g = step(g)
+            return g.contiguous()
+
+        return tuple(shape), cut
+
+    # ------------------------------------------------------------------ the interception
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _REFUSED:
+            self._refuse(func, "has no layout-independent form here")
+        if func in _FACTORIES:
+            return self._factory(func, args, kwargs)
+        if func in _LIKE:
+            return self._like(func, args, kwargs)
+        if func in _DROPOUTS:
+            return self._dropout(func, args, kwargs)
+        if func in _INPLACE:
+            return self._inplace(func, args, kwargs)
+        if func is torch.normal:
+            return self._normal(func, args, kwargs)
+        if func is torch.bernoulli:
+            return self._bernoulli(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _factory(self, func, args, kwargs):
+        if kwargs.get("out") is not None:
+            self._refuse(func, "writes into out=")
+        size = kwargs.pop("size", None)
+        if size is None:
+            size = args[0] if len(args) == 1 and not isinstance(args[0], int) else args
+        shape, cut = self.global_view(func, tuple(size))
+        requires_grad = kwargs.pop("requires_grad", False)
+        out = cut(func(shape, **kwargs))
+        return out.requires_grad_(requires_grad) if requires_grad else out
+
+    def _like(self, func, args, kwargs):
+        source = args[0]
+        shape, cut = self.global_view(func, tuple(source.shape))
+        requires_grad = kwargs.pop("requires_grad", False)
+        kwargs.pop("memory_format", None)  # the global tensor is contiguous, as one process's
+        dtype = kwargs.pop("dtype", None) or source.dtype
+        device = kwargs.pop("device", None) or source.device
+        template = torch.empty(shape, dtype=dtype, device=device)
+        out = cut(func(template, *args[1:], **kwargs))
+        return out.requires_grad_(requires_grad) if requires_grad else out
+
+    def _dropout(self, func, args, kwargs):
+        params = inspect.signature(func).bind(*args, **kwargs)
+        params.apply_defaults()
+        x, p, training, inplace = (
+            params.arguments[k] for k in ("input", "p", "training", "inplace")
+        )
+        if not training or p == 0:
+            return func(*args, **kwargs)
+        shape, cut = self.global_view(func, tuple(x.shape))
+        mask = cut(func(torch.ones(shape, dtype=x.dtype, device=x.device), p, True, False))
+        return x.mul_(mask) if inplace else x * mask
+
+    def _inplace(self, func, args, kwargs):
+        target = args[0]
+        if func is torch.Tensor.bernoulli_ and isinstance(
+            args[1] if len(args) > 1 else kwargs.get("p", 0.5), torch.Tensor
+        ):
+            self._refuse(func, "takes a tensor of probabilities")
+        shape, cut = self.global_view(func, tuple(target.shape))
+        drawn = func(
+            torch.empty(shape, dtype=target.dtype, device=target.device), *args[1:], **kwargs
+        )
+        with torch.no_grad():
+            target.copy_(cut(drawn))
+        return target
+
+    def _normal(self, func, args, kwargs):
+        mean = args[0] if args else kwargs.get("mean")
+        std = args[1] if len(args) > 1 else kwargs.get("std")
+        if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
+            local = (mean if isinstance(mean, torch.Tensor) else std).shape
+            shape, _ = self.global_view(func, tuple(local))
+            if shape != tuple(local):
+                self._refuse(func, "takes tensor arguments on a sharded field or member batch")
+            return func(*args, **kwargs)
+        size = args[2] if len(args) > 2 else kwargs.pop("size")
+        rest = {k: v for k, v in kwargs.items() if k not in ("mean", "std")}
+        shape, cut = self.global_view(func, tuple(size))
+        return cut(func(float(mean), float(std), shape, **rest))
+
+    def _bernoulli(self, func, args, kwargs):
+        probs = args[0]
+        shape, _ = self.global_view(func, tuple(probs.shape))
+        if shape != tuple(probs.shape):
+            self._refuse(func, "takes a tensor of probabilities on a sharded field or member batch")
+        return func(*args, **kwargs)
+
+
+_DRAW_CALL = re.compile(
+    r"(?:torch|F|functional)\.(?:randn|rand|randn_like|rand_like|normal|bernoulli|dropout\w*|"
+    r"alpha_dropout|feature_alpha_dropout|randint\w*|randperm|multinomial|poisson)\s*\("
+    r"|\.(?:normal_|uniform_|bernoulli_|random_|exponential_|geometric_|cauchy_|log_normal_)\s*\("
+)
+_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+
+
+def _forward_draws(cls: type) -> bool:
+    forward = cls.__dict__.get("forward")
+    if forward is None or cls.__module__.startswith("torch."):
+        return False
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    return bool(_DRAW_CALL.search(source))
+
+
+def random_drawing_modules(model: nn.Module) -> list[str]:
+    """Paths ("" the root) of the modules whose forward draws random numbers: dropout modules
+    with p > 0, and modules whose class's ``forward`` source calls a torch random function."""
+    found, seen = [], {}
+    for path, module in model.named_modules():
+        if isinstance(module, _DROPOUT_MODULES):
+            if module.p > 0:
+                found.append(path)
+            continue
+        cls = type(module)
+        if cls not in seen:
+            seen[cls] = any(_forward_draws(c) for c in cls.__mro__ if c is not nn.Module)
+        if seen[cls]:
+            found.append(path)
+    return found
+
+
+class _ModuleStack:
+    """The path of the innermost module running forward (global forward hooks), for errors."""
+
+    def __init__(self, model: nn.Module):
+        self.paths = {id(m): p or "<root>" for p, m in model.named_modules()}
+        self.stack: list[str] = []
+        self.handles = []
+
+    def __enter__(self):
+        from torch.nn.modules.module import (
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
+
+        def pre(module, _args):
+            path = self.paths.get(id(module))
+            if path is not None:
+                self.stack.append(f"{path} ({type(module).__name__})")
+
+        def post(module, _args, _out):
+            if id(module) in self.paths and self.stack:
+                self.stack.pop()
+
+        self.handles = [
+            register_module_forward_pre_hook(pre),
+            register_module_forward_hook(post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.stack.clear()
+
+    def where(self) -> str:
+        return self.stack[-1] if self.stack else "<model>"
+
+
+def draw_layout(dims, manager, ensemble_size: int = 1) -> DrawLayout:
+    """The :class:`DrawLayout` of this rank in the layout ``dims`` (a ``ParallelDims``):
+    ``trainer.ensemble_size`` K members of each sample, K/E on each ensemble rank."""
+    import torch.distributed as dist
+
+    ens = dims.ensemble
+    if ens > 1 and (ensemble_size < ens or ensemble_size % ens):
+        raise ValueError(
+            f"trainer.ensemble_size = {ensemble_size} is not a multiple of "
+            f"trainer.parallelism.ensemble = {ens} (each ensemble rank holds K/E members)"
+        )
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return DrawLayout(manager, dims.ensemble_coord(rank), ens, max(ensemble_size // ens, 1))
+
+
+def install_layout_independent_draws(model: nn.Module, layout: DrawLayout):
+    """Run ``model``'s forward under :class:`LayoutIndependentDraws` (root forward hooks; the
+    handles are returned).  Nothing is installed (an empty list) for a trivial layout or a model
+    that draws nothing (:func:`random_drawing_modules`)."""
+    if layout.is_trivial or not random_drawing_modules(model):
+        return []
+    active: list[contextlib.ExitStack] = []
+
+    def enter(_module, _args):
+        stack = contextlib.ExitStack()
+        modules = stack.enter_context(_ModuleStack(model))
+        stack.enter_context(LayoutIndependentDraws(layout, modules.where))
+        active.append(stack)
+
+    def leave(_module, _args, _out):
+        if active:
+            active.pop().close()
+
+    return [
+        model.register_forward_pre_hook(enter),
+        model.register_forward_hook(leave, always_call=True),
+    ]
+
+
+def draw_memory_bytes(local_numel: int, domain_size: int, ensemble_size: int, itemsize: int) -> int:
+    """Upper estimate of the extra memory of one field draw: the global tensor of
+    ``local_numel * domain_size * ensemble_size`` elements (uneven shards: about)."""
+    return math.prod((local_numel, domain_size, ensemble_size, itemsize))
