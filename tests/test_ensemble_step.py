@@ -16,7 +16,7 @@ from credit_parallel import get_domain_manager, parallelize
 from credit_parallel.domain.sharding import shard_tensor
 from credit_parallel.testing import run_on_ranks
 from credit_parallel.train.crps import EnsembleLoss, crps_share
-from tests.test_random_draws import SEED, _NoisyNet
+from test_random_draws import SEED, _NoisyNet
 
 K, B, H, W = 4, 2, 7, 6
 

@@ -57,7 +57,7 @@ class _Seeded(nn.Module):
 
 
 def _crossformer_ensemble():
-    from tests.miles_credit import import_credit
+    from miles_credit import import_credit
 
     ensemble = import_credit("credit.models.wxformer.crossformer_ensemble")
     return ensemble.CrossFormerWithNoise(
