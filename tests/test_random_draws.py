@@ -181,3 +181,15 @@ def test_crossformer_ensemble_draws_noise_that_matters():
     assert (outs[0] - outs[1]).abs().max() > 1e-3
     drawing = random_drawing_modules(model)
     assert drawing[0] == "" and "noise_inject1" in drawing  # the root's latent, the layers' pixels
+
+
+def test_spherical_harmonic_noise_is_refused_under_domain_naming_the_module():
+    inverse_sht = type("InverseRealSHT", (nn.Module,), {"forward": lambda self, x: x})
+    inverse_sht.__module__ = "torch_harmonics.sht"  # as torch-harmonics defines it
+    model = nn.Sequential(_NoisyNet(), inverse_sht())
+
+    class _TwoRanks:
+        domain_world_size = 2
+
+    with pytest.raises(ValueError, match=r"^1 \(InverseRealSHT\): spherical-harmonic"):
+        install_layout_independent_draws(model, DrawLayout(_TwoRanks()))

@@ -335,12 +335,29 @@ def draw_layout(dims, manager, ensemble_size: int = 1) -> DrawLayout:
     return DrawLayout(manager, dims.ensemble_coord(rank), ens, max(ensemble_size // ens, 1))
 
 
+def refuse_spherical_harmonics(model: nn.Module) -> None:
+    """A stochastic model holding a torch-harmonics transform (CREDIT's spherical-harmonic
+    noise, SKEBS): its noise is correlated over the globe, drawn as coefficients that are not
+    (batch, ..., H, W) fields, so a shard cannot cut its part of the draw.  Refused under domain
+    parallelism, naming the module (SPEC §0), until it is generated globally and sliced."""
+    for path, module in model.named_modules():
+        if type(module).__module__.split(".")[0] == "torch_harmonics":
+            raise ValueError(
+                f"{path or '<root>'} ({type(module).__name__}): spherical-harmonic noise "
+                "(torch-harmonics) in a model that draws random numbers is global; it cannot be "
+                "drawn per shard and is not supported under trainer.parallelism.domain > 1 yet "
+                "(run it at domain: 1, with the ensemble axis if needed)"
+            )
+
+
 def install_layout_independent_draws(model: nn.Module, layout: DrawLayout):
     """Run ``model``'s forward under :class:`LayoutIndependentDraws` (root forward hooks; the
     handles are returned).  Nothing is installed (an empty list) for a trivial layout or a model
     that draws nothing (:func:`random_drawing_modules`)."""
     if layout.is_trivial or not random_drawing_modules(model):
         return []
+    if layout.splits_domain:
+        refuse_spherical_harmonics(model)
     active: list[contextlib.ExitStack] = []
 
     def enter(_module, _args):
