@@ -86,7 +86,7 @@ class RecipeOptions:
             compile=trainer_option(conf, "compile"),
             fsdp2_single_rank=trainer_option(conf, "fsdp2_single_rank"),
             fsdp2_prefetch=trainer_option(conf, "fsdp2_prefetch"),
-            ensemble_size=int((conf.get("trainer") or {}).get("ensemble_size", 1)),
+            ensemble_size=trainer_option(conf, "ensemble_size"),
         )
 
     @classmethod
@@ -101,6 +101,7 @@ class RecipeOptions:
             compile=trainer.compile,
             fsdp2_single_rank=trainer.fsdp2_single_rank,
             fsdp2_prefetch=trainer.fsdp2_prefetch,
+            ensemble_size=trainer.ensemble_size,
         )
 
 

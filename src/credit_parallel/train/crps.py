@@ -44,6 +44,7 @@ __all__ = [
     "EnsembleLoss",
     "crps_comm_per_step",
     "crps_share",
+    "crps_weighted_loss",
     "ensemble_loss_of",
     "member_blocks",
 ]
@@ -188,6 +189,26 @@ def crps_comm_per_step(members: int, ensemble: int, local_field_elements: int, i
     return sent, held
 
 
-def global_count(target_local: torch.Tensor, global_height: int, global_width: int) -> int:
-    """The one-process element count of a (b, ..., H, W) map of the GLOBAL grid."""
-    return math.prod(target_local.shape[:-2]) * global_height * global_width
+def crps_weighted_loss(
+    loss: EnsembleLoss,
+    lat_weights_local: torch.Tensor,
+    global_height: int,
+    global_width: int | None = None,
+    group=None,
+):
+    """The trainer's loss function (``train/step.py``'s ``LossFn``) for ``loss``: per output, the
+    latitude-weighted sum of this rank's :func:`crps_share` over the one-process element count
+    (b x C x [Z] x H x W of the GLOBAL grid), averaged over the outputs.  Summed over the
+    ensemble and domain ranks it is the one-process latitude-weighted mean of the CRPS map."""
+
+    def loss_fn(outputs: tuple, targets: tuple) -> torch.Tensor:
+        shares = []
+        for out, target in zip(outputs, targets):
+            share = crps_share(out, target, loss, group)
+            w = lat_weights_local.to(device=share.device, dtype=share.dtype).view(-1, 1)
+            width = global_width if global_width is not None else target.shape[-1]
+            count = math.prod(target.shape[:-2]) * global_height * width
+            shares.append((share * w).sum() / count)
+        return sum(shares[1:], shares[0]) / len(shares)
+
+    return loss_fn

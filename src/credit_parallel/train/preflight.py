@@ -223,6 +223,7 @@ def _validate(conf: dict, world_size: int, dataset, model):
     layout parsed once."""
     from ..planner import build_meta_model, make_plan, model_input_shapes
     from .ema import ema_tracker_class
+    from .ensemble_conf import ensemble_problems
 
     if not isinstance(conf, dict):
         return [f"config must be a mapping, got {type(conf).__name__}"], None, None
@@ -293,6 +294,10 @@ def _validate(conf: dict, world_size: int, dataset, model):
                 block.get("ensemble", 1),
             )
         )
+
+    if tc is not None:  # the ensemble keys (train/ensemble_conf.py)
+        ens = block.get("ensemble", 1) if block is not None else 1
+        violations.extend(ensemble_problems(conf, tc.ensemble_size, ens, meta_model))
 
     # 4. the data against the model and the layout
     if sample is not None and plan is not None:
