@@ -3,7 +3,8 @@
 ``trainer.ensemble_size: 2`` members of each sample trained on ``KCRPS`` (flat), a U-Net with
 noise injected on its input (drawn layout-independently): the loss and gradient-norm trajectory
 and the final weights under ``{data: fsdp2, ensemble: 2, domain: 2}`` (4 ranks, 17 uneven rows)
-equal the one-process run (float64 1e-10).  Bad ensemble keys are refused before any rank
+equal the one-process run (float64 1e-10); its checkpoint resumes at one process and under
+(ensemble 2, domain 1) on the same trajectory.  Bad ensemble keys are refused before any rank
 starts, naming the key.
 """
 
@@ -18,6 +19,7 @@ from torch import nn
 from credit_parallel.data import write_sample_dataset
 from credit_parallel.models import build_model
 from credit_parallel.testing import run_on_ranks
+from credit_parallel.train.checkpoint import latest_checkpoint
 from credit_parallel.train.preflight import check_run
 from credit_parallel.train.trainer import Trainer
 from sample_conf import unet_run_conf
@@ -112,3 +114,44 @@ def test_bad_ensemble_keys_are_refused_naming_the_key(store):
             check_run(conf, 2, model=_model(conf))
     with pytest.raises(ValueError, match=r"trainer\.ensemble_size = 2: the model \(UNet"):
         check_run(_conf(store), 1)  # the plain U-Net draws nothing: identical members
+
+
+def _save_rank(rank, world, store, parallelism, directory):
+    trainer = Trainer(_conf(store, parallelism), model=_model(_conf(store)))
+    for _ in range(2):
+        trainer.train_step()
+    trainer.save(directory)
+
+
+def _resume(conf, directory):
+    """Load the checkpoint into ``conf``'s layout, take the third step."""
+    trainer = Trainer(conf, model=_model(conf))
+    trainer.load(latest_checkpoint(directory))
+    trainer.model.calls = 2  # the noise stream of step 3, as the uninterrupted run draws it
+    record = trainer.train_step()
+    params = {}
+    for name, p in trainer.model.named_parameters():
+        t = p.detach()
+        params[name] = t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+    return record, params
+
+
+def _resume_rank(rank, world, store, parallelism, directory):
+    return _resume(_conf(store, parallelism), directory)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_ensemble_2_domain_2_resumes_at_one_process_and_at_ensemble_2(
+    store, tmp_path
+):
+    """DCP reshards across E: saved under (E 2, domain 2), resumed at one process and under
+    (E 2, domain 1), the third step equals the uninterrupted one-process run."""
+    ref_records, ref_params = _run(_conf(store))
+    run_on_ranks(_save_rank, 4, store, {"data": "fsdp2", "ensemble": 2, "domain": 2}, str(tmp_path))
+    results = [_resume(_conf(store), str(tmp_path))]
+    results += run_on_ranks(_resume_rank, 2, store, {"data": "fsdp2", "ensemble": 2}, str(tmp_path))
+    for record, params in results:
+        assert record["step"] == 3
+        assert abs(record["loss"] - ref_records[2]["loss"]) <= 1e-10
+        for name, p in params.items():
+            assert (p - ref_params[name]).abs().max() <= 1e-10, name
