@@ -155,3 +155,21 @@ def test_checkpoint_of_ensemble_2_domain_2_resumes_at_one_process_and_at_ensembl
         assert abs(record["loss"] - ref_records[2]["loss"]) <= 1e-10
         for name, p in params.items():
             assert (p - ref_params[name]).abs().max() <= 1e-10, name
+
+
+def test_plan_states_the_crps_communication_and_memory(store):
+    from credit_parallel.planner import make_plan
+
+    conf = _conf(store, {"data": "fsdp2", "ensemble": 2, "domain": 2})
+    shape = (conf["model"]["in_channels"], H, W)
+    plan = make_plan(conf, 4, model=_model(conf).to("meta"), input_shapes=[shape])
+    lines = [n for n in plan.notes if n.startswith("ensemble: KCRPS")]
+    assert len(lines) == 1, plan.notes
+    # output (C, 17, 32): 9 rows of the larger shard, 2 samples, 1 member sent per ring shift
+    channels = conf["model"]["out_channels"]
+    bytes_per = plan.memory.activation_dtype_bytes
+    sent = channels * 9 * 32 * 2 * bytes_per / 2**20
+    assert f"sends {sent:.2f} MiB (1 ring shift(s)" in lines[0]
+    assert f"holds {4 * sent:.2f} MiB" in lines[0]
+    assert any(n.startswith("random draws:") for n in plan.notes)
+    assert plan.dims.ensemble == 2 and plan.dp == 1

@@ -47,6 +47,7 @@ from .cost import (
     predicted_halo_bytes,
     tp_split_dims,
 )
+from .ensemble_notes import ensemble_notes
 from .fsdp_merge import merge_advice
 from .halo_chains import chain_exchanges
 from .split import project_splits, refusal_reason, split_note
@@ -583,6 +584,7 @@ def make_plan(
     )
     if n > 1 and layers:
         notes.append(_FIRST_STEP_NOTE)
+    notes.extend(ensemble_notes(conf, dims, model, shapes, batch_size, act_bytes))
     splits = _splits(
         model, trace, (n, lon), refusals, notes, batch_size=batch_size, dtype_bytes=act_bytes,
         double=double, dp=max(dp, 1),
