@@ -161,7 +161,7 @@ def test_an_unsupported_draw_is_refused_naming_the_module():
     mode = LayoutIndependentDraws(DrawLayout(None, 0, 2, 1), where=lambda: "blocks.3 (Noise)")
     with mode, pytest.raises(ValueError, match=r"blocks\.3 \(Noise\).*randperm"):
         torch.randperm(4)
-    with mode, pytest.raises(ValueError, match=r"batch 3, not a multiple"):
+    with mode, pytest.raises(ValueError, match=r"batch 3, not 1 sample\(s\) x the 2 members"):
         LayoutIndependentDraws(DrawLayout(None, 0, 2, 2)).global_view(torch.randn, (3, 4))
 
 
@@ -193,3 +193,81 @@ def test_spherical_harmonic_noise_is_refused_under_domain_naming_the_module():
 
     with pytest.raises(ValueError, match=r"^1 \(InverseRealSHT\): spherical-harmonic"):
         install_layout_independent_draws(model, DrawLayout(_TwoRanks()))
+
+
+def _crossformer_dropout():
+    """CREDIT's crossformer as the smoke ensemble config builds it: members differ only by the
+    attention (and feed-forward) dropout."""
+    from miles_credit import import_credit
+
+    crossformer = import_credit("credit.models.crossformer")
+    return crossformer.CrossFormer(
+        image_height=16,
+        image_width=16,
+        frames=1,
+        channels=1,
+        surface_channels=1,
+        input_only_channels=0,
+        levels=2,
+        dim=(2, 4, 8, 16),
+        depth=(1, 1, 1, 1),
+        dim_head=2,
+        global_window_size=(2, 2, 1, 1),
+        local_window_size=(2, 2, 1, 1),
+        cross_embed_kernel_sizes=((2, 4), (2, 4), (2, 4), (2, 4)),
+        cross_embed_strides=(2, 2, 2, 2),
+        attn_dropout=0.1,
+        ff_dropout=0.1,
+        use_spectral_norm=False,
+        interp=False,
+    )
+
+
+def _dropout_members_worker(rank, world, members):
+    import torch.distributed as dist
+
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(0)
+    model = _crossformer_dropout().train()
+    x = torch.randn(2, 3, 16, 16)
+    local = members // world
+    install_layout_independent_draws(model, DrawLayout(None, rank, world, local))
+    torch.manual_seed(SEED)
+    out = model(x.repeat_interleave(local, 0)).detach()
+    out = out.view(2, local, *out.shape[1:])
+    parts = [torch.empty_like(out) for _ in range(world)]
+    dist.all_gather(parts, out)
+    return torch.cat(parts, dim=1)
+
+
+def test_attention_dropout_members_are_the_same_under_ensemble_one_and_two():
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = _crossformer_dropout().train()
+        x = torch.randn(2, 3, 16, 16)
+        torch.manual_seed(SEED)
+        one = model(x.repeat_interleave(4, 0)).detach()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    one = one.view(2, 4, *one.shape[1:])
+    for out in run_on_ranks(_dropout_members_worker, 2, 4):
+        assert (out - one).abs().max() <= 1e-12
+    assert (one[:, 0] - one[:, 1]).abs().max() > 1e-3  # dropout makes the members differ
+
+
+def _attention_refused_worker(rank, world):
+    torch.set_default_dtype(torch.float64)
+    manager = DomainParallelManager(world, world)
+    model = _convert_with_draws(_crossformer_dropout().train(), manager)
+    from credit_parallel.domain.sharding import shard_tensor
+
+    with pytest.raises(ValueError) as refused:
+        model(shard_tensor(torch.randn(1, 3, 16, 16), -2, manager))
+    return str(refused.value)
+
+
+def test_attention_dropout_under_domain_is_refused_naming_the_module():
+    for message in run_on_ranks(_attention_refused_worker, 2):
+        assert message.startswith("layers.0.1.layers.0.0.dropout (Dropout): its random draw")
+        assert "inside an attention module" in message

@@ -37,7 +37,7 @@ import contextlib
 import inspect
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,7 @@ class DrawLayout:
     ensemble_rank: int = 0
     ensemble_size: int = 1
     local_members: int = 1
+    samples: int | None = None  # samples per rank of this forward (its input's batch / members)
 
     @property
     def splits_domain(self) -> bool:
@@ -96,10 +97,11 @@ class DrawLayout:
 class LayoutIndependentDraws(TorchFunctionMode):
     """The mode of the module docstring; ``where()`` names the module drawing (for errors)."""
 
-    def __init__(self, layout: DrawLayout, where=lambda: "<model>"):
+    def __init__(self, layout: DrawLayout, where=lambda: "<model>", in_attention=lambda: False):
         super().__init__()
         self.layout = layout
         self.where = where
+        self.in_attention = in_attention
 
     # ------------------------------------------------------------------ global <-> local
     def _refuse(self, func, why: str):
@@ -130,21 +132,31 @@ class LayoutIndependentDraws(TorchFunctionMode):
         shape, cuts = list(local), []
         lay = self.layout
         if lay.ensemble_size > 1 and len(local) >= 2:
-            if local[0] % lay.local_members:
+            # dim 0 is (sample, member, rest...) with the sample outermost, as CREDIT's
+            # repeat_interleave and einops' "(b h w)" windows order it
+            samples = lay.samples or local[0] // lay.local_members
+            per_sample = local[0] // samples if local[0] % samples == 0 else 0
+            if per_sample % lay.local_members or per_sample == 0:
                 self._refuse(
                     func,
-                    f"has batch {local[0]}, not a multiple of the {lay.local_members} members "
-                    "this rank holds of each sample",
+                    f"has batch {local[0]}, not {samples} sample(s) x the {lay.local_members} "
+                    "members this rank holds of each",
                 )
-            samples, k, e = local[0] // lay.local_members, lay.local_members, lay.ensemble_rank
-            shape[0] = samples * k * lay.ensemble_size
+            e, ens = lay.ensemble_rank, lay.ensemble_size
+            shape[0] = local[0] * ens
 
-            def cut_members(g, samples=samples, k=k, e=e):
+            def cut_members(g, samples=samples, e=e, ens=ens):
                 rest = g.shape[1:]
-                return g.reshape(samples, -1, k, *rest)[:, e].reshape(samples * k, *rest)
+                return g.reshape(samples, ens, -1, *rest)[:, e].reshape(-1, *rest)
 
             cuts.append(cut_members)
         if lay.splits_domain and len(local) >= _FIELD_NDIM:
+            if self.in_attention():
+                self._refuse(
+                    func,
+                    f"draws on a {len(local)}-D tensor inside an attention module (attention "
+                    "weights or windows, not rows of the grid)",
+                )
             height, width, r0, c0 = self._domain_extent(local)
             shape[-2], shape[-1] = height, width
             h, w = local[-2], local[-1]
@@ -194,7 +206,7 @@ class LayoutIndependentDraws(TorchFunctionMode):
         kwargs.pop("memory_format", None)  # the global tensor is contiguous, as one process's
         dtype = kwargs.pop("dtype", None) or source.dtype
         device = kwargs.pop("device", None) or source.device
-        template = torch.empty(shape, dtype=dtype, device=device)
+        template = _global_like(source, shape, dtype=dtype, device=device)
         out = cut(func(template, *args[1:], **kwargs))
         return out.requires_grad_(requires_grad) if requires_grad else out
 
@@ -207,7 +219,7 @@ class LayoutIndependentDraws(TorchFunctionMode):
         if not training or p == 0:
             return func(*args, **kwargs)
         shape, cut = self.global_view(func, tuple(x.shape))
-        mask = cut(func(torch.ones(shape, dtype=x.dtype, device=x.device), p, True, False))
+        mask = cut(func(_global_like(x, shape).fill_(1), p, True, False))
         return x.mul_(mask) if inplace else x * mask
 
     def _inplace(self, func, args, kwargs):
@@ -217,9 +229,7 @@ class LayoutIndependentDraws(TorchFunctionMode):
         ):
             self._refuse(func, "takes a tensor of probabilities")
         shape, cut = self.global_view(func, tuple(target.shape))
-        drawn = func(
-            torch.empty(shape, dtype=target.dtype, device=target.device), *args[1:], **kwargs
-        )
+        drawn = func(_global_like(target, shape), *args[1:], **kwargs)
         with torch.no_grad():
             target.copy_(cut(drawn))
         return target
@@ -244,6 +254,20 @@ class LayoutIndependentDraws(TorchFunctionMode):
         if shape != tuple(probs.shape):
             self._refuse(func, "takes a tensor of probabilities on a sharded field or member batch")
         return func(*args, **kwargs)
+
+
+def _global_like(local: torch.Tensor, shape: tuple, dtype=None, device=None) -> torch.Tensor:
+    """An empty global tensor of ``shape`` laid out in memory as ``local`` is: ``empty_like``
+    keeps a dense tensor's strides and the draws fill memory in order, so one process's draw on
+    a permuted activation (a rearranged window, channels-last) follows that order."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense
+
+    dtype = dtype or local.dtype
+    device = device or local.device
+    if local.dim() == 0 or local.is_contiguous() or not dense(local):
+        return torch.empty(shape, dtype=dtype, device=device)
+    order = sorted(range(local.dim()), key=lambda d: (-local.stride(d), d))
+    return torch.empty_permuted(shape, order, dtype=dtype, device=device)
 
 
 _DRAW_CALL = re.compile(
@@ -289,6 +313,7 @@ class _ModuleStack:
         self.paths = {id(m): p or "<root>" for p, m in model.named_modules()}
         self.stack: list[str] = []
         self.handles = []
+        self.attention_depth = 0
 
     def __enter__(self):
         from torch.nn.modules.module import (
@@ -300,10 +325,12 @@ class _ModuleStack:
             path = self.paths.get(id(module))
             if path is not None:
                 self.stack.append(f"{path} ({type(module).__name__})")
+                self.attention_depth += _is_attention(module)
 
         def post(module, _args, _out):
             if id(module) in self.paths and self.stack:
                 self.stack.pop()
+                self.attention_depth -= _is_attention(module)
 
         self.handles = [
             register_module_forward_pre_hook(pre),
@@ -318,6 +345,14 @@ class _ModuleStack:
 
     def where(self) -> str:
         return self.stack[-1] if self.stack else "<model>"
+
+    def in_attention(self) -> bool:
+        return self.attention_depth > 0
+
+
+def _is_attention(module: nn.Module) -> bool:
+    name = type(module).__name__.lower()
+    return "attention" in name or name.startswith("attn")
 
 
 def draw_layout(dims, manager, ensemble_size: int = 1) -> DrawLayout:
@@ -360,10 +395,14 @@ def install_layout_independent_draws(model: nn.Module, layout: DrawLayout):
         refuse_spherical_harmonics(model)
     active: list[contextlib.ExitStack] = []
 
-    def enter(_module, _args):
+    def enter(_module, args):
         stack = contextlib.ExitStack()
         modules = stack.enter_context(_ModuleStack(model))
-        stack.enter_context(LayoutIndependentDraws(layout, modules.where))
+        batch = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else None
+        this = layout
+        if batch is not None and layout.ensemble_size > 1:
+            this = replace(layout, samples=max(batch // layout.local_members, 1))
+        stack.enter_context(LayoutIndependentDraws(this, modules.where, modules.in_attention))
         active.append(stack)
 
     def leave(_module, _args, _out):
