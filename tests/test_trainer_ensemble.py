@@ -159,6 +159,7 @@ def test_checkpoint_of_ensemble_2_domain_2_resumes_at_one_process_and_at_ensembl
 
 def test_plan_states_the_crps_communication_and_memory(store):
     from credit_parallel.planner import make_plan
+    from credit_parallel.planner.report import format_plan
 
     conf = _conf(store, {"data": "fsdp2", "ensemble": 2, "domain": 2})
     shape = (conf["model"]["in_channels"], H, W)
@@ -173,3 +174,12 @@ def test_plan_states_the_crps_communication_and_memory(store):
     assert f"holds {4 * sent:.2f} MiB" in lines[0]
     assert any(n.startswith("random draws:") for n in plan.notes)
     assert plan.dims.ensemble == 2 and plan.dp == 1
+    # the rank table: rank 2 is member group 1 of dp 0, domain rank 0; its ensemble group [0, 2]
+    assert [(r.rank, r.ensemble, r.domain, r.ensemble_group) for r in plan.ranks][2] == (
+        2,
+        1,
+        0,
+        (0, 2),
+    )
+    text = format_plan(plan)
+    assert "ensemble group" in text and "x ensemble=2" in text

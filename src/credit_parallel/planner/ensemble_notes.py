@@ -10,9 +10,17 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-__all__ = ["ensemble_notes"]
+__all__ = ["ensemble_coords", "ensemble_notes"]
 
 _MIB = 1024 * 1024
+
+
+def ensemble_coords(dims, layout, rank: int) -> tuple:
+    """(ensemble coordinate, ensemble group) of ``rank`` for the plan's rank table; empty when
+    the layout has no ensemble axis."""
+    if dims.ensemble == 1:
+        return ()
+    return dims.ensemble_coord(rank), tuple(layout.ranks_along_dim("ensemble", rank))
 
 
 def _output_shape(model: nn.Module, shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:

@@ -47,7 +47,7 @@ from .cost import (
     predicted_halo_bytes,
     tp_split_dims,
 )
-from .ensemble_notes import ensemble_notes
+from .ensemble_notes import ensemble_coords, ensemble_notes
 from .fsdp_merge import merge_advice
 from .halo_chains import chain_exchanges
 from .split import project_splits, refusal_reason, split_note
@@ -83,6 +83,8 @@ class RankEntry:
     dp_group: tuple[int, ...]
     tp_group: tuple[int, ...]
     domain_group: tuple[int, ...]
+    ensemble: int = 0  # the ensemble axis (SPEC §2), when trainer.parallelism.ensemble > 1
+    ensemble_group: tuple[int, ...] = ()
 
 
 @dataclass
@@ -174,6 +176,7 @@ def _rank_entries(dims: ParallelDims) -> tuple[list[RankEntry], int]:
                 tuple(layout.ranks_along_dim("dp", g)),
                 tuple(layout.ranks_along_dim("tp", g)),
                 tuple(layout.ranks_along_dim("domain", g)),
+                *ensemble_coords(dims, layout, g),
             )
         )
     return entries, world - len(chosen)
