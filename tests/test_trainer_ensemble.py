@@ -183,3 +183,24 @@ def test_plan_states_the_crps_communication_and_memory(store):
     )
     text = format_plan(plan)
     assert "ensemble group" in text and "x ensemble=2" in text
+
+
+def _verify_rank(rank, world, parallelism):
+    from credit_parallel.tools.verify import judge, verify_layout
+    from test_verify_models import UNET
+
+    conf = {
+        "model": dict(UNET),
+        "trainer": {"parallelism": parallelism, "seed": 1, "ensemble_size": 4},
+        "loss": {"training_loss": "almost-fair-crps", "training_loss_parameters": {"alpha": 0.9}},
+    }
+    return judge(verify_layout(conf, dtype=torch.float64, batch_size=2), torch.float64)
+
+
+def test_verify_checks_the_crps_step_under_ensemble_2_domain_2():
+    """``credit-parallel verify`` on an ensemble config: the one-process 4-member CRPS step
+    against (E 2, domain 2): outputs of every member, input gradients, every parameter."""
+    for rows in run_on_ranks(_verify_rank, 4, {"data": "fsdp2", "ensemble": 2, "domain": 2}):
+        assert rows and all(r[-1] == "PASS" for r in rows), rows
+        assert any(r[0].startswith("output") for r in rows)
+        assert any(r[0].startswith("grad ") and r[2] > 0 for r in rows)
