@@ -37,6 +37,7 @@ import contextlib
 import inspect
 import math
 import re
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,6 +48,8 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "DrawLayout",
     "LayoutIndependentDraws",
+    "MemberStreams",
+    "member_noise",
     "draw_layout",
     "install_layout_independent_draws",
     "random_drawing_modules",
@@ -71,6 +74,44 @@ _REFUSED = {
     F.feature_alpha_dropout,
 }
 _FIELD_NDIM = 4  # a draw of this many dims or more is a (batch, ..., H, W) field
+_STREAMED = _FACTORIES | _LIKE | _INPLACE | _DROPOUTS | {torch.normal, torch.bernoulli}
+_ACTIVE_STREAMS: list = []  # the MemberStreams of the forecast step running (member_noise)
+_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> hook handles
+
+
+class MemberStreams:
+    """One generator per member of the batch, seeded by ``(seed, member, key)`` and advanced
+    by every draw of that member, whatever rank, batch position or domain shard it runs on."""
+
+    def __init__(self, seed: int, members, key: int, device="cpu"):
+        import numpy as np
+
+        self.generators = []
+        for member in members:
+            entropy = np.random.SeedSequence((int(seed), int(member), int(key)))
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int(entropy.generate_state(1, dtype=np.uint64)[0] >> 1))
+            self.generators.append(gen)
+
+
+def member_noise(steps, streams: MemberStreams, model: nn.Module):
+    """Run a rollout generator ``steps`` of ``model`` with ``streams`` active around each step,
+    so that a stochastic model's members draw from their own seeded streams (``forecast
+    --members``), the same whatever the layout; the draws are installed on ``model`` (at any
+    layout) if ``parallelize`` did not."""
+    from .composition import get_domain_manager
+
+    install_layout_independent_draws(model, DrawLayout(get_domain_manager(model)), always=True)
+    steps = iter(steps)
+    while True:
+        _ACTIVE_STREAMS.append(streams)
+        try:
+            item = next(steps)
+        except StopIteration:
+            return
+        finally:
+            _ACTIVE_STREAMS.pop()
+        yield item
 
 
 @dataclass(frozen=True)
@@ -97,11 +138,14 @@ class DrawLayout:
 class LayoutIndependentDraws(TorchFunctionMode):
     """The mode of the module docstring; ``where()`` names the module drawing (for errors)."""
 
-    def __init__(self, layout: DrawLayout, where=lambda: "<model>", in_attention=lambda: False):
+    def __init__(
+        self, layout: DrawLayout, where=lambda: "<model>", in_attention=lambda: False, streams=None
+    ):
         super().__init__()
         self.layout = layout
         self.where = where
         self.in_attention = in_attention
+        self.streams = streams  # MemberStreams: one generator per batch member (forecasts)
 
     # ------------------------------------------------------------------ global <-> local
     def _refuse(self, func, why: str):
@@ -174,6 +218,8 @@ class LayoutIndependentDraws(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _REFUSED:
             self._refuse(func, "has no layout-independent form here")
+        if self.streams is not None and func in _STREAMED:
+            return self._streamed(func, args, kwargs)
         if func in _FACTORIES:
             return self._factory(func, args, kwargs)
         if func in _LIKE:
@@ -233,6 +279,48 @@ class LayoutIndependentDraws(TorchFunctionMode):
         with torch.no_grad():
             target.copy_(cut(drawn))
         return target
+
+    def _streamed(self, func, args, kwargs):
+        """A draw under member streams: member m's part of every draw comes from its own
+        generator, drawn for the global field of one member and cut to this rank's part."""
+        if func in _DROPOUTS or func is torch.normal:
+            params = (
+                inspect.signature(func).bind(*args, **kwargs).arguments if func in _DROPOUTS else {}
+            )
+            if func in _DROPOUTS and (
+                not params.get("training", True) or params.get("p", 0.5) == 0
+            ):
+                return func(*args, **kwargs)
+            self._refuse(func, "is not drawn per member stream (forecast members)")
+        if func in _FACTORIES:
+            size = kwargs.pop("size", None)
+            if size is None:
+                size = args[0] if len(args) == 1 and not isinstance(args[0], int) else args
+            local, dtype, device = tuple(size), kwargs.get("dtype"), kwargs.get("device")
+            target = None
+        else:
+            target = args[0]
+            local, dtype, device = tuple(target.shape), target.dtype, target.device
+        shape, cut = self.global_view(func, local)
+        n = len(self.streams.generators)
+        if len(shape) < 2 or shape[0] % n:
+            self._refuse(func, f"has batch {local[0] if local else 0}, not the {n} members")
+        part = (shape[0] // n, *shape[1:])
+        pieces = []
+        for gen in self.streams.generators:
+            if func in (torch.randn, torch.randn_like):
+                pieces.append(torch.randn(part, generator=gen, dtype=dtype, device=device))
+            elif func in (torch.rand, torch.rand_like):
+                pieces.append(torch.rand(part, generator=gen, dtype=dtype, device=device))
+            else:  # Tensor.normal_ / uniform_ / bernoulli_(p) on a global empty tensor
+                empty = torch.empty(part, dtype=dtype, device=device)
+                pieces.append(func(empty, *args[1:], **kwargs, generator=gen))
+        out = cut(torch.cat(pieces))
+        if target is not None and func in _INPLACE:
+            with torch.no_grad():
+                target.copy_(out)
+            return target
+        return out
 
     def _normal(self, func, args, kwargs):
         mean = args[0] if args else kwargs.get("mean")
@@ -385,11 +473,16 @@ def refuse_spherical_harmonics(model: nn.Module) -> None:
             )
 
 
-def install_layout_independent_draws(model: nn.Module, layout: DrawLayout):
+def install_layout_independent_draws(model: nn.Module, layout: DrawLayout, *, always=False):
     """Run ``model``'s forward under :class:`LayoutIndependentDraws` (root forward hooks; the
     handles are returned).  Nothing is installed (an empty list) for a trivial layout or a model
     that draws nothing (:func:`random_drawing_modules`)."""
-    if layout.is_trivial or not random_drawing_modules(model):
+    installed = _INSTALLED.get(model)
+    if installed and installed[0].id in model._forward_pre_hooks:
+        return []  # already drawing layout-independently
+    if not random_drawing_modules(model):
+        return []
+    if layout.is_trivial and not always:
         return []
     if layout.splits_domain:
         refuse_spherical_harmonics(model)
@@ -402,17 +495,21 @@ def install_layout_independent_draws(model: nn.Module, layout: DrawLayout):
         this = layout
         if batch is not None and layout.ensemble_size > 1:
             this = replace(layout, samples=max(batch // layout.local_members, 1))
-        stack.enter_context(LayoutIndependentDraws(this, modules.where, modules.in_attention))
+        streams = _ACTIVE_STREAMS[-1] if _ACTIVE_STREAMS else None
+        mode = LayoutIndependentDraws(this, modules.where, modules.in_attention, streams)
+        stack.enter_context(mode)
         active.append(stack)
 
     def leave(_module, _args, _out):
         if active:
             active.pop().close()
 
-    return [
+    handles = [
         model.register_forward_pre_hook(enter),
         model.register_forward_hook(leave, always_call=True),
     ]
+    _INSTALLED[model] = handles
+    return handles
 
 
 def draw_memory_bytes(local_numel: int, domain_size: int, ensemble_size: int, itemsize: int) -> int:
