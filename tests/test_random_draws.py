@@ -202,8 +202,8 @@ def _crossformer_dropout():
 
     crossformer = import_credit("credit.models.crossformer")
     return crossformer.CrossFormer(
-        image_height=16,
-        image_width=16,
+        image_height=32,
+        image_width=32,
         frames=1,
         channels=1,
         surface_channels=1,
@@ -229,7 +229,7 @@ def _dropout_members_worker(rank, world, members):
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(0)
     model = _crossformer_dropout().train()
-    x = torch.randn(2, 3, 16, 16)
+    x = torch.randn(2, 3, 32, 32)
     local = members // world
     install_layout_independent_draws(model, DrawLayout(None, rank, world, local))
     torch.manual_seed(SEED)
@@ -245,7 +245,7 @@ def test_attention_dropout_members_are_the_same_under_ensemble_one_and_two():
     try:
         torch.manual_seed(0)
         model = _crossformer_dropout().train()
-        x = torch.randn(2, 3, 16, 16)
+        x = torch.randn(2, 3, 32, 32)
         torch.manual_seed(SEED)
         one = model(x.repeat_interleave(4, 0)).detach()
     finally:
@@ -256,18 +256,27 @@ def test_attention_dropout_members_are_the_same_under_ensemble_one_and_two():
     assert (one[:, 0] - one[:, 1]).abs().max() > 1e-3  # dropout makes the members differ
 
 
-def _attention_refused_worker(rank, world):
+def _attention_dropout_worker(rank, world, tiles):
     torch.set_default_dtype(torch.float64)
-    manager = DomainParallelManager(world, world)
-    model = _convert_with_draws(_crossformer_dropout().train(), manager)
-    from credit_parallel.domain.sharding import shard_tensor
-
-    with pytest.raises(ValueError) as refused:
-        model(shard_tensor(torch.randn(1, 3, 16, 16), -2, manager))
+    build = lambda: _Seeded(_crossformer_dropout()).train()  # noqa: E731
+    x = torch.randn(1, 3, 32, 32)  # 32 rows: every level keeps rows on both ranks
+    manager = _manager(world, tiles)
+    if not tiles:
+        return domain_parity_errors(build, x, manager, convert=_convert_with_draws)
+    with pytest.raises(ValueError) as refused:  # at conversion, before any forward
+        _convert_with_draws(build(), manager)
     return str(refused.value)
 
 
-def test_attention_dropout_under_domain_is_refused_naming_the_module():
-    for message in run_on_ranks(_attention_refused_worker, 2):
-        assert message.startswith("layers.0.1.layers.0.0.dropout (Dropout): its random draw")
-        assert "inside an attention module" in message
+def test_attention_dropout_on_rows_is_exact():
+    """CREDIT's crossformer with attn_dropout and ff_dropout 0.1 (the smoke ensemble config's
+    source of member diversity) at domain 2: its attention runs on whole windows re-laid out
+    over the ranks, each rank's windows a contiguous chunk of every sample's."""
+    for errors in run_on_ranks(_attention_dropout_worker, 2, False):
+        assert_parity(errors)
+
+
+def test_attention_dropout_on_tiles_is_refused_naming_the_module():
+    for message in run_on_ranks(_attention_dropout_worker, 4, True):
+        assert message.startswith("model.layers.0.1.layers.0.0.dropout (Dropout): draws")
+        assert "inside the attention module model.layers.0.1.layers.0.0" in message

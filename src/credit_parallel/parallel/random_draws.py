@@ -125,6 +125,7 @@ class DrawLayout:
     ensemble_size: int = 1
     local_members: int = 1
     samples: int | None = None  # samples per rank of this forward (its input's batch / members)
+    batch: int | None = None  # this forward's input batch (samples x members)
 
     @property
     def splits_domain(self) -> bool:
@@ -170,11 +171,42 @@ class LayoutIndependentDraws(TorchFunctionMode):
         first_col = sum(sizes[lat][c][1] for c in range(lon))
         return height, width, first_row, first_col
 
+    def _window_chunks(self, func, local: tuple[int, ...]):
+        """(global dim 0, cut) of a draw inside an attention module under a row split: each
+        batch entry's windows are split over the domain ranks in rank order (the re-laid-out
+        groups of ``domain/attention/relayout.py``); one all-gather of the local shapes."""
+        from ..layout.small_collectives import gather_small
+
+        manager, batch = self.layout.manager, self.layout.batch
+        if getattr(manager, "is_tiled", False) or not batch or local[0] % batch:
+            self._refuse(
+                func,
+                f"draws on a {len(local)}-D tensor inside an attention module whose windows "
+                "are not a row split of the batch dim (lat x lon tiles, or an unknown batch)",
+            )
+        mine = torch.tensor(local, dtype=torch.int64, device=manager.device)
+        shapes = gather_small(mine, manager.domain_group).tolist()
+        if any(tuple(s[1:]) != local[1:] or s[0] % batch for s in shapes):
+            self._refuse(func, "draws inside an attention module with shapes that differ by rank")
+        chunks = [s[0] // batch for s in shapes]
+        first, total, mine_c = sum(chunks[: manager.domain_rank]), sum(chunks), local[0] // batch
+
+        def cut(g, first=first, count=mine_c, total=total):
+            rest = g.shape[1:]
+            return g.reshape(batch, total, *rest)[:, first : first + count].reshape(-1, *rest)
+
+        return batch * total, cut
+
     def global_view(self, func, local: tuple[int, ...]):
         """(global shape, cut) for a draw of ``local`` shape: ``cut(global) -> local part``."""
         local = tuple(int(s) for s in local)
         shape, cuts = list(local), []
         lay = self.layout
+        window_cut = None
+        if lay.splits_domain and len(local) >= _FIELD_NDIM and self.in_attention():
+            # windows (groups of rows) in the batch dim: (batch entry, windows...) with this
+            # rank's windows a contiguous chunk of each entry's, in domain rank order
+            shape[0], window_cut = self._window_chunks(func, local)
         if lay.ensemble_size > 1 and len(local) >= 2:
             # dim 0 is (sample, member, rest...) with the sample outermost, as CREDIT's
             # repeat_interleave and einops' "(b h w)" windows order it
@@ -187,20 +219,16 @@ class LayoutIndependentDraws(TorchFunctionMode):
                     "members this rank holds of each",
                 )
             e, ens = lay.ensemble_rank, lay.ensemble_size
-            shape[0] = local[0] * ens
+            shape[0] = shape[0] * ens
 
             def cut_members(g, samples=samples, e=e, ens=ens):
                 rest = g.shape[1:]
                 return g.reshape(samples, ens, -1, *rest)[:, e].reshape(-1, *rest)
 
             cuts.append(cut_members)
-        if lay.splits_domain and len(local) >= _FIELD_NDIM:
-            if self.in_attention():
-                self._refuse(
-                    func,
-                    f"draws on a {len(local)}-D tensor inside an attention module (attention "
-                    "weights or windows, not rows of the grid)",
-                )
+        if window_cut is not None:
+            cuts.append(window_cut)
+        elif lay.splits_domain and len(local) >= _FIELD_NDIM:
             height, width, r0, c0 = self._domain_extent(local)
             shape[-2], shape[-1] = height, width
             h, w = local[-2], local[-1]
@@ -439,8 +467,12 @@ class _ModuleStack:
 
 
 def _is_attention(module: nn.Module) -> bool:
-    name = type(module).__name__.lower()
-    return "attention" in name or name.startswith("attn")
+    """An attention module, or a domain wrapper of one (``DomainWrapper.wrapped``)."""
+    for candidate in (module, module.__dict__.get("wrapped")):
+        name = type(candidate).__name__.lower() if candidate is not None else ""
+        if "attention" in name or name.startswith("attn"):
+            return True
+    return False
 
 
 def draw_layout(dims, manager, ensemble_size: int = 1) -> DrawLayout:
@@ -473,6 +505,25 @@ def refuse_spherical_harmonics(model: nn.Module) -> None:
             )
 
 
+def refuse_attention_draws_on_tiles(model: nn.Module) -> None:
+    """Random draws inside an attention module hold windows in the batch dim; on lat x lon
+    tiles a rank's windows are not a contiguous chunk of it: refused naming the module, before
+    any forward."""
+    drawing = set(random_drawing_modules(model))
+    for path, module in model.named_modules():
+        if not _is_attention(module):
+            continue
+        for sub, _ in module.named_modules():
+            inner = f"{path}.{sub}" if path and sub else (path or sub)
+            if inner in drawing:
+                raise ValueError(
+                    f"{inner or '<root>'} ({type(model.get_submodule(inner)).__name__}): draws "
+                    f"random numbers inside the attention module {path or '<root>'}, whose "
+                    "windows a lat x lon tile does not hold as one chunk of the batch; not "
+                    "supported on tiles yet (use a latitude-only domain, or no dropout there)"
+                )
+
+
 def install_layout_independent_draws(model: nn.Module, layout: DrawLayout, *, always=False):
     """Run ``model``'s forward under :class:`LayoutIndependentDraws` (root forward hooks; the
     handles are returned).  Nothing is installed (an empty list) for a trivial layout or a model
@@ -486,6 +537,8 @@ def install_layout_independent_draws(model: nn.Module, layout: DrawLayout, *, al
         return []
     if layout.splits_domain:
         refuse_spherical_harmonics(model)
+        if getattr(layout.manager, "is_tiled", False):
+            refuse_attention_draws_on_tiles(model)
     active: list[contextlib.ExitStack] = []
 
     def enter(_module, args):
@@ -493,8 +546,8 @@ def install_layout_independent_draws(model: nn.Module, layout: DrawLayout, *, al
         modules = stack.enter_context(_ModuleStack(model))
         batch = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else None
         this = layout
-        if batch is not None and layout.ensemble_size > 1:
-            this = replace(layout, samples=max(batch // layout.local_members, 1))
+        if batch is not None:
+            this = replace(layout, samples=max(batch // layout.local_members, 1), batch=batch)
         streams = _ACTIVE_STREAMS[-1] if _ACTIVE_STREAMS else None
         mode = LayoutIndependentDraws(this, modules.where, modules.in_attention, streams)
         stack.enter_context(mode)
