@@ -352,6 +352,11 @@ class _Run:
             n_static=self.dataset.n_static,
             n_diagnostic=self.dataset.n_diagnostic,
         )
+        from .stochastic import member_noise_steps  # a stochastic model's seeded members
+
+        outputs = member_noise_steps(
+            outputs, self.model, self.seed, self.members, position, self.device
+        )
         ids = list(self.members) if members > 1 else [None]
         rows = self.row_part.owned
         columns = self.column_part.owned if self.column_part is not None else None

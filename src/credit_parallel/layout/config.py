@@ -32,6 +32,7 @@ __all__ = [
     "DOMAIN_LAT",
     "DOMAIN_LON",
     "DP_DOMAIN",
+    "ENSEMBLE",
     "all_ranks_joined",
     "DataMode",
     "domain_degrees",
@@ -46,7 +47,7 @@ __all__ = [
     "require_process_group",
 ]
 
-_ALLOWED_KEYS = ("data", "tensor", "domain")
+_ALLOWED_KEYS = ("data", "tensor", "domain", "ensemble")
 _DIGITS = re.compile(r"^[0-9]+$")
 
 
@@ -60,6 +61,9 @@ class MeshAxis(enum.StrEnum):
     DP = "dp"
     TP = "tp"
     DOMAIN = "domain"
+
+
+ENSEMBLE = "ensemble"  # mesh axis of the ensemble members (SPEC §2), between "dp" and "tp"
 
 
 DOMAIN_LAT = "domain_lat"  # mesh axes of a two-dimensional (lat x lon) domain (SPEC §3b)
@@ -152,18 +156,23 @@ def parse_parallelism_block(block: Any) -> dict:
         raise ValueError(
             f"trainer.parallelism.data must be one of 'fsdp2', 'ddp', 'none', got {data!r}"
         )
-    return {
+    parsed = {
         "data": str(data),
         "tensor": _parse_degree("tensor", block.get("tensor", 1)),
         "domain": _parse_domain(block.get("domain", 1)),
     }
+    ensemble = _parse_degree("ensemble", block.get("ensemble", 1))
+    if ensemble > 1:  # SPEC §1: present only above 1, so E = 1 leaves the block unchanged
+        parsed["ensemble"] = ensemble
+    return parsed
 
 
 def parse_parallelism_conf(conf: Any) -> dict:
     """Parse ``conf["trainer"]["parallelism"]`` of a FULL config.
 
     Returns ``{"data", "tensor", "domain"}`` with defaults ``"none"``, 1, 1; ``domain`` is an
-    int, or ``{"lat": P, "lon": Q}`` for a two-dimensional domain with Q > 1 (SPEC §3b).  Raises
+    int, or ``{"lat": P, "lon": Q}`` for a two-dimensional domain with Q > 1 (SPEC §3b);
+    ``"ensemble"`` too when the block sets it above 1 (SPEC §2).  Raises
     ``ValueError`` naming the key and the bad value for a missing block, unknown keys, a bad
     ``data`` mode, or degrees that are not integers >= 1.
     """
@@ -226,11 +235,11 @@ def all_ranks_joined() -> None:
 
 def _current_world_size(parsed: dict) -> int:
     """The size of the default process group; without one, a single process (1), which only a
-    layout with tensor = domain = 1 fits."""
+    layout with tensor = domain = ensemble = 1 fits."""
     if has_process_group():
         return dist.get_world_size()
     lat, lon = domain_degrees(parsed["domain"])
-    if parsed["tensor"] * lat * lon > 1:
+    if parsed["tensor"] * lat * lon * parsed.get("ensemble", 1) > 1:
         require_process_group(f"trainer.parallelism {parsed}")
     return 1
 
@@ -239,24 +248,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _degree_items(tp: Any, domain: Any) -> tuple[tuple[str, Any], ...]:
-    """(key, value) of every degree to check: tensor, and domain or domain.lat / domain.lon."""
+def _degree_items(tp: Any, domain: Any, ensemble: Any = 1) -> tuple[tuple[str, Any], ...]:
+    """(key, value) of every degree to check: ensemble (when not 1), tensor, and domain or
+    domain.lat / domain.lon."""
+    items = () if ensemble == 1 else (("ensemble", ensemble),)
     if isinstance(domain, dict):
         lat, lon = domain_degrees(domain)
-        return (("tensor", tp), ("domain.lat", lat), ("domain.lon", lon))
-    return (("tensor", tp), ("domain", domain))
+        return items + (("tensor", tp), ("domain.lat", lat), ("domain.lon", lon))
+    return items + (("tensor", tp), ("domain", domain))
 
 
-def _layout_problems(data: Any, tp: Any, domain: Any, world_size: Any) -> list[str]:
+def _layout_problems(
+    data: Any, tp: Any, domain: Any, world_size: Any, ensemble: Any = 1
+) -> list[str]:
     """What makes the rank layout impossible, every problem at once.  ``domain``: an int, or
-    ``{"lat": P, "lon": Q}`` (SPEC §3b)."""
+    ``{"lat": P, "lon": Q}`` (SPEC §3b); ``ensemble``: the E of SPEC §2."""
     problems = []
     if data not in {m.value for m in DataMode}:
         problems.append(
             f"trainer.parallelism.data must be one of 'fsdp2', 'ddp', 'none', got {data!r}"
         )
     degrees_ok = True
-    items = _degree_items(tp, domain)
+    items = _degree_items(tp, domain, ensemble)
     for key, value in items:
         if not _is_int(value) or value < 1:
             problems.append(f"trainer.parallelism.{key} must be an integer >= 1, got {value!r}")
@@ -280,14 +293,20 @@ def _layout_problems(data: Any, tp: Any, domain: Any, world_size: Any) -> list[s
     return problems
 
 
-def _support_problems(data: Any, tp: Any) -> list[str]:
+def _support_problems(data: Any, tp: Any, ensemble: Any = 1) -> list[str]:
     """Combinations with a valid rank layout but no exact implementation."""
+    problems = []
     if data == DataMode.DDP and _is_int(tp) and tp > 1:
-        return [
+        problems.append(
             "trainer.parallelism: data 'ddp' cannot be combined with tensor > 1 (DDP does not "
             "reduce tensor-parallel DTensor gradients); use data: fsdp2"
-        ]
-    return []
+        )
+    if _is_int(ensemble) and ensemble > 1 and data != DataMode.FSDP2:
+        problems.append(
+            f"trainer.parallelism.ensemble = {ensemble} needs data: fsdp2 (FSDP2 sums the "
+            f"members' gradients over the ensemble axis); got data: {data!r}"
+        )
+    return problems
 
 
 @dataclass(frozen=True)
@@ -296,7 +315,8 @@ class ParallelDims:
 
     Built once from ``trainer.parallelism`` and the world size (:meth:`from_conf` /
     :meth:`from_block`); every other module asks it instead of recomputing.  Global rank g has
-    coordinates (dp, tp, domain) row-major, domain innermost (SPEC §2): :attr:`rank_layout`.
+    coordinates (dp, tp, domain) row-major, domain innermost (SPEC §2): :attr:`rank_layout`;
+    with an ensemble axis (``ensemble`` E > 1) (dp, ensemble, tp, domain).
 
     ``domain`` may be given as ``{"lat": P, "lon": Q}`` (SPEC §3b); it is then stored as the
     domain SIZE P*Q with ``domain_lon`` = Q, so everything that spans the whole domain group
@@ -308,10 +328,11 @@ class ParallelDims:
     tp: int
     domain: int
     world_size: int
+    ensemble: int = 1
     domain_lon: int = field(default=1, init=False)
 
     def __post_init__(self):
-        problems = _layout_problems(self.data, self.tp, self.domain, self.world_size)
+        problems = _layout_problems(self.data, self.tp, self.domain, self.world_size, self.ensemble)
         if problems:
             raise ValueError("; ".join(problems))
         lat, lon = domain_degrees(self.domain)
@@ -319,7 +340,7 @@ class ParallelDims:
         object.__setattr__(self, "domain_lon", lon)
 
     @staticmethod
-    def problems(data: Any, tp: Any, domain: Any, world_size: Any) -> list[str]:
+    def problems(data: Any, tp: Any, domain: Any, world_size: Any, ensemble: Any = 1) -> list[str]:
         """Every problem of the layout (``data``, tensor ``tp``, ``domain``) on ``world_size``
         ranks, one message each naming the key and the fix; empty when it can run.
 
@@ -327,8 +348,8 @@ class ParallelDims:
         and combinations with a valid layout but no exact implementation
         (:meth:`check_supported` raises those).  The planner and preflight report this list.
         """
-        problems = _layout_problems(data, tp, domain, world_size)
-        return problems + _support_problems(data, tp)
+        problems = _layout_problems(data, tp, domain, world_size, ensemble)
+        return problems + _support_problems(data, tp, ensemble)
 
     @classmethod
     def from_block(cls, block: Any, world_size: int | None = None) -> ParallelDims:
@@ -337,7 +358,13 @@ class ParallelDims:
         parsed = parse_parallelism_block(block)
         if world_size is None:
             world_size = _current_world_size(parsed)
-        return cls(parsed["data"], parsed["tensor"], parsed["domain"], world_size)
+        return cls(
+            parsed["data"],
+            parsed["tensor"],
+            parsed["domain"],
+            world_size,
+            parsed.get("ensemble", 1),
+        )
 
     @classmethod
     def from_conf(cls, conf: Any, world_size: int | None = None) -> ParallelDims:
@@ -345,12 +372,25 @@ class ParallelDims:
         parsed = parse_parallelism_conf(conf)
         if world_size is None:
             world_size = _current_world_size(parsed)
-        return cls(parsed["data"], parsed["tensor"], parsed["domain"], world_size)
+        return cls(
+            parsed["data"],
+            parsed["tensor"],
+            parsed["domain"],
+            world_size,
+            parsed.get("ensemble", 1),
+        )
 
     # ---------------------------------------------------------------- degrees and layout
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.domain)
+        return self.world_size // (self.ensemble * self.tp * self.domain)
+
+    @property
+    def outer_axes(self) -> tuple[tuple[str, int], ...]:
+        """(name, size) of the axes outside the domain: dp, ensemble (only when E > 1), tp."""
+        dp = ((MeshAxis.DP.value, self.dp),)
+        ens = ((ENSEMBLE, self.ensemble),) if self.ensemble > 1 else ()
+        return dp + ens + ((MeshAxis.TP.value, self.tp),)
 
     @property
     def domain_lat(self) -> int:
@@ -368,32 +408,44 @@ class ParallelDims:
         return self.domain_lon > 1
 
     @property
-    def full_layout_shape(self) -> tuple[int, int, int]:
-        return (self.dp, self.tp, self.domain)
+    def full_layout_shape(self) -> tuple[int, ...]:
+        """(dp, tp, domain), or (dp, ensemble, tp, domain) when E > 1."""
+        return tuple(size for _, size in self.outer_axes) + (self.domain,)
+
+    @property
+    def layout_axis_names(self) -> tuple[str, ...]:
+        """The names of :attr:`full_layout_shape`'s axes."""
+        return tuple(name for name, _ in self.outer_axes) + (MeshAxis.DOMAIN.value,)
 
     @property
     def rank_layout(self) -> RankLayout:
-        """The (dp, tp, domain) layout of all ranks, size-1 axes included; the domain coordinate
-        of a two-dimensional domain is its flattened rank ``lat*Q + lon``."""
-        return RankLayout(self.full_layout_shape, self.world_size, tuple(MeshAxis))
+        """The (dp, [ensemble,] tp, domain) layout of all ranks, size-1 axes included (ensemble
+        only when E > 1); the domain coordinate of a two-dimensional domain is its flattened
+        rank ``lat*Q + lon``."""
+        return RankLayout(self.full_layout_shape, self.world_size, self.layout_axis_names)
 
     @property
     def tile_layout(self) -> RankLayout:
-        """The (dp, tp, domain_lat, domain_lon) layout of all ranks (SPEC §3b), size-1 axes
-        included; row-major, longitude innermost (for Q = 1 the same order as
+        """The (dp, [ensemble,] tp, domain_lat, domain_lon) layout of all ranks (SPEC §3b),
+        size-1 axes included; row-major, longitude innermost (for Q = 1 the same order as
         :attr:`rank_layout`)."""
-        shape = (self.dp, self.tp, self.domain_lat, self.domain_lon)
-        names = (MeshAxis.DP.value, MeshAxis.TP.value, DOMAIN_LAT, DOMAIN_LON)
+        shape = tuple(size for _, size in self.outer_axes) + (self.domain_lat, self.domain_lon)
+        names = tuple(name for name, _ in self.outer_axes) + (DOMAIN_LAT, DOMAIN_LON)
         return RankLayout(shape, self.world_size, names)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """``{"dp": .., "tp": .., "domain": ..}`` of global ``rank``; with a two-dimensional
-        domain also ``"domain_lat"`` and ``"domain_lon"`` ("domain" is then ``lat*Q + lon``)."""
-        out = dict(zip(tuple(MeshAxis), self.rank_layout.coords(rank)))
+        """``{"dp": .., "tp": .., "domain": ..}`` of global ``rank`` (and ``"ensemble"`` when
+        E > 1); with a two-dimensional domain also ``"domain_lat"`` and ``"domain_lon"``
+        ("domain" is then ``lat*Q + lon``)."""
+        out = dict(zip(self.layout_axis_names, self.rank_layout.coords(rank)))
         if self.is_2d:
-            _, _, lat, lon = self.tile_layout.coords(rank)
+            lat, lon = self.tile_layout.coords(rank)[-2:]
             out.update({DOMAIN_LAT: lat, DOMAIN_LON: lon})
         return out
+
+    def ensemble_coord(self, rank: int) -> int:
+        """The ensemble coordinate of global ``rank`` (0 when E = 1)."""
+        return self.coords(rank).get(ENSEMBLE, 0)
 
     @property
     def mesh_axes(self) -> tuple[tuple[str, int], ...]:
@@ -401,7 +453,11 @@ class ParallelDims:
         data != none (even at dp size 1).  Empty only for one process with nothing active.
         A two-dimensional domain has the axes "domain_lat" and "domain_lon" (SPEC §3b)."""
         keep_dp = self.data != DataMode.NONE or self.dp > 1
-        sizes = ((MeshAxis.DP.value, self.dp, keep_dp), (MeshAxis.TP.value, self.tp, self.tp > 1))
+        sizes = (
+            (MeshAxis.DP.value, self.dp, keep_dp),
+            (ENSEMBLE, self.ensemble, self.ensemble > 1),
+        )
+        sizes += ((MeshAxis.TP.value, self.tp, self.tp > 1),)
         if self.is_2d:
             lat, lon = self.domain_shape
             sizes += ((DOMAIN_LAT, lat, lat > 1), (DOMAIN_LON, lon, True))
@@ -423,19 +479,21 @@ class ParallelDims:
 
     @property
     def fsdp_over_domain(self) -> bool:
-        """FSDP2 shards over the flattened dp x domain axis (SPEC §4): fsdp2 with domain > 1."""
-        return self.data == DataMode.FSDP2 and self.domain > 1
+        """FSDP2 shards over the flattened dp x [ensemble x] domain axis (SPEC §4): fsdp2 with
+        domain > 1 or ensemble > 1 (gradients summed over ensemble and domain, averaged over dp)."""
+        return self.data == DataMode.FSDP2 and (self.domain > 1 or self.ensemble > 1)
 
     @property
     def fsdp_group_size(self) -> int:
-        """Ranks of the group FSDP2 shards over (dp x domain; SPEC §4), 0 when data is not
-        fsdp2.  At 1 the library applies no ``fully_shard`` unless asked
+        """Ranks of the group FSDP2 shards over (dp x ensemble x domain; SPEC §4), 0 when data
+        is not fsdp2.  At 1 the library applies no ``fully_shard`` unless asked
         (``trainer.fsdp2_single_rank``)."""
-        return self.dp * self.domain if self.data == DataMode.FSDP2 else 0
+        size = self.dp * self.ensemble * self.domain
+        return size if self.data == DataMode.FSDP2 else 0
 
     def check_supported(self) -> None:
         """Refuse combinations that have a valid rank layout but no exact implementation."""
-        problems = _support_problems(self.data, self.tp)
+        problems = _support_problems(self.data, self.tp, self.ensemble)
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -455,7 +513,7 @@ class ParallelDims:
             return self._build_tile_mesh(device_type)
         # The root keeps the size-1 axes too: their groups are the one-rank groups a manager
         # needs (a data_parallel_group of one rank at dp = 1), created with the mesh, not beside.
-        names = tuple(axis.value for axis in MeshAxis)
+        names = self.layout_axis_names
         root = init_device_mesh(device_type, self.full_layout_shape, mesh_dim_names=names)
         # DeviceMesh's rank order is row-major over the shape, which is RankLayout's order.
         rank = dist.get_rank()
@@ -465,9 +523,14 @@ class ParallelDims:
         submeshes = {name: root[name] for name, size in self.mesh_axes if size > 1}
         dp_domain = None
         if self.fsdp_over_domain:
-            dp_domain = root[MeshAxis.DP.value, MeshAxis.DOMAIN.value]._flatten(DP_DOMAIN)
+            dp_domain = root[self._fsdp_axes(MeshAxis.DOMAIN.value)]._flatten(DP_DOMAIN)
         all_ranks_joined()
         return ParallelMesh(self, root, mesh, submeshes, dp_domain)
+
+    def _fsdp_axes(self, *domain_axes: str) -> tuple[str, ...]:
+        """The root axes FSDP2's flattened group spans: dp, [ensemble,] and the domain axes."""
+        ens = (ENSEMBLE,) if self.ensemble > 1 else ()
+        return (MeshAxis.DP.value,) + ens + domain_axes
 
     def _build_tile_mesh(self, device_type: str) -> ParallelMesh:
         """The meshes of a two-dimensional domain (SPEC §3b): a (dp, tp, domain_lat,
@@ -486,7 +549,7 @@ class ParallelDims:
         submeshes[MeshAxis.DOMAIN.value] = domain
         dp_domain = None
         if self.fsdp_over_domain:
-            dp_domain = root[MeshAxis.DP.value, DOMAIN_LAT, DOMAIN_LON]._flatten(DP_DOMAIN)
+            dp_domain = root[self._fsdp_axes(DOMAIN_LAT, DOMAIN_LON)]._flatten(DP_DOMAIN)
         all_ranks_joined()
         return ParallelMesh(self, root, mesh, submeshes, dp_domain)
 
@@ -516,7 +579,7 @@ class ParallelMesh:
         "dp_domain"); ``ValueError`` for a trivial layout or an unknown/absent axis."""
         if name == DP_DOMAIN and self.dp_domain is not None:
             return self.dp_domain
-        names = tuple(axis.value for axis in MeshAxis)
+        names = self.dims.layout_axis_names
         if self.dims.is_2d:
             if name == MeshAxis.DOMAIN.value:
                 return self.submeshes[name]  # the flattened lat x lon axis

@@ -2,6 +2,8 @@
 
 Layout: row-major over (dp, tp, domain), domain innermost.  For global rank g:
 ``domain_coord = g % domain``, ``tp_coord = (g // domain) % tp``, ``dp_rank = g // (tp*domain)``.
+With an ensemble axis (``ensemble: E`` > 1) the layout is (dp, ensemble, tp, domain):
+``ens = (g // (tp*domain)) % E``, ``dp_rank = g // (E*tp*domain)``.
 The degrees, the arithmetic and the meshes belong to :class:`~credit_parallel.layout.config.ParallelDims`;
 the functions here are the public entry points of SPEC §2 and delegate to it.
 """
@@ -28,7 +30,7 @@ __all__ = [
 
 
 def dp_world_size(parallelism_conf: dict, world_size: int) -> int:
-    """Number of data-parallel replicas: ``world_size // (tensor*domain)``.
+    """Number of data-parallel replicas: ``world_size // (ensemble*tensor*domain)``.
 
     Validates the block like :func:`parse_parallelism_conf`; ``ValueError`` if ``world_size`` is
     not divisible by ``tensor*domain`` or the result would be < 1.
@@ -63,7 +65,7 @@ def data_parallel_coords(conf: dict) -> tuple[int, int]:
     """``(dp_rank, dp_size)`` of this process from the FULL config; ``(0, 1)`` without a process group.
 
     Sampler contract: data is sharded over dp only; ranks that differ only in their tp or domain
-    coordinate get the same batch.
+    coordinate get the same batch (the members of one sample live on the ensemble axis).
     """
     block = parse_parallelism_conf(conf)
     if not has_process_group():

@@ -253,6 +253,8 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     # "load_scheduler"} (CREDIT's load_weights; train/credit_resume.py)
     "credit_resume": (None, _optional_mapping("credit_resume", ("checkpoint",))),
     "batch_size": (2, _number("trainer", "batch_size", int, 1)),
+    # K members of each sample, trained on a CRPS loss (train/crps.py, docs/ensembles.md)
+    "ensemble_size": (1, _number("trainer", "ensemble_size", int, 1)),
     "grad_accum": (1, _number("trainer", "grad_accum", int, 1)),
     "lr": (1e-3, _number("trainer", "lr", float, 0)),
     "weight_decay": (0.0, _number("trainer", "weight_decay", float, 0)),
@@ -451,6 +453,7 @@ class TrainerConfig:
     job_epochs: dict | None = None
     credit_resume: dict | None = None
     batch_size: int = 2
+    ensemble_size: int = 1
     grad_accum: int = 1
     lr: float = 1e-3
     weight_decay: float = 0.0

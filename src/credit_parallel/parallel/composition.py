@@ -38,6 +38,7 @@ from ..layout.device import device_for_process_group
 from ..layout.run_config import TrainerConfig, trainer_option
 from .compile import compile_blocks
 from .fsdp import FSDP2_MIN_UNIT_PARAMS, apply_ddp, fsdp2_precision, fully_shard_model
+from .random_draws import draw_layout, install_layout_independent_draws
 from .tensor_parallel import apply_tensor_parallel
 
 __all__ = [
@@ -71,6 +72,7 @@ class RecipeOptions:
     compile: bool = False
     fsdp2_single_rank: bool = False
     fsdp2_prefetch: bool = False
+    ensemble_size: int = 1  # trainer.ensemble_size: K members of each sample (random draws)
 
     @classmethod
     def from_conf(cls, conf: dict) -> RecipeOptions:
@@ -84,6 +86,7 @@ class RecipeOptions:
             compile=trainer_option(conf, "compile"),
             fsdp2_single_rank=trainer_option(conf, "fsdp2_single_rank"),
             fsdp2_prefetch=trainer_option(conf, "fsdp2_prefetch"),
+            ensemble_size=trainer_option(conf, "ensemble_size"),
         )
 
     @classmethod
@@ -98,6 +101,7 @@ class RecipeOptions:
             compile=trainer.compile,
             fsdp2_single_rank=trainer.fsdp2_single_rank,
             fsdp2_prefetch=trainer.fsdp2_prefetch,
+            ensemble_size=trainer.ensemble_size,
         )
 
 
@@ -147,17 +151,21 @@ def apply_model_parallel(
     src_data_rank: int | None = 0,
     nonlocal_policy: str = "raise",
     halo_chains: bool | str | int = False,
+    ensemble_size: int = 1,
 ) -> nn.Module:
     """Steps 2-3 of the recipe: domain conversion, then tensor parallelism; the mesh and the
     manager are attached to the model.  ``src_data_rank=None``: TP takes each rank's own copy
     (a model on the meta device).  ``nonlocal_policy``, ``halo_chains``: see
-    ``convert_to_domain_parallel``."""
+    ``convert_to_domain_parallel``; ``ensemble_size``: the K members of each sample, K/E on
+    each ensemble rank.  Random draws on activations are made layout-independent
+    (``random_draws.py``)."""
     manager = None
     if dims.domain > 1:
         manager = DomainParallelManager.from_device_mesh(meshes.mesh)
         model = convert_to_domain_parallel(
             model, manager, nonlocal_policy=nonlocal_policy, halo_chains=halo_chains
         )
+    install_layout_independent_draws(model, draw_layout(dims, manager, ensemble_size))
     if dims.tp > 1:
         model = apply_tensor_parallel(model, meshes.axis(MeshAxis.TP), src_data_rank=src_data_rank)
     object.__setattr__(model, "_device_mesh", meshes.mesh)
@@ -234,6 +242,7 @@ def parallelize_dims(
         meshes,
         nonlocal_policy=options.nonlocal_policy,
         halo_chains=options.halo_chains,
+        ensemble_size=options.ensemble_size,
     )
     if options.compile:  # per block, after domain conversion and TP, before FSDP2 (torchtitan)
         compile_blocks(model)

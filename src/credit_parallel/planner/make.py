@@ -31,6 +31,7 @@ from ..layout.mesh import full_rank_layout
 from ..layout.run_config import TrainerConfig, trainer_option
 from ..parallel.fsdp import fsdp2_layout_note
 from .cost import PLAN_DEVICES, DomainLayerPlan, MemoryEstimate
+from .ensemble_notes import ensemble_coords, ensemble_notes
 from .layer_calls import (
     domain_levels,
     halo_bytes_per_rank,
@@ -68,6 +69,8 @@ class RankEntry:
     dp_group: tuple[int, ...]
     tp_group: tuple[int, ...]
     domain_group: tuple[int, ...]
+    ensemble: int = 0  # the ensemble axis (SPEC §2), when trainer.parallelism.ensemble > 1
+    ensemble_group: tuple[int, ...] = ()
 
 
 @dataclass
@@ -148,7 +151,8 @@ def _rank_entries(dims: ParallelDims) -> tuple[list[RankEntry], int]:
         chosen = list(range(_SAMPLE_HEAD)) + list(range(world - _SAMPLE_TAIL, world))
     entries = []
     for g in chosen:
-        dp, tp, dom = layout.coords(g)
+        coords = layout.coords(g)  # (dp, [ensemble,] tp, domain)
+        dp, tp, dom = coords[0], coords[-2], coords[-1]
         entries.append(
             RankEntry(
                 g,
@@ -158,6 +162,7 @@ def _rank_entries(dims: ParallelDims) -> tuple[list[RankEntry], int]:
                 tuple(layout.ranks_along_dim("dp", g)),
                 tuple(layout.ranks_along_dim("tp", g)),
                 tuple(layout.ranks_along_dim("domain", g)),
+                *ensemble_coords(dims, layout, g),
             )
         )
     return entries, world - len(chosen)
@@ -166,11 +171,11 @@ def _rank_entries(dims: ParallelDims) -> tuple[list[RankEntry], int]:
 def _layout(block: Mapping, world_size: int, dims, violations: list, notes: list):
     """(dims or None, dp) of the parallel degrees on ``world_size`` ranks; every problem of the
     layout, as :meth:`ParallelDims.problems` words it, is a violation."""
-    data, tp, n = block["data"], block["tensor"], block["domain"]
-    violations.extend(ParallelDims.problems(data, tp, n, world_size))
+    data, tp, n, ens = block["data"], block["tensor"], block["domain"], block.get("ensemble", 1)
+    violations.extend(ParallelDims.problems(data, tp, n, world_size, ens))
     if dims is None:
         try:
-            dims = ParallelDims(data, tp, n, world_size)
+            dims = ParallelDims(data, tp, n, world_size, ens)
         except ValueError:  # reported above
             notes.append("no rank layout: the world size does not fit the parallel degrees")
             return None, 0
@@ -317,6 +322,7 @@ def make_plan(
     if n > 1 and layers:
         notes.append(_FIRST_STEP_NOTE)
     notes.append(_staging_note(conf, trainer, memory.param_bytes))
+    notes.extend(ensemble_notes(conf, dims, model, shapes, batch_size, act_bytes))
     splits = split_projections(
         model, trace, (n, lon), refusals, notes, batch_size=batch_size, dtype_bytes=act_bytes,
         double=double, dp=max(dp, 1),

@@ -39,11 +39,16 @@ def _layout_section(plan: Plan) -> list[str]:
         f"trainer.parallelism: data={plan.data} tensor={plan.tp} domain={domain} -> "
         f"dp={dp} x tp={plan.tp} x domain={domain}"
     )
+    if plan.dims is not None and plan.dims.ensemble > 1:
+        out[-1] += f" x ensemble={plan.dims.ensemble}"
     if plan.dims is not None:
         axes = ", ".join(f"{name}={size}" for name, size in plan.mesh_axes) or "(none: no mesh)"
         out.append(f"mesh axes kept (build_device_mesh): {axes}")
         h0 = plan.input_shapes[0][-2] if plan.input_shapes else None
+        ens = plan.dims.ensemble > 1  # the ensemble axis's columns (SPEC §2)
         rows = [["rank", "dp", "tp", "domain", "dp group", "tp group", "domain group", "rows"]]
+        if ens:
+            rows[0][2:2], rows[0][6:6] = ["ensemble"], ["ensemble group"]
         w0 = plan.input_shapes[0][-1] if plan.input_shapes else None
         for e in plan.ranks:
             own = "-"
@@ -66,6 +71,8 @@ def _layout_section(plan: Plan) -> list[str]:
                     own,
                 ]
             )
+            if ens:
+                rows[-1][2:2], rows[-1][6:6] = [str(e.ensemble)], [str(list(e.ensemble_group))]
         out.extend(_table(rows))
         if plan.ranks_omitted:
             out.append(

@@ -44,6 +44,7 @@ from ..parallel.composition import get_domain_manager, parallelize
 from ..planner.trace import model_input_shapes
 from ..train.loss import local_lat_weights
 from ..train.step import TrainStep, batch_keys, latitude_weighted_loss
+from .verify_ensemble import VerifyEnsemble
 
 __all__ = [
     "format_table",
@@ -153,12 +154,14 @@ def _requires_grad(batch: dict, keys) -> dict:
     return out
 
 
-def reference_run(model, batch: dict, lat_weights: torch.Tensor):
-    """The single-process step on the global batch: (inputs with their gradients, outputs)."""
+def reference_run(model, batch: dict, lat_weights: torch.Tensor, loss_fn=None, members: int = 1):
+    """The single-process step on the global batch: (inputs with their gradients, outputs).
+    ``loss_fn`` / ``members``: an ensemble's CRPS loss and its K members (verify_ensemble.py)."""
     in_keys, _ = batch_keys(batch)
     batch = _requires_grad(batch, in_keys)
     h = batch[in_keys[0]].shape[-2]
-    step = TrainStep(model, latitude_weighted_loss(lat_weights, h), shard_inputs=False)
+    loss_fn = loss_fn or latitude_weighted_loss(lat_weights, h)
+    step = TrainStep(model, loss_fn, shard_inputs=False, members=members)
     _, outputs = step.forward_backward(batch)
     return [batch[k] for k in in_keys], outputs
 
@@ -170,6 +173,8 @@ def layout_run(
     manager,
     global_height: int,
     global_width: int | None = None,
+    loss_fn=None,
+    members: int = 1,
 ):
     """The same step under the layout on this rank's dp slice and domain shard ``local``:
     (inputs with their gradients, outputs, functional-call findings), gradients reduced over
@@ -179,12 +184,14 @@ def layout_run(
     local = _requires_grad(local, in_keys)
     step = TrainStep(
         model,
-        latitude_weighted_loss(
+        loss_fn
+        or latitude_weighted_loss(
             local_lat_weights(lat_weights, manager), global_height, global_width
         ),
         manager=manager,
         shard_inputs=False,
         guard=FunctionalCallGuard,
+        members=members,
     )
     _, outputs = step.forward_backward(local)
     step.reduce_gradients()
@@ -223,7 +230,9 @@ def verify_layout(
     ref, par, batch, lat, per_rank = _prepare(conf, dtype, batch_size, dataset, device)
     in_keys, out_keys = batch_keys(batch)
     h = batch[in_keys[0]].shape[-2]
-    xs, outs = reference_run(ref, batch, lat)
+    ens = VerifyEnsemble.from_conf(conf)
+    torch.manual_seed(ens.seed)  # a stochastic model draws from the same state in both runs
+    xs, outs = reference_run(ref, batch, lat, ens.reference_loss(lat, h), ens.members)
 
     par = parallelize(par, conf)
     mgr = get_domain_manager(par)
@@ -235,7 +244,9 @@ def verify_layout(
         local = shard_batch(local, manager=mgr)
     # on lat x lon tiles (SPEC §3b) the loss also needs the global width
     w = batch[in_keys[0]].shape[-1] if getattr(mgr, "is_tiled", False) else None
-    xl, pouts, findings = layout_run(par, local, lat, mgr, h, w)
+    torch.manual_seed(ens.seed)
+    loss_fn = ens.layout_loss(par, lat, mgr, h, w)
+    xl, pouts, findings = layout_run(par, local, lat, mgr, h, w, loss_fn, ens.local_members)
 
     def gathered(t):
         return gather_tensor(t, -2, mgr) if mgr is not None else t
@@ -251,10 +262,10 @@ def verify_layout(
 
     rows = [(f"functional call {f}", float("inf"), 0.0, "guard") for f in findings]
     for i, (po, ro) in enumerate(zip(pouts, outs)):
-        full = over_dp(gathered(po.detach()))
+        full = over_dp(ens.members_gathered(gathered(po.detach()), par))
         rows.append((f"output {out_keys[i]}", *_err(full, ro), "out"))
     for i, (xp, xr) in enumerate(zip(xl, xs)):
-        g = over_dp(gathered(xp.grad)) / dp_size
+        g = over_dp(ens.input_grad_summed(gathered(xp.grad), par)) / dp_size
         rows.append((f"input grad {in_keys[i]}", *_err(g, xr.grad), "out"))
     ref_params = dict(ref.named_parameters())
     for name, p in _named_params(par):

@@ -34,6 +34,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .crps import crps_share
+
 __all__ = [
     "CreditBaseLoss",
     "LearnableWeights",
@@ -131,6 +133,9 @@ class CreditBaseLoss:
         else:
             self.weights = self.credit._build_static_weights(self.keys)
         self.last_var_losses: dict = {}
+        # (EnsembleLoss, ensemble group) under trainer.ensemble_size with ring-crps as the
+        # training_loss: each variable scored by train/crps.py's share of the members
+        self.ensemble: tuple | None = None
 
     def physical(self, output: torch.Tensor) -> dict:
         if self.blocks is None:
@@ -148,12 +153,15 @@ class CreditBaseLoss:
         shares = {}
         for key in self.keys:
             p, t = pred[key].to(dtype), truth[key].to(dtype)
-            fn = self.credit.overrides.get(key, self.credit.base_loss)
-            elementwise = fn(t, p)
+            if self.ensemble is not None:  # p: this rank's members, t: the samples
+                elementwise = crps_share(p, t, *self.ensemble)
+            else:
+                fn = self.credit.overrides.get(key, self.credit.base_loss)
+                elementwise = fn(t, p)
             if self.lat_local is not None:
                 w = self.lat_local.to(device=p.device, dtype=dtype)
                 elementwise = elementwise * w.view(1, 1, 1, -1, 1)
-            count = math.prod(p.shape[:3]) * self.global_hw
+            count = math.prod(t.shape[:3]) * self.global_hw
             shares[key] = elementwise.sum() / count
         return shares
 

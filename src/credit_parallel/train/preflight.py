@@ -226,7 +226,9 @@ def _parse_layout(conf: dict, world_size: int, violations: list[str]):
         violations.append(str(err))
         return None, None
     try:
-        dims = ParallelDims(block["data"], block["tensor"], block["domain"], world_size)
+        dims = ParallelDims(
+            block["data"], block["tensor"], block["domain"], world_size, block.get("ensemble", 1)
+        )
     except (ValueError, TypeError):
         dims = None  # ParallelDims.problems names why
     return block, dims
@@ -237,6 +239,7 @@ def _validate(conf: dict, world_size: int, dataset, model):
     layout parsed once."""
     from ..planner import build_meta_model, make_plan, model_input_shapes
     from .ema import ema_tracker_class
+    from .ensemble_conf import ensemble_problems
 
     if not isinstance(conf, dict):
         return [f"config must be a mapping, got {type(conf).__name__}"], None, None
@@ -299,8 +302,18 @@ def _validate(conf: dict, world_size: int, dataset, model):
             violations.append(str(err))
     elif block is not None:
         violations.extend(
-            ParallelDims.problems(block["data"], block["tensor"], block["domain"], world_size)
+            ParallelDims.problems(
+                block["data"],
+                block["tensor"],
+                block["domain"],
+                world_size,
+                block.get("ensemble", 1),
+            )
         )
+
+    if tc is not None:  # the ensemble keys (train/ensemble_conf.py)
+        ens = block.get("ensemble", 1) if block is not None else 1
+        violations.extend(ensemble_problems(conf, tc.ensemble_size, ens, meta_model))
 
     # 4. the data against the model and the layout
     if sample is not None and plan is not None:

@@ -258,6 +258,9 @@ class TrainStep:
     n_forcing: int = 0
     n_static: int = 0
     n_diagnostic: int = 0
+    # ensemble members of each sample this rank runs (K/E; train/crps.py): the inputs and the
+    # forcing are repeated member by member (CREDIT's repeat_interleave), the targets are not
+    members: int = 1
 
     def shard(self, batch: dict) -> dict:
         """This rank's rows of a global batch, only through the model's own manager
@@ -282,6 +285,10 @@ class TrainStep:
     ) -> tuple[torch.Tensor, tuple]:
         """:meth:`forward_backward` for explicit tuples of input and target tensors (and the
         forcing of the later forecast steps)."""
+        if self.members > 1:
+            inputs = tuple(t.repeat_interleave(self.members, 0) for t in inputs)
+            if forcing is not None:
+                forcing = forcing.repeat_interleave(self.members, 0)
         with self.autocast():
             share, outputs = rollout_loss(
                 self._model_call(),

@@ -37,11 +37,16 @@ from ..domain.guard import FunctionalCallGuard, guard_requested
 from ..forecast.metrics import spatial_acc, spatial_mse
 from ..forecast.scores import climatology, flatten_channels
 from ..forecast.units import ForecastUnits
-from ..layout.config import DataMode, has_process_group
+from ..layout.config import ENSEMBLE, DataMode, has_process_group
 from ..layout.credit_gen2 import credit_gen2_conf
 from ..layout.device import autocast_for, batch_to_device, device_for_process_group
 from ..models import build_model
-from ..parallel.composition import RecipeOptions, get_domain_manager, parallelize_dims
+from ..parallel.composition import (
+    RecipeOptions,
+    get_device_mesh,
+    get_domain_manager,
+    parallelize_dims,
+)
 from ..parallel.fsdp import fsdp2_layout_note
 from .async_save import AsyncCheckpointer, staging_bytes_estimate
 from .checkpoint import (
@@ -55,6 +60,7 @@ from .checkpoint import (
 from .credit_loss import TOP as LOSS_TOP
 from .credit_loss import credit_base_loss, loss_state, restore_loss_state
 from .credit_resume import load_credit_resume, restore_credit_ema
+from .crps import crps_weighted_loss
 from .ema import TOP as EMA_TOP
 from .ema import (
     build_ema,
@@ -65,6 +71,7 @@ from .ema import (
     has_top_level,
     restore_ema,
 )
+from .ensemble_conf import crps_loss
 from .model_init import build_parallel_model
 from .preflight import check_run
 from .schedule import TOP as SCHEDULE_TOP
@@ -158,6 +165,25 @@ class Trainer:
             n_diagnostic=int(getattr(self.dataset, "n_diagnostic", 0) or 0),
         )
         self._set_credit_loss()
+        self._set_ensemble_loss()
+
+    def _set_ensemble_loss(self) -> None:
+        """``trainer.ensemble_size`` K with a CRPS loss (train/crps.py): this rank runs K/E
+        members of each sample, the loss is its CRPS share (the members of the other ensemble
+        ranks come round the "ensemble" mesh axis)."""
+        loss = crps_loss(self.conf, self.tc.ensemble_size)
+        if loss is None:
+            return
+        group = None
+        if self.dims.ensemble > 1:
+            group = get_device_mesh(self.model)[ENSEMBLE].get_group()
+        self.step_fn.members = loss.members // self.dims.ensemble
+        if self.credit_loss is not None:  # ring-crps inside CREDIT's loss.type: base
+            self.credit_loss.ensemble = (loss, group)
+            return
+        self.step_fn.loss_fn = crps_weighted_loss(
+            loss, self._lat_local, self.global_height, self.global_width, group
+        )
 
     def _set_credit_loss(self) -> None:
         """``loss.type: base`` (CREDIT's per-variable loss, train/credit_loss.py) as the step's
