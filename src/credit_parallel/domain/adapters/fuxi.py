@@ -53,7 +53,7 @@ from ..layers.resample import DomainParallelInterpolate
 from ..manager import resolve_manager
 from ..rows import conv_output_length, conv_transpose_output_length, shard_range
 from ..wrap import DomainWrapper, replace_outermost
-from .regional import NOISE_LAYER, NOISE_REASON, credit_refusal_reason
+from .regional import credit_refusal_reason
 from .stand_ins import _share, _swapped, tensor_padding_rows, tensor_unpadding_rows
 
 __all__ = [
@@ -354,7 +354,7 @@ class DomainFuxi(DomainWrapper):
 # H x W nodes (a shard's rows would meet the wrong columns of the matrix): refused by name, or run
 # on the gathered globe under nonlocal_policy="gather" (exact)
 # (miles-credit's SpectralGNNBottleneck is made exact by adapters/nextgen.py)
-NONLOCAL_CLASSES: dict[str, str] = {NOISE_LAYER: NOISE_REASON}
+NONLOCAL_CLASSES: dict[str, str] = {}
 
 # whole CREDIT models whose own forward reads the global grid in ways no layer rule can see
 # (miles-credit's NextGenWXFormer is made exact by adapters/nextgen.py)

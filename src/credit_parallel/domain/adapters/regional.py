@@ -13,10 +13,11 @@ configurations of otherwise exact classes that are refused.
   longitude: nothing here gives it the global grid's rules (the ``earth`` padding, a longitude
   wrap); their own ``TensorPadding`` and ``ZeroPad2d`` are the boundaries the model declares.
 * ``graph`` (``GraphResTransfGRU``): messages along the edges of a graph of nodes, no rows;
-* ``crossformer-ensemble`` / ``crossformer-style`` (``CrossFormerWithNoise``), whatever its
-  ``interp``: its ``StochasticDecompositionLayer`` s draw ``torch.randn(B, C, H, W)`` of the
-  shape they are given (a shard's), so no rank draws its rows of one process's noise; the
-  layer is refused by name in any other model too.
+* ``crossformer-ensemble`` / ``crossformer-style`` (``CrossFormerWithNoise``) is NOT refused
+  here: its ``StochasticDecompositionLayer`` s draw ``torch.randn(B, C, H, W)`` of the shape they
+  are given (a shard's), which ``parallel/random_draws.py`` turns into the rows of one process's
+  draw (the converter installs it); with ``interp: true`` its interpolation is refused as any
+  CREDIT model's outside ``credit_interp``'s family (``fuxi._global_grid_reason``).
 * ``crossformer-diffusion`` (``CrossFormerDiffusion``) with ``patch_height`` / ``patch_width``
   > 1: its ``CubeEmbedding`` reshapes to the global ``patches_resolution`` too.  With patches of
   1 (its default) it is exact: the time embedding is per sample (every rank computes it), the
@@ -29,8 +30,6 @@ from __future__ import annotations
 from torch import nn
 
 __all__ = [
-    "NOISE_LAYER",
-    "NOISE_REASON",
     "REFUSED_MODELS",
     "REGIONAL_MODELS",
     "credit_refusal_reason",
@@ -62,26 +61,12 @@ REGIONAL_MODELS = {
 
 _DIFFUSION = "credit.models.wxformer.crossformer_diffusion.CrossFormerDiffusion"
 
-# a layer that draws noise of its input's (a shard's) shape: one process's draws cannot be
-# reproduced per rank (SPEC section 0: same random draws for one seed, or refused)
-NOISE_LAYER = "credit.models.wxformer.stochastic_decomposition_layer.StochasticDecompositionLayer"
-NOISE_REASON = (
-    "draws its pixel noise torch.randn(B, C, H, W) with the H x W of the tensor it is given: "
-    "on a shard each rank would draw its own rows' noise from its own generator state, not "
-    "the rows of the one process's draw"
-)
 REFUSED_MODELS = {
     **REGIONAL_MODELS,
     "credit.models.graph.GraphResTransfGRU": (
         "miles-credit's GraphResTransfGRU (model.type graph) cannot be domain parallel: it "
         "passes messages along graph edges between arbitrary nodes (torch_geometric), there "
         "are no latitude rows to shard; use domain: 1"
-    ),
-    "credit.models.wxformer.crossformer_ensemble.CrossFormerWithNoise": (
-        "miles-credit's CrossFormerWithNoise (model.type crossformer-ensemble / "
-        "crossformer-style) cannot be domain parallel: each of its StochasticDecompositionLayers "
-        + NOISE_REASON
-        + "; use domain: 1 (ensemble members over trainer.parallelism.ensemble instead)"
     ),
 }
 
