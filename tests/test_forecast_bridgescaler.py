@@ -314,3 +314,53 @@ def test_sqrt_and_square_blocks_are_read_from_a_gen2_config():
             "key": "y_processed",
         }
     ]
+
+
+def _gen2(setup) -> dict:
+    """The same run as a CREDIT gen-2 config: its blocks as ``preblocks`` / ``postblocks``."""
+    store, scaler = setup["store"], setup["scaler"]
+    variables = {
+        "prognostic": {"vars_3D": UPPER, "vars_2D": SURFACE, "path": store},
+        "dynamic_forcing": {"vars_2D": FORCING, "path": store},
+        "static": {"vars_2D": STATIC, "path": store},
+    }
+    source = {"ERA5": {"level_coord": "level", "levels": LEVELS, "variables": variables}}
+    bridge = {"scaler_path": scaler, "variables": PROGNOSTIC}
+    return {
+        "seed": 3,
+        "data": {"source": source, "start_datetime": "2020-01-01", "end_datetime": "2020-01-03T18"},
+        "preblocks": {
+            "log": {"type": "log_transform", "args": {"variables": [TSI], "data_types": ["input"]}},
+            "sqrt": {"type": "sqrt_transform", "args": {"variables": [T2M]}},
+            "scaler": {"type": "bridgescaler_transform", "args": bridge},
+        },
+        "postblocks": {
+            "scaler": {"type": "bridgescaler_transform", "args": bridge},
+            "square": {"type": "square_transform", "args": {"variables": [T2M]}},
+        },
+        "trainer": {
+            "parallelism": {"data": "none", "tensor": 1, "domain": 1},
+            "dtype": "float64",
+            "thread_workers": 0,
+        },
+        "model": _model_conf(),
+    }
+
+
+def test_a_credit_gen2_config_forecasts_through_its_own_blocks(setup):
+    """``credit-parallel forecast --config`` of the gen-2 config: its blocks are read as
+    ``data.bridgescaler`` and the store is the one above, value for value."""
+    from credit_parallel.forecast.command import apply_overrides, preflight
+
+    args = _args(setup["conf_path"], setup["checkpoint"], setup["root"] / "gen2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the bookkeeping keys dropped
+        conf = apply_overrides(_gen2(setup), args)
+    chains = conf["data"]["bridgescaler"]
+    assert [s["type"] for s in chains["pre"]] == [s["type"] for s in _spec("").get("pre")]
+    assert [s["type"] for s in chains["post"]] == [s["type"] for s in _spec("").get("post")]
+    preflight(conf, args)
+    run_forecast(conf, args, stream=io.StringIO())
+    for got, want in zip(_stored(setup["root"] / "gen2"), _stored(setup["root"] / "one")):
+        for name in want:
+            assert np.array_equal(got[name], want[name]), name

@@ -15,6 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 EXTRA = "credit-parallel[credit]"
 STACK = ["bridgescaler", "sklearn", "scipy", "numba", "crick", "h5netcdf", "h5py"]
@@ -65,80 +67,93 @@ def _gen2_conf(tmp_path: Path, preblocks: dict | None = None) -> dict:
     return conf
 
 
-def test_the_core_imports_without_the_credit_extra_and_gen2_configs_name_it(tmp_path):
-    """Every module imports with the whole extra missing; a CREDIT gen-2 data block and
-    ``use_ema`` (miles-credit's ``credit.trainers.utils`` imports cftime) name the extra."""
+_BODY = """
+import importlib, json, pkgutil
+import credit_parallel
+names = [m.name for m in pkgutil.walk_packages(credit_parallel.__path__, "credit_parallel.")]
+names = [n for n in names if not n.endswith("__main__")]
+for name in names:
+    importlib.import_module(name)
+leaked = sorted(n for n in sys.modules if n.split(".")[0] in BLOCKED and sys.modules[n])
+print("IMPORTED:", len(names), "leaked", leaked)
+from credit_parallel.data.store import open_fields
+from credit_parallel.layout.credit_gen2 import credit_gen2_conf
+from credit_parallel.layout.credit_scaler_blocks import load_scaler
+from credit_parallel.train.ema import ema_tracker_class
+conf, scaler, netcdf, path, out = json.loads(sys.argv[1]), *sys.argv[2:]
+for key, call in (
+    ("data.source", lambda: credit_gen2_conf(conf)),
+    ("trainer.use_ema", ema_tracker_class),
+    ("bridgescaler", lambda: load_scaler(scaler, "preblocks.norm.scaler.args.scaler_path")),
+    ("h5netcdf", lambda: open_fields(netcdf, "data.static_path")),
+):
+    try:
+        call()
+        print(f"ACCEPTED {key}:")
+    except ValueError as err:
+        print(f"REFUSED {key}:", str(err).replace("\\n", " "))
+from credit_parallel.cli import main
+print("EXIT:", main(["train", "--config", path, "--output", out]))
+"""
+
+
+@pytest.fixture(scope="module")
+def without_extra(tmp_path_factory):
+    """One subprocess with the whole extra unimportable: every module imported, then each
+    use of the extra asked for (one interpreter start: the imports are what costs)."""
     import json
 
-    blocked = [*STACK, "cftime"]
-    body = """
-    import importlib, json, pkgutil
-    import credit_parallel
-    names = [m.name for m in pkgutil.walk_packages(credit_parallel.__path__, "credit_parallel.")]
-    names = [n for n in names if not n.endswith("__main__")]
-    for name in names:
-        importlib.import_module(name)
-    leaked = sorted(n for n in sys.modules if n.split(".")[0] in BLOCKED and sys.modules[n])
-    print("IMPORTED:", len(names), "leaked", leaked)
-    from credit_parallel.layout.credit_gen2 import credit_gen2_conf
-    from credit_parallel.train.ema import ema_tracker_class
-    for key, call in (
-        ("data.source", lambda: credit_gen2_conf(json.loads(sys.argv[1]))),
-        ("trainer.use_ema", ema_tracker_class),
-    ):
-        try:
-            call()
-        except ValueError as err:
-            print("REFUSED:", err)
-    """.replace("BLOCKED", repr(blocked))
-    done = _run(blocked, body, json.dumps(_gen2_conf(tmp_path)))
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    imported = lines[0].split()
-    assert int(imported[1]) > 150  # every module of the package, not an empty walk
-    assert lines[0].endswith("leaked []")
-    refused = lines[1:]
-    assert [r.split()[1] for r in refused] == ["data.source", "trainer.use_ema"], done.stdout
-    for line in refused:
-        assert "needs `cftime`" in line and EXTRA in line
-
-
-def test_a_bridgescaler_config_without_the_extra_is_refused_before_any_rank_starts(tmp_path):
     import yaml
 
-    scaler = tmp_path / "scaler.json"
+    root = tmp_path_factory.mktemp("light_core")
+    scaler = root / "scaler.json"
     scaler.write_text("{}")
-    block = {"type": "bridgescaler_transform", "args": {"scaler_path": str(scaler)}}
-    conf = _gen2_conf(tmp_path, {"norm": {"scaler": block}})
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(conf))
-    netcdf = tmp_path / "mean.nc"
+    netcdf = root / "mean.nc"
     netcdf.write_bytes(b"\x89HDF\r\n\x1a\n")  # any file: the engine is asked for first
-    body = """
-    import yaml
-    from credit_parallel.data.store import open_fields
-    from credit_parallel.layout.credit_gen2 import credit_gen2_conf
+    conf = _gen2_conf(root)
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    blocked = [*STACK, "cftime"]
+    args = [json.dumps(conf), str(scaler), str(netcdf), str(path), str(root / "out")]
+    done = _run(blocked, _BODY.replace("BLOCKED", repr(blocked)), *args)
+    lines = {}
+    for line in done.stdout.splitlines():
+        head, _, rest = line.partition(":")
+        lines[head] = rest.strip()
+    return done, lines, root
 
-    conf = yaml.safe_load(open(sys.argv[1]))
-    try:
-        credit_gen2_conf(conf)
-    except ValueError as err:
-        print("MAPPING:", str(err).replace("\\n", " "))
-    try:
-        open_fields(sys.argv[2], "data.static_path")
-    except ValueError as err:
-        print("NETCDF:", err)
-    from credit_parallel.cli import main
-    code = main(["train", "--config", sys.argv[1], "--output", sys.argv[3]])
-    print("EXIT:", code)
-    """
-    done = _run(STACK, body, str(path), str(netcdf), str(tmp_path / "out"))
-    lines = {line.split(":", 1)[0]: line for line in done.stdout.splitlines() if ":" in line}
-    mapping, nc = lines.get("MAPPING", ""), lines.get("NETCDF", "")
-    assert "preblocks.norm.scaler.args.scaler_path needs `bridgescaler`" in mapping, done.stdout
-    assert EXTRA in mapping
-    assert "needs `h5netcdf`" in nc and EXTRA in nc, done.stdout
-    # the command line stops in this process with a one-line reason: no rank ever started
-    assert lines.get("EXIT") != "EXIT: 0", done.stdout + done.stderr[-2000:]
-    assert EXTRA in done.stderr and "bridgescaler" in done.stderr, done.stderr[-2000:]
-    assert not (tmp_path / "out").exists()
+
+def test_the_core_imports_without_the_credit_extra(without_extra):
+    done, lines, _ = without_extra
+    imported = lines.get("IMPORTED", "").split()
+    assert imported, done.stdout + done.stderr[-3000:]
+    assert int(imported[0]) > 150  # every module of the package, not an empty walk
+    assert imported[1:] == ["leaked", "[]"]
+
+
+@pytest.mark.parametrize(
+    "key,module",
+    [
+        ("data.source", "cftime"),  # a gen-2 data block: miles-credit's inject_flat_var_keys
+        ("trainer.use_ema", "cftime"),  # miles-credit's EMATracker
+        ("bridgescaler", "bridgescaler"),  # a bridgescaler_transform block's scaler file
+        ("h5netcdf", "h5netcdf"),  # CREDIT's netCDF files
+    ],
+)
+def test_what_needs_the_extra_is_refused_naming_the_key_and_the_extra(without_extra, key, module):
+    done, lines, _ = without_extra
+    refusal = lines.get(f"REFUSED {key}")
+    assert refusal is not None, done.stdout + done.stderr[-3000:]
+    assert f"needs `{module}`" in refusal and EXTRA in refusal, refusal
+    where = {
+        "bridgescaler": "preblocks.norm.scaler.args.scaler_path",
+        "h5netcdf": "data.static_path",
+    }
+    assert refusal.startswith(where.get(key, key)), refusal
+
+
+def test_the_command_line_refuses_such_a_config_before_any_rank_starts(without_extra):
+    done, lines, root = without_extra
+    assert lines.get("EXIT") not in (None, "0"), done.stdout + done.stderr[-2000:]
+    assert EXTRA in done.stderr and "cftime" in done.stderr, done.stderr[-2000:]
+    assert not (root / "out").exists()  # no rank started, nothing written

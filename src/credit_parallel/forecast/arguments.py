@@ -98,10 +98,12 @@ def build_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def apply_overrides(conf: dict, args) -> dict:
-    """``conf`` with ``--parallelism`` applied (a copy)."""
+    """``conf`` with ``--parallelism`` applied (a copy); a CREDIT gen-2 config read as
+    credit-parallel's keys first (its bridgescaler blocks: ``data.bridgescaler``)."""
+    from ..layout.credit_gen2 import credit_gen2_conf
     from .inputs import parse_parallelism_flag
 
-    conf = copy.deepcopy(conf)
+    conf = credit_gen2_conf(copy.deepcopy(conf))
     if args.parallelism:
         conf.setdefault("trainer", {})["parallelism"] = parse_parallelism_flag(args.parallelism)
     if isinstance(args.members, bool) or args.members < 1:

@@ -21,6 +21,9 @@ job trains (CREDIT's ``num_epoch``).
     mean of its steps' losses: CREDIT's ``train_loss``, its ``training_metric`` with
     ``skip_validation: true``).
 
+  With ``batches_per_epoch: 0`` (CREDIT: the whole loader per epoch) no epoch is counted: the
+  per-batch ones take optimizer step ``s`` at batch ``(s + 1) * grad_accum_every - 1`` (an
+  epoch's shorter last accumulation is not seen); the per-epoch ones are refused then.
   The rate of each step is the class's own value, bit for bit.  A resumed run replays the
   deterministic ones to its step; ``plateau``'s state (and the epoch's running loss) is saved
   in the checkpoint (:func:`schedule_state`).
