@@ -143,7 +143,7 @@ def _decay(value):
     return float(value)
 
 
-def _optional_mapping(key: str, required: tuple[str, ...]) -> Callable[[Any], dict | None]:
+def _mapping_with_keys(key: str, required: tuple[str, ...]) -> Callable[[Any], dict | None]:
     """``trainer.<key>``: None, or a mapping holding at least ``required`` (a plain dict)."""
 
     def parse(value):
@@ -251,7 +251,7 @@ _TRAINER_KEYS: dict[str, tuple[Any, Callable]] = {
     "job_epochs": (None, _optional_mapping("trainer", "job_epochs")),
     # resume from a CREDIT checkpoint: {"checkpoint": .../checkpoint.pt, "load_optimizer",
     # "load_scheduler"} (CREDIT's load_weights; train/credit_resume.py)
-    "credit_resume": (None, _optional_mapping("credit_resume", ("checkpoint",))),
+    "credit_resume": (None, _mapping_with_keys("credit_resume", ("checkpoint",))),
     "batch_size": (2, _number("trainer", "batch_size", int, 1)),
     # K members of each sample, trained on a CRPS loss (train/crps.py, docs/ensembles.md)
     "ensemble_size": (1, _number("trainer", "ensemble_size", int, 1)),
