@@ -96,7 +96,7 @@ def _step_worker(rank, world, w, overlap: bool, chains=False):
     x = torch.randn(
         w.batch, w.channels, w.height, w.width, generator=torch.Generator().manual_seed(1)
     )
-    x = x[:, :, a:b].contiguous().requires_grad_()  # as in efficiency.py
+    x = x[:, :, a:b].contiguous()  # a training step's input, as in efficiency.py: no gradient
     token = ("sync", w.name)
 
     def forward_backward():
