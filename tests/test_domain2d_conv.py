@@ -18,7 +18,7 @@ from credit_parallel.domain.layers.conv import (
     DomainParallelConvTranspose3d,
     DomainParallelPeriodicConv2d,
 )
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import TiledDomainManager
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.testing import domain_parity_errors, run_on_ranks
 

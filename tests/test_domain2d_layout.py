@@ -9,8 +9,7 @@ import itertools
 import pytest
 import torch.distributed as dist
 
-from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import DomainParallelManager, TiledDomainManager
 from credit_parallel.layout.config import (
     ParallelDims,
     domain_degrees,
@@ -233,7 +232,7 @@ def test_tiled_manager_builds_its_own_mesh():
     assert results[3] == ((1, 1), [1, 3], [2, 3], 1)
     assert results[0] == ((0, 0), [0, 2], [0, 1], 1)
     with pytest.raises(ValueError, match="lat must be an integer"):
-        from credit_parallel.domain.manager2d import _check_shape
+        from credit_parallel.domain.manager import _check_shape
 
         _check_shape((0, 2))
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from credit_parallel.domain.attention.token_tiles import tile_grids
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import TiledDomainManager
 from credit_parallel.domain.rows import shard_sizes
 from credit_parallel.testing import domain_parity_errors, run_on_ranks
 

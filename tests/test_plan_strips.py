@@ -70,8 +70,7 @@ MODELS = {
 
 def _step_worker(rank, world, name, shape):
     from credit_parallel.domain import convert_to_domain_parallel
-    from credit_parallel.domain.manager import DomainParallelManager
-    from credit_parallel.domain.manager2d import TiledDomainManager
+    from credit_parallel.domain.manager import DomainParallelManager, TiledDomainManager
     from credit_parallel.domain.sharding import shard_tensor
 
     torch.set_default_dtype(torch.float64)

@@ -24,7 +24,7 @@ from credit_parallel.domain.layers.pixel_shuffle import (
     DomainParallelPixelUnshuffle,
 )
 from credit_parallel.domain.layers.resample import DomainParallelInterpolate
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import TiledDomainManager
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.planner.tiles import tile_halo_bytes, tile_layer_plan, tile_p2p_calls
 from credit_parallel.testing import run_on_ranks

@@ -1,6 +1,6 @@
 """The planner's lat x lon tiles (SPEC §3b): per layer call, the tile exchange of every rank.
 
-Pure arithmetic, the exchange's own algebra (``domain/exchange/tiles.py``): a layer gives the
+Pure arithmetic, the exchange's own algebra (``domain/exchange/halo.py``): a layer gives the
 windows of global rows its owned outputs read per latitude rank and of global columns per
 longitude rank (its ``tile_windows``); the rows are fetched COMPACT over the P ranks of a
 longitude column (each real row once, ``compact_windows``), then the columns over the Q ranks
@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..domain.exchange.tiles import compact_windows
+from ..domain.exchange.halo import compact_windows
 from ..domain.geometry import domain_form_of, domain_kind_of, input_windows_of
 from ..domain.rows import plan_exchange, shard_sizes
 from ..domain.tiles_relayout import moved_elements, moved_peers, strip_rects, tile_rects
