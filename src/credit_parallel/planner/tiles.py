@@ -25,7 +25,7 @@ its 1-D windows, ``strip_rows_*``; twice for row-group attention, whose output r
 same way), as do the layers inside it (no tile exchange of their own, only their strips' one).
 CREDIT's ``TensorPadding`` inside a model's forward (``PaddingCall``) is such a call too: a move
 to the strips, one row exchange there, a move back.  The all-to-alls of a bare ``nn.MultiheadAttention`` run on the tile's
-tokens (``domain/attention/token_tiles.py``) are not counted.
+tokens (``domain/attention/token_core.py``) are not counted.
 """
 
 from __future__ import annotations
