@@ -9,7 +9,11 @@
    all-reduces issued during forward + backward and the blocking ones issued after the backward
    (the domain gradient reduction), next to what the planner predicts.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/sync_points.py --domains 2,4,8 --check unet/large
+A domain is ``N`` (N latitude rows) or ``PxQ`` (P x Q lat x lon tiles), in ``--domains`` and
+``--check-domain`` alike:
+
+    PYTHONPATH=src .venv/bin/python benchmarks/sync_points.py --domains 2,4,8,2x2,4x2 \
+        --check unet/large --check-domain 2x2
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--domains", default="2,4,8")
     parser.add_argument("--check", default="conv_stack/large,unet/large")
-    parser.add_argument("--check-domain", type=int, default=2)
+    parser.add_argument("--check-domain", default="2", help="N rows or PxQ tiles")
     parser.add_argument(
         "--halo-chains",
         default="",
@@ -49,19 +53,37 @@ def _workloads() -> dict:
     return {w.name: w for w in default_workloads()}
 
 
-def planned_points(w, domain: int, chains=False, device: str = "cpu") -> tuple[dict, dict, dict]:
-    """(plan.collectives, points before, points after) of workload ``w`` at ``domain``
-    (``chains``: ``trainer.domain_halo_chains``, cut for ``device``'s chain costs)."""
+def parse_domain(text) -> tuple[int, object]:
+    """``(ranks, trainer.parallelism.domain)`` of ``"N"`` (rows) or ``"PxQ"`` (tiles)."""
+    text = str(text).strip().lower()
+    if "x" in text:
+        p, q = (int(v) for v in text.split("x"))
+        return p * q, {"lat": p, "lon": q} if q > 1 else p
+    return int(text), int(text)
+
+
+def _conf(w, domain, chains=False) -> tuple[int, dict]:
+    """``(ranks, config)`` of workload ``w`` on ``domain`` (``parse_domain``'s text)."""
     from efficiency import domain_conf
 
+    world, block = parse_domain(domain)
+    conf = domain_conf(w, world, chains)
+    conf["trainer"]["parallelism"]["domain"] = block
+    return world, conf
+
+
+def planned_points(w, domain, chains=False, device: str = "cpu") -> tuple[dict, dict, dict]:
+    """(plan.collectives, points before, points after) of workload ``w`` at ``domain`` (N rows
+    or "PxQ" tiles; ``chains``: ``trainer.domain_halo_chains``, cut for ``device``'s chain
+    costs)."""
     from credit_parallel.planner.make import make_plan
     from credit_parallel.planner.sync_points import sync_points_per_step
 
-    conf = domain_conf(w, domain, chains)
+    world, conf = _conf(w, domain, chains)
     conf["model"] = {"type": w.kind}
     plan = make_plan(
         conf,
-        domain,
+        world,
         model=w.build(w.height),
         input_shapes=[(w.channels, w.height, w.width)],
         device=device,
@@ -75,11 +97,9 @@ def planned_points(w, domain: int, chains=False, device: str = "cpu") -> tuple[d
     )
 
 
-def _step_worker(rank, world, w, overlap: bool, chains=False):
-    from efficiency import domain_conf
-
+def _step_worker(rank, world, w, overlap: bool, chains=False, domain=None):
     from credit_parallel.domain.exchange.traffic import record_exchange_stats
-    from credit_parallel.domain.rows import shard_range
+    from credit_parallel.domain.sharding import shard_tensor
     from credit_parallel.layout.small_collectives import record_small_collectives
     from credit_parallel.parallel.collectives import sync_domain_gradients
     from credit_parallel.parallel.composition import get_domain_manager, get_raw_model, parallelize
@@ -87,16 +107,16 @@ def _step_worker(rank, world, w, overlap: bool, chains=False):
     from credit_parallel.tools.bench.measure import _collective_counter
 
     torch.manual_seed(0)
-    model = parallelize(w.build(w.height), domain_conf(w, world, chains))
+    model = parallelize(w.build(w.height), _conf(w, domain or world, chains)[1])
     manager = get_domain_manager(model)
     raw = get_raw_model(model)
     if overlap:
         enable_overlapped_domain_grad_sync(raw, manager=manager)
-    a, b = shard_range(w.height, world, rank)
     x = torch.randn(
         w.batch, w.channels, w.height, w.width, generator=torch.Generator().manual_seed(1)
     )
-    x = x[:, :, a:b].contiguous().requires_grad_()  # as in efficiency.py
+    # this rank's rows (its tile on P x Q), a training step's input: no gradient
+    x = shard_tensor(x, 2, manager).contiguous()
     token = ("sync", w.name)
 
     def forward_backward():
@@ -131,23 +151,27 @@ def main(argv=None) -> None:
     if chains:
         print(f"trainer.domain_halo_chains: {chains!r} (table: {args.plan_device} chain costs)")
     print("planner: synchronisation points per step (halo + norm + domain gradient [+ tp, data])")
-    print(f"{'workload':<18}| d | halo | norm | grad before | grad after | total before | after")
+    print(f"{'workload':<18}|   d | halo | norm | grad before | grad after | total before | after")
     for name in [n.strip() for n in args.workloads.split(",") if n.strip()]:
-        for domain in (int(d) for d in args.domains.split(",")):
+        for domain in (d.strip() for d in args.domains.split(",")):
             _, before, after = planned_points(known[name], domain, chains, args.plan_device)
             print(
-                f"{name:<18}| {domain} | {before['halo']:>4} | {before['norm']:>4} | "
+                f"{name:<18}| {domain:>3} | {before['halo']:>4} | {before['norm']:>4} | "
                 f"{before['domain_grad']:>11} | {after['domain_grad']:>10} | "
                 f"{before['total']:>12} | {after['total']:>5}"
             )
     from credit_parallel.testing import run_on_ranks
 
     d = args.check_domain
-    print(f"\nreal step at domain {d} (rank 0; collectives counted during fwd+bwd / after bwd)")
+    world = parse_domain(d)[0]
+    print(
+        f"\nreal step at domain {d} (the busiest rank; collectives counted during fwd+bwd / after bwd)"
+    )
     for name in [n.strip() for n in args.check.split(",") if n.strip()]:
         coll, before, after = planned_points(known[name], d, chains)
         for overlap in (False, True):
-            got = run_on_ranks(_step_worker, d, known[name], overlap, chains, timeout=900)[0]
+            ranks = run_on_ranks(_step_worker, world, known[name], overlap, chains, d, timeout=900)
+            got = {key: max(r[key] for r in ranks) for key in ranks[0]}  # the busiest rank
             grad_blocking = got["all_reduce_after"] + (
                 1 if overlap and got["all_reduce_during"] > coll["domain_all_reduce_norm"] else 0
             )

@@ -62,7 +62,7 @@ def _floor_worker(rank, world, w, shape, steps: int, warmup: int) -> float:
 
 def _ours_worker(rank, world, w, shape, steps: int, warmup: int) -> float:
     from credit_parallel.domain import convert_to_domain_parallel
-    from credit_parallel.domain.manager2d import TiledDomainManager
+    from credit_parallel.domain.manager import TiledDomainManager
     from credit_parallel.parallel.collectives import sync_domain_gradients
 
     torch.set_num_threads(1)

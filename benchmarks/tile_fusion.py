@@ -21,7 +21,7 @@ from torch import nn
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.exchange.traffic import record_exchange_stats
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import TiledDomainManager
 from credit_parallel.domain.sharding import shard_tensor
 from credit_parallel.layout.small_collectives import record_small_collectives
 from credit_parallel.models import PeriodicConv2d, UNet

@@ -57,7 +57,9 @@ def test_halo_bytes_equal_prediction_and_minimum(rows):
     assert domain_rows
     for r in domain_rows:
         assert r.halo_bytes == r.halo_bytes_predicted == r.halo_bytes_minimum > 0, r
-        assert r.halo_bytes_forward == r.halo_bytes_backward == r.halo_bytes / 2
+        assert r.halo_bytes_forward + r.halo_bytes_backward == r.halo_bytes
+        if r.model == "conv_stack/tiny":  # 2 equal convs: the first's input needs no gradient
+            assert r.halo_bytes_backward == r.halo_bytes_forward / 2 > 0
         assert r.p2p_per_exchange == 1.0
     for r in rows:
         if r.domain == 1:

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
-from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import DomainParallelManager, TiledDomainManager
 from credit_parallel.testing import domain_parity_errors, run_on_ranks
 from miles_credit import import_credit
 

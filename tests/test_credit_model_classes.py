@@ -24,8 +24,7 @@ from credit_parallel import (
     sync_domain_gradients,
 )
 from credit_parallel.domain.convert import plan_conversion
-from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import DomainParallelManager, TiledDomainManager
 from credit_parallel.testing import run_on_ranks
 from miles_credit import import_credit
 

@@ -21,8 +21,7 @@ from torch import nn
 
 from credit_parallel import get_domain_manager, parallelize, shard_batch, sync_domain_gradients
 from credit_parallel.domain.convert import convert_to_domain_parallel
-from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import DomainParallelManager, TiledDomainManager
 from credit_parallel.testing import domain_parity_errors, run_on_ranks
 from miles_credit import import_credit
 

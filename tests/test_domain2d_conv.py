@@ -18,7 +18,7 @@ from credit_parallel.domain.layers.conv import (
     DomainParallelConvTranspose3d,
     DomainParallelPeriodicConv2d,
 )
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import TiledDomainManager
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.testing import domain_parity_errors, run_on_ranks
 
@@ -244,3 +244,25 @@ def test_tile_halo_bytes_are_the_minimum(shape, hw, kind):
     results = run_on_ranks(_bytes_worker, shape[0] * shape[1], shape, hw, kind)
     assert sum(s for s, _ in results) == sum(r for _, r in results)
     assert all(r > 0 for _, r in results)
+
+
+def test_tile_plan_at_one_column_is_the_row_exchange():
+    # Q = 1: the row window is planned as it is (the 1-D exchange: no compaction, no local
+    # expansion copy); Q = 2: the rows are fetched compact and expanded locally
+    from credit_parallel.domain.exchange.halo import compact_windows, halo_window, tile_plan
+    from credit_parallel.domain.rows import plan_exchange
+
+    height, width, p = 9, 8, 3
+    rows = tuple(halo_window(height, p, r, 2, 2, "reflect") for r in range(p))
+    for lat in range(p):
+        one = tile_plan(height, width, (p, 1), (lat, 0), rows, ((0, 1, 7, 0),))
+        assert one.expand is None and one.rows == plan_exchange(height, p, rows)[lat]
+        assert not one.cols.sends and not one.cols.recvs
+        two = tile_plan(
+            height, width, (p, 2), (lat, 0), rows, ((7, 0, 1, 2, 3, 4), (3, 4, 5, 6, 7, 0))
+        )
+        compact, expand = compact_windows(rows)
+        assert two.rows == plan_exchange(height, p, compact)[lat] and two.expand == expand[lat]
+        # the same rows cross either way (each once per peer)
+        assert one.rows.rows_received == two.rows.rows_received
+    assert any(e is not None for e in compact_windows(rows)[1])  # the poles repeat rows

@@ -11,7 +11,7 @@ from torch import nn
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.layers.conv import DomainParallelConv2d
 from credit_parallel.domain.layers.norm import DomainParallelGroupNorm
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import TiledDomainManager
 from credit_parallel.models import PeriodicConv2d
 from credit_parallel.planner.make import tile_refusals_of_model
 from credit_parallel.testing import domain_parity_errors, fake_process_group, run_on_ranks

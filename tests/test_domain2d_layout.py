@@ -8,9 +8,9 @@ import itertools
 
 import pytest
 import torch.distributed as dist
+from torch import nn
 
-from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import DomainParallelManager, TiledDomainManager
 from credit_parallel.layout.config import (
     ParallelDims,
     domain_degrees,
@@ -182,6 +182,11 @@ def _manager_worker(rank, world, block):
         "first_last": (m.is_first_domain_rank, m.is_last_domain_rank),
         "dp": (m.dp_rank, m.dp_world_size),
     }
+    # every manager answers the tile's axis views; at Q = 1 the latitude view is the manager
+    # itself and the longitude view one rank with nothing to exchange
+    out["lat_is_self"] = m.lat is m
+    if m.domain_shape[1] == 1:
+        out["lon_alone"] = (m.lon.domain_ranks, m.lon_group, m.global_width(nn.Identity(), 5))
     if isinstance(m, TiledDomainManager):
         out["lat_ranks"] = m.lat.domain_ranks
         out["lon_ranks"] = m.lon.domain_ranks
@@ -212,7 +217,9 @@ def test_manager_groups_of_a_tile_on_gloo_ranks(lat, lon, dp):
         assert r["dp"] == (d, dp)
         if lon == 1:
             assert r["type"] == "DomainParallelManager"
+            assert r["lat_is_self"] and r["lon_alone"] == ([g], None, 5)
             continue
+        assert not r["lat_is_self"]
         assert r["type"] == "TiledDomainManager"
         assert r["lat_ranks"] == [base + i * lon + g_lon for i in range(lat)]
         assert r["lon_ranks"] == [base + g_lat * lon + j for j in range(lon)]
@@ -233,7 +240,7 @@ def test_tiled_manager_builds_its_own_mesh():
     assert results[3] == ((1, 1), [1, 3], [2, 3], 1)
     assert results[0] == ((0, 0), [0, 2], [0, 1], 1)
     with pytest.raises(ValueError, match="lat must be an integer"):
-        from credit_parallel.domain.manager2d import _check_shape
+        from credit_parallel.domain.manager import _check_shape
 
         _check_shape((0, 2))
 

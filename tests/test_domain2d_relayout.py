@@ -11,7 +11,7 @@ from torch import nn
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.exchange.traffic import record_exchange_stats
 from credit_parallel.domain.layers.gather import DomainGatherModule
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import TiledDomainManager
 from credit_parallel.domain.rows import shard_range
 from credit_parallel.domain.tiles_relayout import (
     TileStripRelayout,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import TiledDomainManager
 from credit_parallel.domain.rows import shard_range
 from credit_parallel.domain.sharding import (
     gather_tensor,

@@ -1,5 +1,5 @@
 """A bare ``nn.MultiheadAttention`` on the tokens of a lat x lon tile (SPEC §3b,
-``domain/attention/token_tiles.py``): sequence parallel over the P x Q ranks, exact (float64,
+``domain/attention/token_core.py``): sequence parallel over the P x Q ranks, exact (float64,
 1e-10: output, input gradient, every parameter gradient) on uneven tiles, its attention weights
 in the global key order; refused, naming the module, where the weights' key order is unknown
 or the tokens are not whole tiles."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from credit_parallel.domain.attention.token_tiles import tile_grids
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.attention.token_core import tile_grids
+from credit_parallel.domain.manager import TiledDomainManager
 from credit_parallel.domain.rows import shard_sizes
 from credit_parallel.testing import domain_parity_errors, run_on_ranks
 

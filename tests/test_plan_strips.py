@@ -70,8 +70,7 @@ MODELS = {
 
 def _step_worker(rank, world, name, shape):
     from credit_parallel.domain import convert_to_domain_parallel
-    from credit_parallel.domain.manager import DomainParallelManager
-    from credit_parallel.domain.manager2d import TiledDomainManager
+    from credit_parallel.domain.manager import DomainParallelManager, TiledDomainManager
     from credit_parallel.domain.sharding import shard_tensor
 
     torch.set_default_dtype(torch.float64)
@@ -82,7 +81,7 @@ def _step_worker(rank, world, name, shape):
     x = shard_tensor(x, len(sample) - 1, m)
     model(x)  # learns the global sizes (an all-gather, not counted)
     with record_exchange_stats() as stats:
-        model(x.clone().requires_grad_()).square().sum().backward()
+        model(x.clone()).square().sum().backward()  # an input without gradient (a step's)
     return stats.bytes_sent, stats.messages, stats.p2p_calls
 
 

@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
-from credit_parallel.domain.manager import DomainParallelManager
-from credit_parallel.domain.manager2d import TiledDomainManager
+from credit_parallel.domain.manager import DomainParallelManager, TiledDomainManager
 from credit_parallel.parallel.random_draws import (
     DrawLayout,
     LayoutIndependentDraws,

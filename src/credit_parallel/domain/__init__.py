@@ -51,15 +51,14 @@ Naming convention (the whole library keeps it):
 from __future__ import annotations
 
 from ..lazy import lazy_exports
-from . import manager2d as _manager2d  # noqa: F401  (registers the lat x lon manager)
 
 # the names a user of domain parallelism imports -> their home modules (resolved lazily, PEP 562)
 _EXPORTS = {
     "DomainParallelManager": "manager",
     "initialize_domain_parallel": "manager",
     "get_domain_parallel_manager": "manager",
-    "TiledDomainManager": "manager2d",
-    "initialize_tiled_domain_parallel": "manager2d",
+    "TiledDomainManager": "manager",
+    "initialize_tiled_domain_parallel": "manager",
     "HaloExchange": "exchange.halo",
     "exchange_path": "exchange.functional",
     "DomainParallelConv2d": "layers.conv",

@@ -332,20 +332,25 @@ def plan_conversion(
     root = occupant("<root>", model)
     _walk(root, candidate, _append_to(plan.unsafe), custom, shard_dim, on_custom, occupant)
     if plan.unsafe and nonlocal_policy == "gather":
-        at = dict(converted_tree(model, occupant))
-        for path, _ in plan.unsafe:
-            for below in plan.keep_whole(path):  # run whole: its descendants stay original
-                decided.pop(below, None)
-            module = at["" if path == "<root>" else path]
-            # (B, H, W, C) Swin blocks shard their dim -3 whatever the model's shard_dim
-            dim = SWIN_SHARD_DIM if swin_family(module) is not None else shard_dim
-            wrapper = DomainGatherModule(module, dim, manager=manager)
-            decide(path, "gather", module, wrapper.configure(module_path=path))
-        plan.unsafe = []
+        _gather_unsafe(plan, dict(converted_tree(model, occupant)), decided, decide, manager)
     if fuse_exchanges:
         tiles = getattr(manager, "is_tiled", False)
         _plan_fusions(plan, list(converted_tree(model, occupant)), tiles, None if tiles else chains)
     return plan
+
+
+def _gather_unsafe(plan: ConversionPlan, at: dict, decided: dict, decide, manager) -> None:
+    """``nonlocal_policy="gather"``: each module the walk refused (``plan.unsafe``, ``at``: the
+    converted tree by path) wrapped to run on the whole globe, its descendants left original."""
+    for path, _ in plan.unsafe:
+        for below in plan.keep_whole(path):  # run whole: its descendants stay original
+            decided.pop(below, None)
+        module = at["" if path == "<root>" else path]
+        # (B, H, W, C) Swin blocks shard their dim -3 whatever the model's shard_dim
+        dim = SWIN_SHARD_DIM if swin_family(module) is not None else plan.shard_dim
+        wrapper = DomainGatherModule(module, dim, manager=manager)
+        decide(path, "gather", module, wrapper.configure(module_path=path))
+    plan.unsafe = []
 
 
 def _append_to(found: list):

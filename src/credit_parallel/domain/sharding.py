@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .exchange.collectives import all_gather_rows, scatter_rows
-from .manager import get_domain_parallel_manager
-from .manager2d import is_tiled
+from .manager import get_domain_parallel_manager, is_tiled
 from .rows import shard_range, shard_sizes
 from .tiles import gather_tile, shard_tile, tile_range, unpad_tile
 

@@ -4,7 +4,7 @@ moves between the global tensor and the tiles (SPEC §3b).
 The tile of domain rank (lat, lon) is the balanced row shard ``lat`` of P (``rows.shard_range``)
 crossed with the balanced column shard ``lon`` of Q: the same rule applied to W, the last dim,
 so the first W % Q column shards are one column wider.  Everything that moves data does it one
-axis at a time through the manager's axis views (``manager2d.TiledDomainManager.lat`` / ``.lon``)
+axis at a time through the manager's axis views (``manager.DomainParallelManager.lat`` / ``.lon``)
 and the 1-D collectives and exchange (``exchange/collectives.py``, ``exchange/halo.py``): the
 adjoints and the uneven shards are theirs.
 """

@@ -9,7 +9,7 @@ strips (their domain layers over a 1-D manager).  On a P x Q tile layout,
    ``shard_range(H, P, lat)`` x columns ``shard_range(W, Q, lon)``) into the balanced 1-D
    layout over all P x Q ranks (domain rank r: rows ``shard_range(H, P*Q, r)``, every column);
 2. the 1-D replacement runs on the strip under ``manager.strips`` (a 1-D manager over the
-   flattened group, ``manager2d.py``): its exchanges and heights are those of a 1-D domain;
+   flattened group, ``manager.py``): its exchanges and heights are those of a 1-D domain;
 3. one all-to-all re-lays the output (of its own global height and width, e.g. H + 2p x W + 2p
    after a padding) back to tiles.
 

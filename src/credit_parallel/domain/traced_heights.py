@@ -22,7 +22,7 @@ trace time, on the host, without communication:
 On lat x lon tiles (SPEC §3b) the same is done for the WIDTH (the last dim): the twin runs at
 the registered global H x W (the height from this rank's latitude shard, the width from its
 longitude shard, :func:`global_inputs`), and each layer's height is noted in the latitude axis
-view's table, its width in the longitude view's (``manager2d.py``), read back by each view.
+view's table, its width in the longitude view's (``manager.py``), read back by each view.
 
 Every rank traces the same forward on the same registered global shapes, so every rank derives
 the same heights; a layer called at two global heights some rank could not tell apart by its

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..data.loader import register_row_batch
-from ..domain.manager2d import is_tiled
+from ..domain.manager import is_tiled
 from ..layout.device import autocast_for
 from ..parallel.composition import get_domain_manager
 from ..train.step import advance_state

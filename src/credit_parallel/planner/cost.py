@@ -87,6 +87,9 @@ class DomainLayerPlan:
     # the rows go back to their owners after the module by the same plan inverted (row-group
     # attention, ``returns_rows``): twice the bytes and the calls of the windows' exchange
     returns: bool = False
+    # the layer's input needs a gradient; False for a model input (a training step's batch):
+    # autograd then skips the exchange's backward, and no gradient rows go back
+    input_grad: bool = True
 
     @property
     def exchanges(self) -> bool:
@@ -97,6 +100,14 @@ class DomainLayerPlan:
         """Batched P2P calls of one direction ``domain_rank`` makes in this layer (0 or 1; 0 or
         2 for a layer whose rows go back, ``returns``)."""
         return int(self.rank_exchanges(domain_rank)) * (2 if self.returns else 1)
+
+    def rank_step_calls(self, domain_rank: int) -> int:
+        """Batched P2P calls ``domain_rank`` makes in this layer in one step, forward and
+        backward: the backward of the input's exchange is left out where the input needs no
+        gradient (``input_grad``); a ``returns`` layer's return still has one."""
+        calls = self.rank_calls(domain_rank)
+        skipped = 0 if self.input_grad else int(self.rank_exchanges(domain_rank))
+        return 2 * calls - skipped
 
     def rank_exchanges(self, domain_rank: int) -> bool:
         """Whether ``domain_rank`` takes part in a P2P call (it skips it with nothing to move)."""
@@ -203,19 +214,24 @@ def predicted_halo_bytes(
 
     With ``domain_rank`` r: the bytes rank r SENDS — its halo rows to peers in forward plus the
     gradients of the rows it received in backward, ``(rows_sent + rows_received) x row size`` —
-    which is what ``exchange_stats.bytes_sent`` counts on that rank.  With ``domain_rank=None``:
+    which is what ``exchange_stats.bytes_sent`` counts on that rank.  A layer whose input needs
+    no gradient (``input_grad``: the model's input) returns none.  With ``domain_rank=None``:
     the total over the group, ``2 x rows exchanged x other dims x dtype bytes``.
     """
     total = 0
     for layer in layers:
         if not layer.rows_received:
             continue
-        row_bytes = layer.row_elements * batch_size * dtype_bytes * (2 if layer.returns else 1)
+        unit = layer.row_elements * batch_size * dtype_bytes
+        row_bytes = unit * (2 if layer.returns else 1)
         if domain_rank is None:
-            total += 2 * sum(layer.rows_received) * row_bytes
+            received = sum(layer.rows_received)
+            total += 2 * received * row_bytes
         else:
-            rows = layer.rows_sent[domain_rank] + layer.rows_received[domain_rank]
-            total += rows * row_bytes
+            received = layer.rows_received[domain_rank]
+            total += (layer.rows_sent[domain_rank] + received) * row_bytes
+        if not layer.input_grad:  # no gradient of the received rows goes back
+            total -= received * unit
     return total
 
 
@@ -260,7 +276,8 @@ def predicted_collectives(
     Keys (all present, 0 when not applicable):
 
     * ``domain_p2p``: ``batch_isend_irecv`` calls, 2 per domain layer this rank exchanges in
-      (forward rows + backward gradients); on lat x lon tiles (``tiles.TileLayerPlan``) 2 per
+      (forward rows + backward gradients; 1 where the layer's input needs no gradient,
+      ``DomainLayerPlan.input_grad``); on lat x lon tiles (``tiles.TileLayerPlan``) 2 per
       pass (rows, columns) it takes part in;
     * ``domain_all_gather`` / ``domain_all_reduce_norm``: per GroupNorm call one all-gather of the
       statistics in forward and its adjoint all-reduce in backward (none for a norm whose
@@ -296,7 +313,7 @@ def predicted_collectives(
     cap = max(1, int(bucket_cap_mb * _MIB))
     if domain > 1:
         ranks = range(domain) if domain_rank is None else (domain_rank,)
-        counts["domain_p2p"] = 2 * max(sum(layer.rank_calls(r) for layer in layers) for r in ranks)
+        counts["domain_p2p"] = max(sum(lay.rank_step_calls(r) for lay in layers) for r in ranks)
         norms = sum(
             1 for layer in layers if layer.kind == "group_norm" and not layer.stats_with_exchange
         )

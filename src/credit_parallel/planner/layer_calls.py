@@ -122,12 +122,13 @@ def traced_layers(
     linked_norms = {id(f.norm) for f in plan.norm_conv}  # statistics with the conv's exchange
     layers = []
     seen_calls: dict[str, int] = {}
-    for index, (path, _, replacement, in_shape, out_shape, _) in enumerate(trace.calls):
+    for index, (path, _, replacement, in_shape, out_shape, x) in enumerate(trace.calls):
         seen_calls[path] = seen_calls.get(path, 0) + 1
         label = path if seen_calls[path] == 1 else f"{path} (call {seen_calls[path]})"
         layer = layer_call_plan(
             label, replacement, in_shape, out_shape, n, double, exchanges.get(index), itemsize
         )
+        layer = dataclasses.replace(layer, input_grad=bool(x.requires_grad))
         if id(replacement) in linked_norms:
             layer = dataclasses.replace(layer, stats_with_exchange=True)
         layers.append(layer)

@@ -103,7 +103,8 @@ def _with_windows(lay, conv, windows, in_shape, out_shape, shape, double) -> Til
     if windows is None:
         return dataclasses.replace(lay, **{key: () for key in _EXCHANGE_FIELDS})
     union = lambda height, width, tile_shape, double=False: windows  # noqa: E731
-    return tile_layer_plan(lay.path, conv, tuple(in_shape), out_shape, shape, double, union)
+    plan = tile_layer_plan(lay.path, conv, tuple(in_shape), out_shape, shape, double, union)
+    return dataclasses.replace(plan, input_grad=lay.input_grad)
 
 
 def _fused_conv(lay, conv, pad, in_shape, out_shape, shape, double) -> TileLayerPlan:
@@ -118,4 +119,5 @@ def _fused_conv(lay, conv, pad, in_shape, out_shape, shape, double) -> TileLayer
         geo, i_h, nd = conv.geometry, conv.spatial_index, conv.nd
         return fused_tile_windows(key, geo, i_h, nd, height, width, tuple(tile_shape))
 
-    return tile_layer_plan(lay.path, conv, tuple(pad_in), out_shape, shape, double, windows)
+    plan = tile_layer_plan(lay.path, conv, tuple(pad_in), out_shape, shape, double, windows)
+    return dataclasses.replace(plan, input_grad=lay.input_grad)

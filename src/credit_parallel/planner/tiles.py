@@ -1,6 +1,6 @@
 """The planner's lat x lon tiles (SPEC §3b): per layer call, the tile exchange of every rank.
 
-Pure arithmetic, the exchange's own algebra (``domain/exchange/tiles.py``): a layer gives the
+Pure arithmetic, the exchange's own algebra (``domain/exchange/halo.py``): a layer gives the
 windows of global rows its owned outputs read per latitude rank and of global columns per
 longitude rank (its ``tile_windows``); the rows are fetched COMPACT over the P ranks of a
 longitude column (each real row once, ``compact_windows``), then the columns over the Q ranks
@@ -25,7 +25,7 @@ its 1-D windows, ``strip_rows_*``; twice for row-group attention, whose output r
 same way), as do the layers inside it (no tile exchange of their own, only their strips' one).
 CREDIT's ``TensorPadding`` inside a model's forward (``PaddingCall``) is such a call too: a move
 to the strips, one row exchange there, a move back.  The all-to-alls of a bare ``nn.MultiheadAttention`` run on the tile's
-tokens (``domain/attention/token_tiles.py``) are not counted.
+tokens (``domain/attention/token_core.py``) are not counted.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..domain.exchange.tiles import compact_windows
+from ..domain.exchange.halo import compact_windows
 from ..domain.geometry import domain_form_of, domain_kind_of, input_windows_of
 from ..domain.rows import plan_exchange, shard_sizes
 from ..domain.tiles_relayout import moved_elements, moved_peers, strip_rects, tile_rects
@@ -99,6 +99,8 @@ class TileLayerPlan:
     # per domain rank: (in-move sent, in-move received, out-move sent, out-move received)
     # elements of the two all-to-alls, forward (the backward inverts them)
     strips_moves: tuple[tuple[int, int, int, int], ...] = ()
+    # per domain rank: messages the first move's backward sends (skipped without input_grad)
+    strips_back_messages: tuple[int, ...] = ()
     # the 1-D exchange of the call on the P x Q strips, per domain rank (strip r): rows sent /
     # received and their peers (forward; the backward returns the received rows' gradients),
     # ``strip_row_elements`` per row at batch 1; ``strip_returns``: the rows go back too
@@ -111,6 +113,11 @@ class TileLayerPlan:
     # the most rows one strip computes on (its output rows; a row-group attention's whole
     # groups): the busiest strip's share of the call's compute is these over the height
     strip_compute_rows: int = 0
+    # the layer's input needs a gradient; False for a model input: the backward of the input's
+    # exchange (both passes, or the strips' first move) is skipped by autograd; its output
+    # (False: no backward at all, e.g. a padding of the model's input)
+    input_grad: bool = True
+    output_grad: bool = True
 
     @property
     def exchanges(self) -> bool:
@@ -162,9 +169,18 @@ class TileLayerPlan:
         r = lat * self.shape[1] + lon
         if self.strips_sent or self.strip_rows_sent:
             moved = self.strips_sent[r] + self.strips_returned[r] if self.strips_sent else 0
-            return moved + self.strip_elements(r)
+            strips = self.strip_elements(r)
+            received = self.strip_rows_received[r] * self.strip_row_elements if strips else 0
+            if not self.output_grad:  # no backward: the forward's sends only
+                moved -= self.strips_returned[r] if self.strips_sent else 0
+                strips -= received + (self.strip_rows_sent[r] * self.strip_row_elements
+                                      if self.strip_returns else 0)  # fmt: skip
+            elif not self.input_grad:  # the first move's and the exchange's backward skipped
+                moved -= self.strips_moves[r][1] if self.strips_sent else 0
+                strips -= received
+            return moved + strips
         fwd, bwd = self.pass_elements(lat, lon)
-        return sum(fwd) + sum(bwd)
+        return sum(fwd) + (sum(bwd) if self.input_grad else 0)
 
     def messages(self, lat: int, lon: int) -> tuple[int, int]:
         """(forward, backward) messages rank (lat, lon) sends: one per peer per pass."""
@@ -172,6 +188,11 @@ class TileLayerPlan:
         if self.strips_sent or self.strip_rows_sent:
             fwd, bwd = self.strips_messages[r] if self.strips_sent else (0, 0)
             strip_fwd, strip_bwd = self.strip_messages(r)
+            if not self.output_grad:
+                return fwd + strip_fwd, 0
+            if not self.input_grad:
+                bwd -= self.strips_back_messages[r] if self.strips_sent else 0
+                strip_bwd = self.strip_row_peers_sent[r] if self.strip_returns else 0
             return fwd + strip_fwd, bwd + strip_bwd
         if not self.rows_sent:
             return 0, 0
@@ -182,7 +203,7 @@ class TileLayerPlan:
             rows = self.stats_pass == "rows"
             fwd = others + (self.col_peers_sent[lon] if rows else self.row_peers_sent[lat])
             bwd = others + (self.col_peers_received[lon] if rows else self.row_peers_received[lat])
-        return fwd, bwd
+        return fwd, bwd if self.input_grad else 0
 
     def passes(self, lat: int, lon: int) -> tuple[bool, bool]:
         """Whether rank (lat, lon) takes part in the row pass / the column pass (a rank with
@@ -201,6 +222,21 @@ class TileLayerPlan:
             moves = self.strips_sent and any(self.strips_messages[domain_rank])
             return (2 if moves else 0) + self.strip_calls(domain_rank)
         return sum(self.passes(*divmod(domain_rank, self.shape[1])))
+
+    def rank_step_calls(self, domain_rank: int) -> int:
+        """Batched P2P calls of one step, forward and backward (``lat * Q + lon``); without
+        the input's exchange backward where the input needs no gradient (``input_grad``)."""
+        calls = self.rank_calls(domain_rank)
+        if self.input_grad:
+            return 2 * calls
+        if not self.output_grad:
+            return calls
+        if self.strips_sent or self.strip_rows_sent:
+            # the first move's and the strips' exchange's backward are skipped (not a return)
+            skipped = int(bool(self.strips_sent and any(self.strips_messages[domain_rank])))
+            skipped += int(bool(self.strip_calls(domain_rank)))
+            return 2 * calls - skipped
+        return calls
 
     def received_elements(self, lat: int, lon: int) -> int:
         """Elements of other tiles in rank (lat, lon)'s window (batch 1): what it saves beyond
@@ -341,7 +377,7 @@ def _strips(in_shape, out_shape, dim: int, shape: tuple[int, int]) -> dict:
     ]  # fmt: skip
     return dict(
         strips_sent=tuple(fwd), strips_returned=tuple(bwd), strips_messages=tuple(msgs),
-        strips_moves=moves,
+        strips_moves=moves, strips_back_messages=tuple(moved_peers(s_in, t_in)),
     )  # fmt: skip
 
 
@@ -350,14 +386,17 @@ def tile_layer_plans(trace, shape: tuple[int, int], double: bool = False) -> lis
     labelled as the 1-D plan labels them (``path (call k)`` from the second call on).  Without
     the exchange fusions (``tile_fusions.fuse_tile_plans`` applies them)."""
     out, seen, calls = [], {}, []
-    for path, _, replacement, in_shape, out_shape in getattr(trace, "relayouts", ()):
+    for path, _, replacement, in_shape, out_shape, *grads in getattr(trace, "relayouts", ()):
         # an adapter run whole on strips (FuXi): its two moves; every layer inside it below
-        out.append(_relayout_plan(path, replacement, in_shape, out_shape, shape))
+        lay = _relayout_plan(path, replacement, in_shape, out_shape, shape)
+        out.append(dataclasses.replace(lay, input_grad=grads[0], output_grad=grads[1]))
         calls.append((replacement, in_shape))
-    for path, _, replacement, in_shape, out_shape, _ in trace.calls:
+    for index, (path, _, replacement, in_shape, out_shape, x) in enumerate(trace.calls):
         seen[path] = seen.get(path, 0) + 1
         label = path if seen[path] == 1 else f"{path} (call {seen[path]})"
-        out.append(tile_layer_plan(label, replacement, in_shape, out_shape, shape, double))
+        lay = tile_layer_plan(label, replacement, in_shape, out_shape, shape, double)
+        grads = dict(input_grad=x.requires_grad, output_grad=trace.output_grads[index])
+        out.append(dataclasses.replace(lay, **grads))
         calls.append((replacement, in_shape))
     # a layer inside one run on strips exchanges over the strips (1-D), not as a tile
     tops = [lay.path for lay in out if lay.strips_sent]
@@ -395,6 +434,7 @@ def _inside_strips(layer: TileLayerPlan, replacement, in_shape, double: bool) ->
     empty = ("band_rows", "rows_sent", "rows_received", "row_peers_sent", "row_peers_received")
     empty += ("cols_sent", "cols_received", "col_peers_sent", "col_peers_received")
     empty += ("strips_sent", "strips_returned", "strips_messages", "strips_moves")
+    empty += ("strips_back_messages",)
     p, q = layer.shape
     dim = getattr(replacement, "shard_dim", -2) % len(in_shape)
     strips = _on_strips(replacement, in_shape, dim, p * q, double)
@@ -435,7 +475,7 @@ def tile_halo_bytes(
 
 def tile_p2p_calls(layers: Sequence[TileLayerPlan], domain_rank: int) -> int:
     """Batched P2P calls of one step (forward + backward) of ``domain_rank``."""
-    return 2 * sum(layer.rank_calls(domain_rank) for layer in layers)
+    return sum(layer.rank_step_calls(domain_rank) for layer in layers)
 
 
 def tile_messages(layers: Sequence[TileLayerPlan], domain_rank: int) -> int:

@@ -186,8 +186,12 @@ class Trace:
     # conv_workspace_bytes: what a GPU allocates instead)
     conv_columns: list = field(default_factory=list)
     # calls of the ``relayouts`` given to :func:`trace_model` (adapters run whole on strips on
-    # tiles): (path, module, replacement, in_shape, out_shape)
+    # tiles): (path, module, replacement, in_shape, out_shape, input needs a gradient, output
+    # needs a gradient)
     relayouts: list = field(default_factory=list)
+    # per call of ``calls``: whether its output needs a gradient (False: no backward at all,
+    # e.g. a padding of the model's input)
+    output_grads: list = field(default_factory=list)
 
 
 def _conv_columns(mod, args, out) -> int:
@@ -215,14 +219,16 @@ class _RecordedPadding:
     """Stands in for a model's ``padding_opt`` (CREDIT's ``TensorPadding``) during the meta
     forward: runs it and records the ``pad`` / ``unpad`` calls with their geometry."""
 
-    def __init__(self, path, original, geometry, calls):
+    def __init__(self, path, original, geometry, calls, output_grads):
         self.path, self.original, self.geometry, self.calls = path, original, geometry, calls
+        self.output_grads = output_grads
 
     def _call(self, name: str, which: int, x):
         y = getattr(self.original, name)(x)
         geometry = self.geometry[which]
         where = f"{self.path}.padding_opt.{name}" if self.path else f"padding_opt.{name}"
         self.calls.append((where, geometry, geometry, tuple(x.shape), tuple(y.shape), x))
+        self.output_grads.append(y.requires_grad)
         return y
 
     def pad(self, x):
@@ -232,12 +238,13 @@ class _RecordedPadding:
         return self._call("unpad", 1, x)
 
 
-def _record_padding(path, module, replacement, calls):
+def _record_padding(path, module, replacement, calls, output_grads):
     """Swap ``module.padding_opt`` for a :class:`_RecordedPadding`; ``(module, original)``."""
     original = module.padding_opt
     module.padding_opt = _RecordedPadding(
-        "" if path == "<root>" else path, original, replacement.padding_calls(), calls
-    )
+        "" if path == "<root>" else path, original, replacement.padding_calls(), calls,
+        output_grads,
+    )  # fmt: skip
     return module, original
 
 
@@ -246,6 +253,7 @@ def trace_model(model: nn.Module, input_shapes, targets, relayouts=()) -> Trace:
     outputs, the tensors autograd saves and convolution column buffers; and the calls of
     ``relayouts`` (:func:`plan_relayouts`)."""
     calls, leaf_outputs, handles, conv_columns, relayout_calls = [], [], [], [], []
+    output_grads: list = []
     dtype = next((p.dtype for p in model.parameters()), torch.get_default_dtype())
     by_module = {}
     for path, module, replacement in targets:
@@ -264,7 +272,7 @@ def trace_model(model: nn.Module, input_shapes, targets, relayouts=()) -> Trace:
     try:
         for path, module, replacement in list(by_module.values()):
             if hasattr(replacement, "padding_calls"):
-                swapped.append(_record_padding(path, module, replacement, calls))
+                swapped.append(_record_padding(path, module, replacement, calls, output_grads))
                 del by_module[id(module)]
         for path, module, replacement in relayouts:
 
@@ -272,7 +280,8 @@ def trace_model(model: nn.Module, input_shapes, targets, relayouts=()) -> Trace:
                 ins, outs = list(_tensors(args)), list(_tensors(out))
                 if ins and outs:
                     shapes = (tuple(ins[0].shape), tuple(outs[0].shape))
-                    relayout_calls.append((path, mod, replacement, *shapes))
+                    grads = (ins[0].requires_grad, outs[0].requires_grad)
+                    relayout_calls.append((path, mod, replacement, *shapes, *grads))
 
             handles.append(module.register_forward_hook(whole))
         for path, module, replacement in by_module.values():
@@ -285,6 +294,7 @@ def trace_model(model: nn.Module, input_shapes, targets, relayouts=()) -> Trace:
                     calls.append(
                         (path, mod, replacement, tuple(ins[0].shape), tuple(outs[0].shape), ins[0])
                     )
+                    output_grads.append(outs[0].requires_grad)
 
             handles.append(module.register_forward_hook(record))
         for path, module in model.named_modules():
@@ -325,4 +335,5 @@ def trace_model(model: nn.Module, input_shapes, targets, relayouts=()) -> Trace:
         list(saved.values()),
         conv_columns,
         relayout_calls,
+        output_grads,
     )

@@ -42,8 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..exchange.halo import exchange_rows
-from ..exchange.tiles import exchange_tile, tile_plan
+from ..exchange.halo import exchange_rows, exchange_tile, tile_plan
 from ..layers.resample import DomainParallelInterpolate
 from ..manager import resolve_manager
 from ..rows import shard_range

@@ -3,27 +3,44 @@
 Token counts of every rank (one tiny all_gather), the core run "my units, all tokens" between two
 all-to-alls, and ``F.scaled_dot_product_attention`` over tokens sharded in rank order.  See
 :mod:`.tokens` for why this is exact.
+
+One domain, P x Q tiles (rows: P x 1).  The tokens of a rank are its tile flattened, H
+outermost (``x.flatten(2)``).  Softmax attention without a mask does not depend on the order of
+the key tokens, and each query's output depends on that query alone: gathered in domain-rank
+order (tile by tile; on rows that IS the global row-major order) the keys give the
+single-process output.  Two things depend on the global layout:
+
+* the check that the tokens are whole tiles (the counts of the P x Q ranks are
+  ``rows[lat] * cols[lon]`` of the balanced tiles of some H x W: :func:`tile_grids`; at Q = 1,
+  whole rows of the balanced latitude layout);
+* on Q > 1 tiles, the key order of the attention WEIGHTS ``nn.MultiheadAttention`` returns by
+  default: the weights over the gathered keys are put in global row-major order
+  (:func:`global_key_order`) when the counts determine the grid; where several grids give the
+  same counts (e.g. every tile equal) the order is unknown and ``need_weights=True`` raises,
+  naming the module.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..rows import shard_sizes
+from ..rows import shard_range, shard_sizes
 from .layouts import head_split
 from .sequence import heads_to_positions, positions_to_heads
-from .token_tiles import tile_grids
 
 __all__ = [
     "checked_counts",
     "core_over_all_tokens",
+    "global_key_order",
     "mask_refused",
     "sequence_parallel_sdpa",
+    "tile_grids",
     "token_counts",
     "unit_range",
 ]
@@ -102,33 +119,15 @@ def checked_counts(manager, name: str, q_len: int, k_len: int, units: int, owner
             "one (check batch_first, and flatten H outermost: x.flatten(2))"
         )
     q_counts = [c[0] for c in counts]
-    if getattr(manager, "is_tiled", False):  # lat x lon tiles: whole tiles (token_tiles.py)
-        if not tile_grids(tuple(q_counts), tuple(manager.domain_shape)):
-            raise ValueError(
-                f"{name}: token counts {q_counts} across the lat x lon tiles are not whole "
-                "balanced tiles of one grid: the tokens must be exactly the local tile "
-                "flattened (no per-rank extra tokens such as a class token)"
-            )
-        return q_counts, [c[1] for c in counts]
-    if not _balanced_multiple(q_counts):
+    shape = tuple(manager.domain_shape)
+    if not tile_grids(tuple(q_counts), shape):  # whole tiles (at Q = 1: whole rows)
         raise ValueError(
-            f"{name}: token counts {q_counts} across the domain ranks are not whole rows of the "
-            "balanced latitude layout: the tokens must be exactly the local rows flattened with "
-            "H outermost (no per-rank extra tokens such as a class token)"
+            f"{name}: token counts {q_counts} across the domain ranks are not whole balanced "
+            f"tiles of one grid ({shape[0]} x {shape[1]}; rows at Q = 1): the tokens must be "
+            "exactly the local tile flattened with H outermost (no per-rank extra tokens such "
+            "as a class token)"
         )
     return q_counts, [c[1] for c in counts]
-
-
-def _balanced_multiple(counts: list[int]) -> bool:
-    """True when ``counts[r] = rows[r] * W`` for the balanced row shards of some height and
-    some row length W (equal counts always pass: nothing to tell them apart)."""
-    if len(set(counts)) == 1:
-        return True
-    width = max(counts) - min(counts)  # balanced row counts differ by exactly one row
-    if any(c % width for c in counts):
-        return False
-    rows = [c // width for c in counts]
-    return tuple(rows) == shard_sizes(sum(rows), len(rows))
 
 
 def unit_range(units: int, manager) -> tuple[int, int]:
@@ -190,3 +189,67 @@ def sequence_parallel_sdpa(
         _sdpa_core(dropout_p, scale), q, k, v, q_counts, k_counts, manager
     )
     return out.reshape(*lead, query.shape[-2], value.shape[-1])
+
+
+# ----------------------------------------------------------------------------- tiles
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@lru_cache(maxsize=256)
+def tile_grids(counts: tuple[int, ...], shape: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """Every global ``(H, W)`` whose balanced ``shape`` = (P, Q) tiles hold ``counts`` tokens
+    (domain rank ``lat * Q + lon``); empty when none does (the tokens are not whole tiles)."""
+    p, q = shape
+    grid = [counts[lat * q : (lat + 1) * q] for lat in range(p)]
+    if not any(counts):
+        return ((0, 0),)
+    first = math.gcd(*grid[0])
+    found = []
+    for rows0 in _divisors(first) if first else ():
+        cols = [c // rows0 for c in grid[0]]
+        if not cols[0] or tuple(cols) != shard_sizes(sum(cols), q):
+            continue
+        if any(row[0] % cols[0] for row in grid):
+            continue
+        rows = [row[0] // cols[0] for row in grid]
+        if tuple(rows) != shard_sizes(sum(rows), p):
+            continue
+        if all(grid[a][b] == rows[a] * cols[b] for a in range(p) for b in range(q)):
+            found.append((sum(rows), sum(cols)))
+    return tuple(found)
+
+
+@lru_cache(maxsize=64)
+def _order(height: int, width: int, shape: tuple[int, int]) -> tuple[int, ...]:
+    p, q = shape
+    offsets, at = {}, 0
+    for lat in range(p):
+        for lon in range(q):
+            (r0, r1), (c0, c1) = shard_range(height, p, lat), shard_range(width, q, lon)
+            offsets[lat, lon] = (at, r0, c0, c1 - c0)
+            at += (r1 - r0) * (c1 - c0)
+    rows_of = [next(a for a in range(p) if shard_range(height, p, a)[1] > r) for r in range(height)]
+    cols_of = [next(b for b in range(q) if shard_range(width, q, b)[1] > c) for c in range(width)]
+    out = []
+    for r in range(height):
+        for c in range(width):
+            start, r0, c0, w = offsets[rows_of[r], cols_of[c]]
+            out.append(start + (r - r0) * w + (c - c0))
+    return tuple(out)
+
+
+def global_key_order(counts: list[int], shape, name: str, device) -> torch.Tensor:
+    """Positions, among the keys gathered in domain-rank order (tile after tile, each tile
+    row-major), of the global tokens in row-major order; ``ValueError`` naming ``name`` when
+    the counts do not determine the grid."""
+    grids = tile_grids(tuple(counts), tuple(shape))
+    if len(grids) != 1:
+        raise ValueError(
+            f"{name}: nn.MultiheadAttention with need_weights=True on lat x lon tiles: the key "
+            f"order of its attention weights is the global token order, which the tile token "
+            f"counts {list(counts)} do not determine (grids {list(grids)}); call it with "
+            "need_weights=False, or use an int (latitude-only) domain"
+        )
+    return torch.tensor(_order(*grids[0], tuple(shape)), dtype=torch.long, device=device)

@@ -7,7 +7,7 @@ tokens; the (batch x head) units go to the ranks by :func:`~.token_core.core_ove
 order torch uses: real keys, bias token, zero token); a ``key_padding_mask`` is gathered along the
 tokens in rank order (small: batch x tokens); attention weights (``need_weights=True``) are those
 of each rank's own queries over every key in rank order (on lat x lon tiles put in the global
-key order, ``token_tiles.py``), returned with the output by the same all-to-all; the output
+key order, ``token_core.py``), returned with the output by the same all-to-all; the output
 projection runs locally.  ``attn_mask``, ``is_causal`` and
 ``static_k`` / ``static_v`` are refused (they refer to global positions or unsharded keys).
 """
@@ -20,8 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from .sequence import all_to_all_parts
-from .token_core import checked_counts, core_over_all_tokens, mask_refused, unit_range
-from .token_tiles import global_key_order
+from .token_core import (
+    checked_counts,
+    core_over_all_tokens,
+    global_key_order,
+    mask_refused,
+    unit_range,
+)
 
 __all__ = ["sequence_parallel_mha"]
 
@@ -124,7 +129,7 @@ def sequence_parallel_mha(manager, name: str, args: tuple, kwargs: dict, owner=N
     # torch's layout: (L, B, E) -> (B * heads, L, head_dim), unit = b * heads + h
     q, k, v = (t.reshape(t.shape[0], batch * heads, -1).transpose(0, 1) for t in (q, k, v))
     q_counts, k_counts = checked_counts(manager, name, length, key.shape[0], batch * heads, owner)
-    order = None  # the weights' keys in global order on lat x lon tiles (token_tiles.py):
+    order = None  # the weights' keys in global order on lat x lon tiles (token_core.py):
     if a["need_weights"] and getattr(manager, "is_tiled", False):  # refused before any all-to-all
         order = global_key_order(k_counts, manager.domain_shape, name, q.device)
     key_mask = None if kpm is None else _gathered_key_mask(kpm, k_counts, manager, q.dtype)

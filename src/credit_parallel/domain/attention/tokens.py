@@ -93,7 +93,7 @@ class DomainTokenAttention(DomainWrapper):
     @property
     def tile_exact(self) -> bool:
         """A bare ``nn.MultiheadAttention`` runs on lat x lon tiles as it is: its input is the
-        tokens of the tile (``token_tiles.py``); a declared module flattens a tile itself and
+        tokens of the tile (``token_core.py``); a declared module flattens a tile itself and
         runs on latitude strips (``tiles_relayout.py``)."""
         return isinstance(self.wrapped, nn.MultiheadAttention)
 

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from ..layers.conv_geometry import ConvGeometry
 from ..rows import conv_window, edge_source_row, pure_cached, shard_range
-from .halo import exchange_rows
+from .halo import exchange_rows, exchange_tile, tile_plan
 
 __all__ = [
     "SharedInputExchange",
@@ -125,10 +125,8 @@ class SharedInputExchange:
 
     def tile_window_for(self, layer, x, height: int, width: int, dims: tuple, mgr):
         """On a lat x lon tile (SPEC §3b): the window of ``layer`` cut from ONE tile exchange
-        of the union windows of the group along H and along W (``exchange/tiles.py``), shared
+        of the union windows of the group along H and along W (``exchange/halo.py``), shared
         by the siblings called on the same tile ``x`` (the same rule as :meth:`window_for`)."""
-        from .tiles import exchange_tile, tile_plan
-
         geometries = tuple(m.geometry for m in self.layers)
         shape, coords = tuple(mgr.domain_shape), tuple(mgr.domain_coords)
         rows, cols, offsets = tile_union_windows(

@@ -16,7 +16,7 @@ arrive in ONE message placed by global column (``plan_exchange``), so the two ha
 with Q = 1 the wrap is local.  Per (H, W, P, Q, tile) the plans and the op are made once
 (:class:`TileConvCall`) and replayed: a forward is two batched exchanges of at most one message
 per peer each (at most 4 messages when the halos fit in the neighbouring tiles), each element
-sent once (``exchange/tiles.py``), the backward the same in reverse (autograd: the exact
+sent once (``exchange/halo.py``), the backward the same in reverse (autograd: the exact
 adjoint).
 """
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..exchange.tiles import (
+from ..exchange.halo import (
     TilePlan,
     exchange_tile,
     exchange_tile_columns,
@@ -35,7 +35,7 @@ from ..exchange.tiles import (
     tile_plan,
 )
 from ..exchange.windows import assemble_window
-from ..manager2d import tiles_unsupported
+from ..manager import tiles_unsupported
 from ..rows import compose_windows, pure_cached, shard_range
 from .conv_geometry import ConvOp, conv_transpose_windows, conv_windows
 from .padding import checked_pad_windows
@@ -55,7 +55,7 @@ _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 @dataclass(frozen=True)
 class TileConvCall:
     """This rank's part of one conv call on a tile: the exchange plans along H (latitude ranks)
-    and W (longitude ranks; ``exchange/tiles.py``), the local op, the owned output ranges and the
+    and W (longitude ranks; ``exchange/halo.py``), the local op, the owned output ranges and the
     first input row / column of the windows (None: an empty window)."""
 
     plan: TilePlan

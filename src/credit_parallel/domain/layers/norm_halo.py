@@ -248,7 +248,7 @@ class NormConvLink:
     def _norm_forward_tile(self, x, weight, bias, mgr) -> torch.Tensor:
         """On a lat x lon tile (SPEC §3b): the statistics go to every rank of the P x Q group in
         ONE call per direction with the first pass of the conv's tile exchange that has peers
-        (``exchange/tiles.py``): the compact rows to the latitude neighbours, or at P = 1 (no
+        (``exchange/halo.py``): the compact rows to the latitude neighbours, or at P = 1 (no
         latitude neighbour) the columns to the longitude neighbours; the conv then does the
         rest of its exchange (``conv_tiles._linked_window``)."""
         from .conv_tiles import tile_conv_call

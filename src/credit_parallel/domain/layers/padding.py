@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..exchange.halo import exchange_rows
-from ..exchange.tiles import exchange_tile, tile_plan
+from ..exchange.halo import exchange_rows, exchange_tile, tile_plan
 from ..manager import resolve_manager
 from ..options import LayerOptions
 from ..rows import FILL, edge_source_row, pure_cached, shard_range

@@ -172,7 +172,7 @@ def setup_run(rank, spec: ModelSpec, layout: Layout, opts: dict, device: torch.d
     x = torch.randn(shape, generator=gen)
     weights = torch.randn(shape, generator=gen)
     a, b = shard_range(spec.height, layout.domain, domain_rank)
-    x_local = x[:, :, a:b].contiguous().to(device).requires_grad_()
+    x_local = x[:, :, a:b].contiguous().to(device)  # a training step's: needs no gradient
     w_local = weights[:, :, a:b].contiguous().to(device)
     count = weights.numel()
     token = ("bench", spec, shape)
@@ -188,7 +188,6 @@ def setup_run(rank, spec: ModelSpec, layout: Layout, opts: dict, device: torch.d
         if manager is not None:
             manager.begin_forward(token)
         model.zero_grad(set_to_none=True)
-        x_local.grad = None
         train_step.forward_backward(batch)
         train_step.reduce_gradients()
 
@@ -256,12 +255,14 @@ def _plan(spec: ModelSpec, layout: Layout):
 
 def _minimum_halo_bytes(plan, batch: int, dtype_bytes: int = 4) -> int:
     """Theoretical minimum per step and domain group: every distinct row a rank needs from
-    another rank crosses once forward and its gradient once backward."""
+    another rank crosses once forward and its gradient once backward (none for an input that
+    needs no gradient: the model's)."""
     total = 0
     for layer in plan.layers:
         if layer.halo_before:
             rows = sum(layer.halo_before) + sum(layer.halo_after)
-            total += 2 * rows * layer.row_elements * batch * dtype_bytes
+            passes = 2 if layer.input_grad else 1
+            total += passes * rows * layer.row_elements * batch * dtype_bytes
     return total
 
 
