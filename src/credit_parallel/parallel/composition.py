@@ -165,7 +165,9 @@ def apply_model_parallel(
         model = convert_to_domain_parallel(
             model, manager, nonlocal_policy=nonlocal_policy, halo_chains=halo_chains
         )
-    install_layout_independent_draws(model, draw_layout(dims, manager, ensemble_size))
+    install_layout_independent_draws(
+        model, draw_layout(dims, manager, ensemble_size), replace_installed=True
+    )
     if dims.tp > 1:
         model = apply_tensor_parallel(model, meshes.axis(MeshAxis.TP), src_data_rank=src_data_rank)
     object.__setattr__(model, "_device_mesh", meshes.mesh)

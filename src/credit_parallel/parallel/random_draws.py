@@ -524,13 +524,21 @@ def refuse_attention_draws_on_tiles(model: nn.Module) -> None:
                 )
 
 
-def install_layout_independent_draws(model: nn.Module, layout: DrawLayout, *, always=False):
+def install_layout_independent_draws(
+    model: nn.Module, layout: DrawLayout, *, always=False, replace_installed=False
+):
     """Run ``model``'s forward under :class:`LayoutIndependentDraws` (root forward hooks; the
     handles are returned).  Nothing is installed (an empty list) for a trivial layout or a model
-    that draws nothing (:func:`random_drawing_modules`)."""
+    that draws nothing (:func:`random_drawing_modules`).  Draws already installed (by
+    ``convert_to_domain_parallel``, for its manager) are kept, unless ``replace_installed``
+    (``parallelize``: the layout with the ensemble axis)."""
     installed = _INSTALLED.get(model)
     if installed and installed[0].id in model._forward_pre_hooks:
-        return []  # already drawing layout-independently
+        if not replace_installed:
+            return []  # already drawing layout-independently
+        for handle in installed:
+            handle.remove()
+        del _INSTALLED[model]
     if not random_drawing_modules(model):
         return []
     if layout.is_trivial and not always:
