@@ -1,7 +1,7 @@
 """torch.compile through the library (``credit_parallel.parallel.compile``, ``domain/exchange/ops.py``): a compiled
 converted block computes the single-process function (float64, 1e-10: forward, input gradient,
-every parameter gradient) with the backends ``aot_eager`` and ``inductor`` at domain 2 and 3 on
-uneven rows — conv / GroupNorm, CREDIT's head-split attention, nn.MultiheadAttention and SDPA
+every parameter gradient) with the backend ``aot_eager`` at domain 2 and 3 and ``inductor`` at
+domain 2, on uneven rows — conv / GroupNorm, CREDIT's head-split attention, nn.MultiheadAttention and SDPA
 token attention, a module under nonlocal_policy="gather", timm's shifted Swin block — and Dynamo
 sees no graph break in it; a bundled model compiled through
 ``parallelize`` at domain 1 matches the plain one."""
@@ -185,9 +185,11 @@ def test_compiled_block_aot_eager_matches_single_process(block, world, h):
     _check(run_on_ranks(_compiled_parity_worker, world, block, h, "aot_eager", timeout=600), block)
 
 
-_INDUCTOR_CASES = [
-    (block, world, h) for block in ("attention", "conv_norm") for world, h in [(2, 7), (3, 11)]
-] + [("tokens", 2, 7)]
+# inductor at domain 2 on uneven rows (4/3): what inductor adds to aot_eager is the lowering of
+# the traced graph (the library's operators as fallback kernels, the rest generated); the graph at
+# 3 ranks (4/4/3) is the aot_eager cases' above, so 3 ranks under inductor would re-prove them
+# at the price of another C++ build per rank
+_INDUCTOR_CASES = [("attention", 2, 7), ("conv_norm", 2, 7), ("tokens", 2, 7)]
 
 
 @pytest.mark.slow

@@ -168,12 +168,19 @@ def _assert_trained_alike(
     assert ref_records[1]["loss"] != ref_records[0]["loss"]  # the first step changed the weights
 
 
+@pytest.fixture(scope="module")
+def one_process(store):
+    """The rewritten example's 2 steps on one process: the reference of the domain 2 and 3
+    runs below (trained once; the trainer is seeded, so it is the same run either way)."""
+    return _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
+
+
 def _domain2_worker(rank, world, store):
     return _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 2}))
 
 
-def test_the_rewritten_example_trains_at_domain_2_as_on_one_process(store):
-    ref_records, ref_params = _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
+def test_the_rewritten_example_trains_at_domain_2_as_on_one_process(store, one_process):
+    ref_records, ref_params = one_process
     records, params = run_on_ranks(_domain2_worker, 2, store, timeout=300)[0]
     _assert_trained_alike(records, params, ref_records, ref_params)
     # CREDIT's LinearWarmupCosineScheduler (warmup_steps 1, stepped per batch): its warmup
@@ -186,10 +193,10 @@ def _domain3_worker(rank, world, store):
     return _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 3}))
 
 
-def test_the_rewritten_example_trains_at_domain_3_where_a_rank_owns_no_deep_row(store):
+def test_the_rewritten_example_trains_at_domain_3_where_a_rank_owns_no_deep_row(store, one_process):
     """H=32 at domain 3: the deepest stage has 2 rows, rank 2 owns none of them; its
     FeedForward's 1x1 convs (left alone, row-local) run on 0 rows (``layers/empty_rows.py``)."""
-    ref_records, ref_params = _train(_on_sample(store, {"data": "none", "tensor": 1, "domain": 1}))
+    ref_records, ref_params = one_process
     records, params = run_on_ranks(_domain3_worker, 3, store, timeout=300)[0]
     _assert_trained_alike(records, params, ref_records, ref_params, keys=("loss", "grad_norm"))
 

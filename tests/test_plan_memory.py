@@ -72,29 +72,35 @@ def _peak_increase(rank, world, batch):
     return _status_bytes("VmHWM") - start
 
 
-def _measure(domain: int, batch: int) -> int:
-    """The largest rank's peak increase, measured in a fresh interpreter: ranks forked from a
-    long-lived test process inherit its heap, whose free resident pages malloc reuses unseen."""
+_CASES = ((1, 1), (1, 3), (2, 1), (2, 3))  # (domain, batch)
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    """``{(domain, batch): the largest rank's peak increase}``, measured in ONE fresh interpreter
+    that forks the ranks of each case in turn: ranks forked from a long-lived test process
+    inherit its heap, whose free resident pages malloc reuses unseen, while this interpreter
+    only imports and forks (its heap is the same at every fork; the ranks import and train)."""
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.abspath(__import__("credit_parallel").__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     out = subprocess.run(
-        [sys.executable, __file__, str(domain), str(batch)],
+        [sys.executable, __file__, json.dumps(_CASES)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=True,
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    peaks = json.loads(out.stdout.strip().splitlines()[-1])
+    return {case: peak for case, peak in zip(_CASES, peaks, strict=True)}
 
 
 @pytest.mark.parametrize("domain", [1, 2])
-def test_memory_estimate_growth_matches_measured_peak_growth_within_1_5(domain):
-    measured = {b: _measure(domain, b) for b in (1, 3)}
+def test_memory_estimate_growth_matches_measured_peak_growth_within_1_5(domain, measured):
     # measured on the CPU: the im2col columns PyTorch's CPU convolution allocates count
     plans = {b: make_plan(_conf(domain, b), domain, device="cpu").memory for b in (1, 3)}
-    grown = measured[3] - measured[1]
+    grown = measured[(domain, 3)] - measured[(domain, 1)]
     estimated = plans[3].total_bytes - plans[1].total_bytes
     ratio = grown / estimated
     assert 1 / 1.5 <= ratio <= 1.5, (domain, grown, estimated, ratio)
@@ -184,6 +190,6 @@ def test_plan_command_counts_for_the_device_it_is_given(capsys):
     assert "counted for cpu" in capsys.readouterr().out
 
 
-if __name__ == "__main__":  # one measurement: python test_plan_memory.py DOMAIN BATCH
-    world, size = int(sys.argv[1]), int(sys.argv[2])
-    print(json.dumps(max(run_on_ranks(_peak_increase, world, size, timeout=300))))
+if __name__ == "__main__":  # python test_plan_memory.py '[[DOMAIN, BATCH], ...]'
+    cases = json.loads(sys.argv[1])
+    print(json.dumps([max(run_on_ranks(_peak_increase, w, b, timeout=300)) for w, b in cases]))
