@@ -36,7 +36,7 @@ def sharing_step(served, index: int, same_tensor: bool, unchanged: bool = True):
     sibling not yet served is called on the unchanged same input; a group whose previous input
     served only the layer that exchanged it, called on another tensor, is a stack, not
     siblings: it stops sharing.  Pure: the run time (:class:`SharedInputExchange`) and the
-    planner (``planner/make.py``) both follow it."""
+    planner (``planner/layer_calls.py``) both follow it."""
     if served is None:
         return True, True
     if same_tensor and unchanged and index not in served:
