@@ -262,6 +262,7 @@ def run_training(
             if tc.checkpoint_every and trainer.step % tc.checkpoint_every == 0:
                 saves.save(wait=trainer.step == tc.steps)
             stop.timed(started)
+        stop.finishing()
         report.close()
         trainer.close()
         if stopped is None and trainer.step > s0 and (tc.checkpoint_every or tc.final_checkpoint):
