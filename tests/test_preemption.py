@@ -153,6 +153,7 @@ def test_sigusr1_mid_run_stops_at_that_step_and_auto_resume_loses_nothing(
     _assert_losses_equal([(r["step"], r["loss"]) for r in result["history"]], reference[3:])
 
 
+@pytest.mark.slow  # three small forecasts: 37-44 s on the loaded 2-core machine
 def test_forecast_stopped_between_rounds_keeps_finished_times_and_resume_completes(
     tmp_path, monkeypatch
 ):
@@ -165,13 +166,13 @@ def test_forecast_stopped_between_rounds_keeps_finished_times_and_resume_complet
         _conf,
         _model_conf,
     )
-    from test_forecast_command import STEPS as STEPS_FORECAST
 
     store = write_sample_dataset(tmp_path / "s.zarr", n_times=40, nlat=H, nlon=W)
     ckpt, _ = _checkpoint(tmp_path / "ckpt", _model_conf(8))
     conf_path = tmp_path / "conf.yaml"
     conf_path.write_text(yaml.safe_dump(_conf(store)))
-    run_forecast(_conf(store), _args(conf_path, ckpt, tmp_path / "one"), stream=io.StringIO())
+    one = _args(conf_path, ckpt, tmp_path / "one", steps=2)
+    run_forecast(_conf(store), one, stream=io.StringIO())
 
     real = command._maybe_fail
 
@@ -183,7 +184,7 @@ def test_forecast_stopped_between_rounds_keeps_finished_times_and_resume_complet
     monkeypatch.setattr(command, "_maybe_fail", stop_in_round_1)
     stream = io.StringIO()
     out = tmp_path / "stopped"
-    result = run_forecast(_conf(store), _args(conf_path, ckpt, out), stream=stream)
+    result = run_forecast(_conf(store), _args(conf_path, ckpt, out, steps=2), stream=stream)
     assert result["stopped"] == "SIGTERM received on rank 0"
     assert result["computed"] == [str(result["computed"][0]), str(result["computed"][1])]
     assert (
@@ -196,9 +197,10 @@ def test_forecast_stopped_between_rounds_keeps_finished_times_and_resume_complet
     assert list(ForecastStore.open(out / "forecast.zarr", 1).complete_times()) == [1, 1, 0]
     monkeypatch.setattr(command, "_maybe_fail", real)
     stream = io.StringIO()
-    result = run_forecast(_conf(store), _args(conf_path, ckpt, out, "--resume"), stream=stream)
+    resumed = _args(conf_path, ckpt, out, "--resume", steps=2)
+    result = run_forecast(_conf(store), resumed, stream=stream)
     assert result["skipped"] == 2 and len(result["computed"]) == 1
-    assert f"forecast: 1 initial time(s) x {STEPS_FORECAST} steps in " in stream.getvalue()
+    assert "forecast: 1 initial time(s) x 2 steps in " in stream.getvalue()
     _assert_same_store(tmp_path / "one" / "forecast.zarr", out / "forecast.zarr")
 
 
@@ -209,8 +211,11 @@ def test_launcher_says_stopped_only_when_every_rank_stopped(tmp_path):
         )
     line = stopped_line(str(tmp_path), 2)
     assert line.startswith("credit-parallel: stopped on request: all 2 ranks saved")
-    assert stopped_line(str(tmp_path), 2, {0: STOPPED_EXIT_CODE, 1: 1}) is None
+    # the agent may SIGTERM a rank on its way out after the first one exited with 75
+    assert stopped_line(str(tmp_path), 2, {0: -signal.SIGTERM, 1: STOPPED_EXIT_CODE}) == line
+    assert stopped_line(str(tmp_path), 3, {2: STOPPED_EXIT_CODE}) == line.replace("2", "3", 1)
     assert stopped_line(str(tmp_path), 3) is None  # rank 2 said nothing
+    assert stopped_line(str(tmp_path), 3, {2: 1}) is None
 
 
 # --------------------------------------------------------------------------- real processes
@@ -319,7 +324,8 @@ def test_sigterm_on_one_rank_stops_every_rank_and_auto_resume_loses_nothing(
         f"exited with status {STOPPED_EXIT_CODE}; run the same command with --resume auto "
         "(forecast: --resume) to continue"
     ], proc.stderr[-3000:]
-    assert [p.name for p in list_checkpoints(ckpt)] == ["step_00000003"]
+    # the stop's checkpoint (4 and 6: the resumed run's); nothing else was saved before it
+    assert [p.name for p in list_checkpoints(ckpt)] == [f"step_{s:08d}" for s in (3, 4, 6)]
 
     again = stopped[("resumed", world)]
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]

@@ -455,6 +455,7 @@ class _Run:
                     verdict = stop.agreed() if r > 0 else None  # every rank, every round
                     if verdict is not None and verdict.stop:
                         return self._stopped(writer, fences, pending, verdict)
+                    started = time.perf_counter()
                     _maybe_fail(self.rank, r)
                     j = r * dp + group
                     self.forecast_one(
@@ -463,6 +464,8 @@ class _Run:
                     fences.append(writer.fence())
                     if r > 0:  # round r-1's rows are written while round r computed
                         self._complete(writer, fences[r - 1], pending[(r - 1) * dp : r * dp])
+                    stop.timed(started)  # a SIGTERM'd rank is hung after 1 s + 2 rounds
+                stop.finishing()
                 if rounds:
                     self._complete(writer, fences[-1], pending[(rounds - 1) * dp :])
             finally:

@@ -31,19 +31,20 @@ AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 def stopped_line(status_dir: str, nproc: int, exit_codes: dict | None = None) -> str | None:
     """The one line of a run whose every rank stopped on request (exit status 75, a checkpoint
-    written: train/preemption.py), else None."""
+    written: train/preemption.py), else None.  A rank counts as stopped when its report says it
+    exited with 75 (torchrun may then still stop it with SIGTERM on its way out: the first rank
+    to exit looks like a failure to the agent) or when its exit code is 75."""
     codes = dict(exit_codes or {})
     for rank in range(nproc):
-        if rank in codes:
-            continue
         try:
             with open(os.path.join(status_dir, f"rank{rank}.json")) as fh:
                 message = json.load(fh).get("message", "")
         except (OSError, ValueError):
+            message = ""
+        if not message.endswith(f"status {STOPPED_EXIT_CODE}") and codes.get(rank) != (
+            STOPPED_EXIT_CODE
+        ):
             return None
-        codes[rank] = STOPPED_EXIT_CODE if message.endswith(f"status {STOPPED_EXIT_CODE}") else 1
-    if len(codes) != nproc or any(c != STOPPED_EXIT_CODE for c in codes.values()):
-        return None
     return (
         f"credit-parallel: stopped on request: all {nproc} ranks saved at the same step and "
         f"exited with status {STOPPED_EXIT_CODE}; run the same command with --resume auto "

@@ -271,6 +271,7 @@ def run_training(
                 f"job stops at step {trainer.step} of {tc.steps}; its checkpoint goes to "
                 f"{save_dir}, `--resume auto` goes on"
             )
+        stop.finishing()
         report.close()
         trainer.close()
         wanted = tc.checkpoint_every or tc.final_checkpoint or job_ends

@@ -13,7 +13,7 @@ flushed, the finished initial times marked complete), waits for any save in flig
 ``--resume auto`` then continues with nothing lost.
 
 A rank that was sent SIGTERM and does not reach the next step boundary within
-``1 s + 2 x`` its last step's time is taken for hung (torchrun stops the survivors of a failed
+``1 s + 2 x`` its last step's time (a forecast: its last round's) is taken for hung (torchrun stops the survivors of a failed
 rank with SIGTERM too): it writes every thread's stack where the launcher's forensics look
 for it and exits with ``128 + SIGTERM``, as if the signal had killed it.
 """
@@ -132,6 +132,13 @@ class StopRequest:
             if self._watchdog is not None:
                 self._watchdog.cancel()
         return verdict
+
+    def finishing(self) -> None:
+        """The loop is over (the final save, the run's end follow): a stop signal from here on
+        is noted, never taken for a hung rank."""
+        self._reached.set()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
 
     def timed(self, started: float) -> None:
         """Record the duration of the step that began at ``started`` (``time.perf_counter``)."""
