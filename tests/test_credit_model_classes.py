@@ -168,7 +168,7 @@ def _ensemble(interp):
 
 
 def test_crossformer_with_noise_converts_without_interp_and_is_refused_with_it():
-    """Its pixel noise is drawn layout-independently (parallel/random_draws.py; exactness in
+    """Its pixel noise is drawn layout-independently (domain/random_draws.py; exactness in
     tests/test_random_draws.py); with ``interp: true`` its interpolation to the global size is
     not one the interpolation adapter knows: refused naming the model and the key."""
     plan = plan_conversion(_ensemble(False), None, errors="record")

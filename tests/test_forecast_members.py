@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.manager import DomainParallelManager
+from credit_parallel.domain.random_draws import DrawLayout, install_layout_independent_draws
 from credit_parallel.domain.sharding import gather_tensor, shard_tensor
 from credit_parallel.forecast.rollout import rollout
 from credit_parallel.forecast.stochastic import member_noise_steps
-from credit_parallel.parallel.random_draws import DrawLayout, install_layout_independent_draws
 from credit_parallel.testing import run_on_ranks
 from test_random_draws import _NoisyNet
 

@@ -1,4 +1,4 @@
-"""Random draws that do not depend on the layout (SPEC §0; parallel/random_draws.py).
+"""Random draws that do not depend on the layout (SPEC §0; domain/random_draws.py).
 
 For a fixed seed set before the forward (as in one process), a converted model that draws
 noise on its activations computes what one process computes: forward, input gradient and every
@@ -15,7 +15,7 @@ from torch import nn
 
 from credit_parallel.domain.convert import convert_to_domain_parallel
 from credit_parallel.domain.manager import DomainParallelManager, TiledDomainManager
-from credit_parallel.parallel.random_draws import (
+from credit_parallel.domain.random_draws import (
     DrawLayout,
     LayoutIndependentDraws,
     install_layout_independent_draws,

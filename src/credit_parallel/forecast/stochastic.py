@@ -3,7 +3,7 @@ its own stream, seeded by (run seed, member, initial time), the same at every la
 
 A model that draws random numbers in its forward (``crossformer-ensemble``'s noise, dropout
 left on) makes its members differ by those draws.  :func:`member_noise_steps` runs the rollout
-with one generator per member of this rank's batch (``parallel/random_draws.py``'s
+with one generator per member of this rank's batch (``domain/random_draws.py``'s
 ``MemberStreams``): whichever dp rank runs a member, whatever its batch position and however
 the rows (tiles) are split, member m of initial time t draws the same numbers.  A deterministic
 model's rollout is returned as it is.
@@ -11,7 +11,8 @@ model's rollout is returned as it is.
 
 from __future__ import annotations
 
-from ..parallel.random_draws import MemberStreams, member_noise, random_drawing_modules
+from ..domain.random_draws import MemberStreams, member_noise, random_drawing_modules
+from ..parallel.composition import get_domain_manager
 
 __all__ = ["member_noise_steps"]
 
@@ -22,4 +23,4 @@ def member_noise_steps(steps, model, seed: int, members, init_position: int, dev
     if not random_drawing_modules(model):
         return steps
     streams = MemberStreams(seed, members, init_position, device)
-    return member_noise(steps, streams, model)
+    return member_noise(steps, streams, model, get_domain_manager(model))

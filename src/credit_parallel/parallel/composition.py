@@ -33,12 +33,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..domain.convert import convert_to_domain_parallel
 from ..domain.manager import DomainParallelManager
+from ..domain.random_draws import draw_layout, install_layout_independent_draws
 from ..layout.config import DataMode, MeshAxis, ParallelDims, ParallelMesh, require_process_group
 from ..layout.device import device_for_process_group
 from ..layout.run_config import TrainerConfig, trainer_option
 from .compile import compile_blocks
 from .fsdp import FSDP2_MIN_UNIT_PARAMS, apply_ddp, fsdp2_precision, fully_shard_model
-from .random_draws import draw_layout, install_layout_independent_draws
 from .tensor_parallel import apply_tensor_parallel
 
 __all__ = [

@@ -64,6 +64,7 @@ from .tensor_parallel_guard import (
 )
 from .tensor_parallel_heads import check_stored_heads, undeclared_fused_message
 from .tensor_parallel_spectral import attach_spectral_norm, spectral_norm_of, spectral_sigma
+from .tp_declarations import COLUMN, ROW, _declared_roles, _declarer, _join, _where
 
 __all__ = [
     "ColwiseProjectionParallel",
@@ -77,8 +78,6 @@ __all__ = [
     "tp_replicated_parameters",
 ]
 
-COLUMN = "col"
-ROW = "row"
 _DECLARATION = {COLUMN: "_tp_col", ROW: "_tp_row"}
 # Set on the root model by apply_tensor_parallel: names of the parameters it turned into
 # DTensors on the tp mesh (read by tp_replicated_parameters).
@@ -276,60 +275,6 @@ class TensorParallelTarget:
         owner = self.declared_by or "<root>"
         attr = _DECLARATION[self.role]
         return f"{self.path!r} (declared as {self.declared_as!r} in {attr} of {owner!r})"
-
-
-def _join(prefix: str, rel: str) -> str:
-    return f"{prefix}.{rel}" if prefix else rel
-
-
-def _where(name: str) -> str:
-    return repr(name) if name else "<root>"
-
-
-def _declared_paths(module: nn.Module, attr: str, name: str) -> list[str]:
-    value = getattr(module, attr, None)
-    if value is None:
-        return []
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(
-        isinstance(p, str) and p.strip() for p in items
-    ):
-        raise TypeError(
-            f"{attr} of module {_where(name)} ({type(module).__name__}) must be a dotted path "
-            f"or a list/tuple of dotted paths, got {value!r}"
-        )
-    return list(items)
-
-
-# CREDIT 2026.2's plan values (miles-credit's _tp_plan) -> our roles
-_PLAN_STYLES = {"colwise": COLUMN, "rowwise": ROW}
-
-
-def _declarer(module: nn.Module) -> nn.Module:
-    """The module whose class and attributes hold the declarations: inside a domain-parallel
-    wrapper (``domain/wrap.py``: it shares the wrapped module's children, not its attributes;
-    CREDIT sets ``_tp_plan`` per instance) the wrapped module."""
-    while "wrapped" in module.__dict__:
-        module = module.__dict__["wrapped"]
-    return module
-
-
-def _declared_roles(module: nn.Module, name: str) -> tuple[list[str], list[str]]:
-    """(column paths, row paths) a module declares, from ``_tp_col`` / ``_tp_row`` and from
-    CREDIT's ``_tp_plan = {"to_q": "colwise", ..., "to_out": "rowwise"}``: both spellings of
-    the one plan, read here only, so every entry point sees the same targets."""
-    module = _declarer(module)
-    cols = _declared_paths(module, "_tp_col", name)
-    rows = _declared_paths(module, "_tp_row", name)
-    plan = getattr(module, "_tp_plan", None) or {}
-    if not isinstance(plan, dict) or any(v not in _PLAN_STYLES for v in plan.values()):
-        raise TypeError(
-            f"_tp_plan of module {_where(name)} ({type(module).__name__}) must map dotted paths "
-            f"to 'colwise' or 'rowwise', got {plan!r}"
-        )
-    for rel, style in plan.items():
-        (cols if _PLAN_STYLES[style] == COLUMN else rows).append(rel)
-    return list(dict.fromkeys(cols)), list(dict.fromkeys(rows))
 
 
 def _positive_int(value, what: str) -> int:

@@ -1,6 +1,6 @@
 """What ``plan`` says about an ensemble run: the CRPS loss's communication and memory per step,
 and the cost of the layout-independent random draws (``train/crps.py``,
-``parallel/random_draws.py``, docs/ensembles.md)."""
+``domain/random_draws.py``, docs/ensembles.md)."""
 
 from __future__ import annotations
 
@@ -44,9 +44,8 @@ def ensemble_notes(
     dtype_bytes: int,
 ) -> list[str]:
     """The plan's lines on the ensemble (none for a deterministic run)."""
-    from ..parallel.random_draws import random_drawing_modules
-    from ..train.crps import crps_comm_per_step
-    from ..train.ensemble_conf import requested_crps
+    from ..domain.random_draws import random_drawing_modules
+    from ..layout.ensemble_keys import crps_comm_per_step, requested_crps
 
     trainer = conf.get("trainer") or {}
     members = trainer.get("ensemble_size", 1)

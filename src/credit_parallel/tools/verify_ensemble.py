@@ -3,7 +3,7 @@
 
 A run with ``trainer.ensemble_size`` K and a CRPS loss (train/crps.py) is verified on its own
 loss; the random draws of a stochastic model start from the same seed in both runs (the layout's
-draws are layout-independent: parallel/random_draws.py).
+draws are layout-independent: domain/random_draws.py).
 """
 
 from __future__ import annotations

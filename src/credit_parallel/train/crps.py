@@ -39,6 +39,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..layout.ensemble_keys import (  # re-exported: their home before
+    CRPS_LOSSES,
+    KCRPS,
+    RING,
+    crps_comm_per_step,
+)
+
 __all__ = [
     "CRPS_LOSSES",
     "EnsembleLoss",
@@ -48,11 +55,6 @@ __all__ = [
     "ensemble_loss_of",
     "member_blocks",
 ]
-
-KCRPS = "KCRPS"
-ALMOST_FAIR = "almost-fair-crps"
-RING = "ring-crps"
-CRPS_LOSSES = (KCRPS, ALMOST_FAIR, RING)
 
 
 @dataclass(frozen=True)
@@ -176,17 +178,6 @@ def crps_share(
         return ((skill - pairs / (k - 1)) / k).sum(1) / k
     c = loss.spread_coefficient
     return (skill / k - 2 * c * pairs + c * pairs.detach()).sum(1)
-
-
-def crps_comm_per_step(members: int, ensemble: int, local_field_elements: int, itemsize: int):
-    """(bytes each rank sends per loss call, peak bytes of member fields it holds) for K =
-    ``members`` over E = ``ensemble`` ranks and fields of ``local_field_elements`` (its rows of
-    one member of one sample, all channels) — the figures ``plan`` states."""
-    local = members // ensemble
-    block = local * local_field_elements * itemsize
-    sent = (ensemble - 1) * block
-    held = (3 if ensemble > 1 else 1) * block + block  # own, received, in flight; accumulator
-    return sent, held
 
 
 def crps_weighted_loss(

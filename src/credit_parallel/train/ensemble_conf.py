@@ -14,20 +14,10 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from .crps import CRPS_LOSSES, EnsembleLoss, ensemble_loss_of
+from ..layout.ensemble_keys import CRPS_LOSSES, requested_crps
+from .crps import EnsembleLoss, ensemble_loss_of
 
 __all__ = ["ensemble_problems", "requested_crps"]
-
-
-def requested_crps(loss_conf) -> str | None:
-    """The CRPS loss a ``loss`` section names, or None."""
-    if not isinstance(loss_conf, Mapping):
-        return None
-    if loss_conf.get("type") == "base":
-        name = (loss_conf.get("args") or {}).get("training_loss")
-    else:
-        name = loss_conf.get("training_loss")
-    return name if name in CRPS_LOSSES else None
 
 
 def ensemble_problems(
@@ -59,7 +49,7 @@ def ensemble_problems(
             f"trainer.parallelism.ensemble = {ensemble}"
         )
     if members > 1 and model is not None:
-        from ..parallel.random_draws import random_drawing_modules
+        from ..domain.random_draws import random_drawing_modules
 
         if not random_drawing_modules(model):
             problems.append(

@@ -15,7 +15,7 @@ configurations of otherwise exact classes that are refused.
 * ``graph`` (``GraphResTransfGRU``): messages along the edges of a graph of nodes, no rows;
 * ``crossformer-ensemble`` / ``crossformer-style`` (``CrossFormerWithNoise``) is NOT refused
   here: its ``StochasticDecompositionLayer`` s draw ``torch.randn(B, C, H, W)`` of the shape they
-  are given (a shard's), which ``parallel/random_draws.py`` turns into the rows of one process's
+  are given (a shard's), which ``domain/random_draws.py`` turns into the rows of one process's
   draw (the converter installs it); with ``interp: true`` its interpolation is refused as any
   CREDIT model's outside ``credit_interp``'s family (``fuxi._global_grid_reason``).
 * ``crossformer-diffusion`` (``CrossFormerDiffusion``) with ``patch_height`` / ``patch_width``

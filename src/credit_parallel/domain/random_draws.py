@@ -94,14 +94,12 @@ class MemberStreams:
             self.generators.append(gen)
 
 
-def member_noise(steps, streams: MemberStreams, model: nn.Module):
+def member_noise(steps, streams: MemberStreams, model: nn.Module, manager=None):
     """Run a rollout generator ``steps`` of ``model`` with ``streams`` active around each step,
     so that a stochastic model's members draw from their own seeded streams (``forecast
     --members``), the same whatever the layout; the draws are installed on ``model`` (at any
-    layout) if ``parallelize`` did not."""
-    from .composition import get_domain_manager
-
-    install_layout_independent_draws(model, DrawLayout(get_domain_manager(model)), always=True)
+    layout, ``manager`` its domain manager or None) if ``parallelize`` did not."""
+    install_layout_independent_draws(model, DrawLayout(manager), always=True)
     steps = iter(steps)
     while True:
         _ACTIVE_STREAMS.append(streams)
