@@ -145,6 +145,7 @@ class LayoutIndependentDraws(TorchFunctionMode):
         self.where = where
         self.in_attention = in_attention
         self.streams = streams  # MemberStreams: one generator per batch member (forecasts)
+        self.replay = None  # () -> a context re-entering this mode (activation recompute)
 
     # ------------------------------------------------------------------ global <-> local
     def _refuse(self, func, why: str):
@@ -421,13 +422,17 @@ def random_drawing_modules(model: nn.Module) -> list[str]:
 
 
 class _ModuleStack:
-    """The path of the innermost module running forward (global forward hooks), for errors."""
+    """The path of the innermost module running forward (global forward hooks), for errors;
+    ``state`` (a :meth:`snapshot`) starts it inside modules already running."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, state: tuple[list[str], int] = ([], 0)):
         self.paths = {id(m): p or "<root>" for p, m in model.named_modules()}
-        self.stack: list[str] = []
+        self.stack: list[str] = list(state[0])
         self.handles = []
-        self.attention_depth = 0
+        self.attention_depth = state[1]
+
+    def snapshot(self) -> tuple[list[str], int]:
+        return list(self.stack), self.attention_depth
 
     def __enter__(self):
         from torch.nn.modules.module import (
@@ -547,17 +552,21 @@ def install_layout_independent_draws(
             refuse_attention_draws_on_tiles(model)
     active: list[contextlib.ExitStack] = []
 
-    def enter(_module, args):
+    def open_mode(this: DrawLayout, streams, state=([], 0)) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
-        modules = stack.enter_context(_ModuleStack(model))
+        modules = stack.enter_context(_ModuleStack(model, state))
+        mode = LayoutIndependentDraws(this, modules.where, modules.in_attention, streams)
+        mode.replay = lambda: _deferred(open_mode, this, streams, modules.snapshot())
+        stack.enter_context(mode)
+        return stack
+
+    def enter(_module, args):
         batch = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) else None
         this = layout
         if batch is not None:
             this = replace(layout, samples=max(batch // layout.local_members, 1), batch=batch)
         streams = _ACTIVE_STREAMS[-1] if _ACTIVE_STREAMS else None
-        mode = LayoutIndependentDraws(this, modules.where, modules.in_attention, streams)
-        stack.enter_context(mode)
-        active.append(stack)
+        active.append(open_mode(this, streams))
 
     def leave(_module, _args, _out):
         if active:
@@ -569,6 +578,12 @@ def install_layout_independent_draws(
     ]
     _INSTALLED[model] = handles
     return handles
+
+
+@contextlib.contextmanager
+def _deferred(open_mode, *args):
+    with open_mode(*args):
+        yield
 
 
 def draw_memory_bytes(local_numel: int, domain_size: int, ensemble_size: int, itemsize: int) -> int:

@@ -40,11 +40,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from ..layout.config import require_process_group
 from ..layout.device import device_for_process_group
 from ..layout.run_config import trainer_option
+from .draw_recompute import recompute_context_fn
 from .grad_overlap import OVERLAP_ATTR
 from .inductor_options import guard_inductor_layout
 from .precision import compute_in
@@ -152,7 +153,9 @@ def _checkpointed_class(cls: type) -> type:
             inner = super(new_cls, self).forward
             if not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
-            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            # the recompute draws its random numbers as the forward did (SPEC §0)
+            context_fn = recompute_context_fn() or noop_context_fn
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
         new_cls = type(
             f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, _AC_MARKER: True}
@@ -309,9 +312,14 @@ def fully_shard_model(
     # Bottom-up: a parent's fully_shard must see its children already managed so that it only
     # takes the parameters left over.
     units = [block for _, block in fsdp2_units(model, min_unit_params)]
+    # Zero-element parameters (CREDIT's crossformer at a small dim: its dynamic position bias
+    # MLP of dim // 4 = 0 features) hold nothing to shard or reduce, and FSDP2's reduce-scatter
+    # refuses them (torch._chunk_cat: "expects non-empty tensor"): they stay plain tensors,
+    # replicated, with (empty) local gradients -- exact, as there is nothing to sum.
+    empty = {p for p in model.parameters() if p.numel() == 0} or None
     for block in reversed(units):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=empty)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, ignored_params=empty)
     if prefetch:
         set_unit_prefetch(units)
     if gradient_divide_factor is not None:
