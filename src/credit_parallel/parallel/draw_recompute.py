@@ -1,7 +1,7 @@
 """Activation recompute inside layout-independent draws (SPEC §0, issue 40 item 5).
 
 ``trainer.activation_checkpoint`` recomputes a block's forward in backward, after the root
-forward hooks closed :class:`~.random_draws.LayoutIndependentDraws`.  Run plainly, that
+forward hooks closed :class:`~credit_parallel.domain.random_draws.LayoutIndependentDraws`.  Run plainly, that
 recompute redraws the block's dropout masks and noise per rank (this rank's local shape from
 the generator state checkpoint restored): the forward and the loss stay exact, the gradients
 do not.  :func:`recompute_context_fn` gives ``torch.utils.checkpoint`` a recompute context
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .random_draws import LayoutIndependentDraws
+from ..domain.random_draws import LayoutIndependentDraws
 
 __all__ = ["active_draws", "recompute_context_fn"]
 
