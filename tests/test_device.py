@@ -159,6 +159,11 @@ ALLOWED = {
     ): "replays the plain build on the CPU (its RNG stream)",
     ("tools/bench/loader.py", 'device="cpu"'): "the loader-only benchmark times host batches",
     ("forecast/scores.py", ".cpu()"): "score sums kept on the host, for the CSV / JSON files",
+    ("train/async_save.py", 'device="cpu"'): "a checkpoint is staged into host buffers (pinned)",
+    (
+        "train/preemption.py",
+        'torch.device("cpu")',
+    ): "the stop flag's all-reduce when no device is given (gloo)",
 }
 
 

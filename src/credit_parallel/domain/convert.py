@@ -510,7 +510,7 @@ def convert_to_domain_parallel(
     if hasattr(manager, "height_table") and manager.domain_world_size > 1:
         # torch.compile(model) then derives every layer's global height at trace time
         install_height_probe(model, manager)
-    if manager.domain_world_size > 1:  # random draws on activations: one process's (SPEC §0)
+    if getattr(manager, "domain_world_size", 1) > 1:  # random draws: one process's (SPEC §0)
         from .random_draws import DrawLayout, install_layout_independent_draws
 
         install_layout_independent_draws(model, DrawLayout(manager))

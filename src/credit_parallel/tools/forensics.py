@@ -150,6 +150,11 @@ def run_worker(module, argv: list[str]) -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the rank leaves
         traceback.print_exc()
+        from ..train.preemption import stopped_by_sigterm
+
+        if stopped_by_sigterm():  # raised after the launcher stopped it: stopped, not failed
+            print(f"credit-parallel rank {rank}: stopped by SIGTERM", file=sys.stderr)
+            _leave(128 + signal.SIGTERM, stack_file)
         message = _one_line(str(exc)) or type(exc).__name__
         print(f"credit-parallel rank {rank}: {type(exc).__name__}: {message}", file=sys.stderr)
         _record_for_torchrun(exc)

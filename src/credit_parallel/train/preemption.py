@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["STOPPED_EXIT_CODE", "StopRequest", "Verdict"]
+__all__ = ["STOPPED_EXIT_CODE", "StopRequest", "Verdict", "stopped_by_sigterm"]
 
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request, a checkpoint written; run it again
 # the launcher's per-rank status directory (tools/forensics.py's STATUS_DIR_ENV; this layer
@@ -37,6 +37,27 @@ STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped on request, a checkpoint written;
 STATUS_DIR_ENV = "CREDIT_PARALLEL_STATUS_DIR"
 HUNG_BASE_S = 1.0
 HUNG_STEPS = 2.0
+_SIGTERM_AT: list = [None]  # when this process received SIGTERM inside a run loop
+
+
+def stopped_by_sigterm() -> bool:
+    """Whether this rank was sent SIGTERM inside a run loop: an error raised after it (a peer
+    gone, a DataLoader worker terminated with it) is the stop's consequence, not a failure
+    (``tools/forensics.py`` reports such a rank as stopped by the launcher)."""
+    return _SIGTERM_AT[0] is not None
+
+
+def _dump_stacks() -> None:
+    """Every thread's stack, appended where the launcher's forensics look for it."""
+    directory = os.environ.get(STATUS_DIR_ENV)
+    if not directory:
+        return
+    try:
+        path = os.path.join(directory, f"rank{os.environ.get('RANK', '0')}.stack")
+        with open(path, "a") as fh:
+            faulthandler.dump_traceback(file=fh, all_threads=True)
+    except OSError:
+        pass
 
 
 class Verdict:
@@ -71,6 +92,7 @@ class StopRequest:
         self._previous: dict = {}
         self._watchdog: threading.Timer | None = None
         self._reached = threading.Event()
+        self._stopping = False  # every rank agreed to stop at this step boundary
 
     # ------------------------------------------------------------------ handlers
     def __enter__(self) -> StopRequest:
@@ -87,6 +109,11 @@ class StopRequest:
         if self._watchdog is not None:
             self._watchdog.cancel()
         for sig, previous in self._previous.items():
+            if self._stopping and sig == signal.SIGTERM:
+                # every rank agreed to stop: torchrun SIGTERMs the others as soon as the first
+                # exits 75; ignored, so each still finishes its save and its report
+                signal.signal(sig, signal.SIG_IGN)
+                continue
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
@@ -97,6 +124,8 @@ class StopRequest:
             return  # already stopping
         self.signum = signum
         if signum == signal.SIGTERM:  # torchrun's way to stop a failed run's survivors too
+            _SIGTERM_AT[0] = time.time()
+            _dump_stacks()  # where it was when stopped: the launcher's forensics read it
             grace = HUNG_BASE_S + HUNG_STEPS * self.step_s
             self._watchdog = threading.Timer(grace, self._hung, args=(signum,))
             self._watchdog.daemon = True
@@ -105,14 +134,6 @@ class StopRequest:
     def _hung(self, signum: int) -> None:
         if self._reached.is_set():
             return
-        directory = os.environ.get(STATUS_DIR_ENV)
-        if directory:
-            try:
-                path = os.path.join(directory, f"rank{os.environ.get('RANK', '0')}.stack")
-                with open(path, "a") as fh:
-                    faulthandler.dump_traceback(file=fh, all_threads=True)
-            except OSError:
-                pass
         os._exit(128 + signum)
 
     # ------------------------------------------------------------------ the agreement
@@ -128,6 +149,7 @@ class StopRequest:
             flags = t.tolist()
         verdict = Verdict(int(flags[0]), int(flags[1]), bool(flags[2]))
         if verdict.stop:
+            self._stopping = True
             self._reached.set()
             if self._watchdog is not None:
                 self._watchdog.cancel()
