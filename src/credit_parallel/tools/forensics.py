@@ -141,6 +141,9 @@ def run_worker(module, argv: list[str]) -> int:
     """
     rank = _rank()
     _clear_earlier_report(rank)
+    from ..train.preemption import forget_sigterm
+
+    forget_sigterm()  # a forked rank inherits its parent's record
     stack_file = _arm_stack_dump()
     name = module if isinstance(module, str) else getattr(module, "__name__", "main")
     try:

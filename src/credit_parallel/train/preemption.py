@@ -47,6 +47,12 @@ def stopped_by_sigterm() -> bool:
     return _SIGTERM_AT[0] is not None
 
 
+def forget_sigterm() -> None:
+    """A new rank (``tools/forensics.run_worker``) or run loop starts with no SIGTERM received
+    (a forked process inherits its parent's record)."""
+    _SIGTERM_AT[0] = None
+
+
 def _dump_stacks() -> None:
     """Every thread's stack, appended where the launcher's forensics look for it."""
     directory = os.environ.get(STATUS_DIR_ENV)
@@ -96,6 +102,7 @@ class StopRequest:
 
     # ------------------------------------------------------------------ handlers
     def __enter__(self) -> StopRequest:
+        forget_sigterm()
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
