@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -35,16 +36,23 @@ def stopped_line(status_dir: str, nproc: int, exit_codes: dict | None = None) ->
     exited with 75 (torchrun may then still stop it with SIGTERM on its way out: the first rank
     to exit looks like a failure to the agent) or when its exit code is 75."""
     codes = dict(exit_codes or {})
+    stopped, terminated = 0, 0
     for rank in range(nproc):
         try:
             with open(os.path.join(status_dir, f"rank{rank}.json")) as fh:
                 message = json.load(fh).get("message", "")
         except (OSError, ValueError):
-            message = ""
-        if not message.endswith(f"status {STOPPED_EXIT_CODE}") and codes.get(rank) != (
+            message = None  # no report: it raised nothing and exited non-zero by no choice
+        if (message or "").endswith(f"status {STOPPED_EXIT_CODE}") or codes.get(rank) == (
             STOPPED_EXIT_CODE
         ):
+            stopped += 1
+        elif message is None and codes.get(rank) in (-signal.SIGTERM, 128 + signal.SIGTERM):
+            terminated += 1  # torchrun's SIGTERM after the first rank exited 75, before its report
+        else:
             return None
+    if not stopped:
+        return None
     return (
         f"credit-parallel: stopped on request: all {nproc} ranks saved at the same step and "
         f"exited with status {STOPPED_EXIT_CODE}; run the same command with --resume auto "

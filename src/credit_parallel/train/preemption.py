@@ -116,11 +116,6 @@ class StopRequest:
         if self._watchdog is not None:
             self._watchdog.cancel()
         for sig, previous in self._previous.items():
-            if self._stopping and sig == signal.SIGTERM:
-                # every rank agreed to stop: torchrun SIGTERMs the others as soon as the first
-                # exits 75; ignored, so each still finishes its save and its report
-                signal.signal(sig, signal.SIG_IGN)
-                continue
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
